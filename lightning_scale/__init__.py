@@ -1,0 +1,21 @@
+"""lightning-scale: the scale of every tensor in your model, forward and backward, while it trains."""
+
+from lightning_scale.capture import Capture, CaptureError, DeepTracer, capture
+from lightning_scale.interpreter import ScalePair, ScaleTrackingInterpreter
+from lightning_scale.recorder import Recorder, recording
+from lightning_scale.report import analyse_module, records_table
+
+__all__ = sorted(
+    [
+        "Capture",
+        "CaptureError",
+        "DeepTracer",
+        "Recorder",
+        "ScalePair",
+        "ScaleTrackingInterpreter",
+        "analyse_module",
+        "capture",
+        "records_table",
+        "recording",
+    ]
+)

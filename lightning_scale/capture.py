@@ -1,0 +1,374 @@
+"""Capture: a module's computation as torch.fx graphs, with readable node labels.
+
+Three modes:
+
+* ``fx``: a deep symbolic trace through every submodule. A submodule that fx cannot
+  trace (control flow on tensors: BatchNorm, MultiheadAttention, ...) stays a leaf
+  ``call_module`` node, recorded at its output, instead of failing the model.
+* ``dynamo``: TorchDynamo with a custom ``torch.compile`` backend that hands each captured
+  graph (one per graph break) to the instrumentation. No C compiler is involved. Covers
+  models fx cannot trace at all (Hugging Face transformers, data-dependent control flow).
+* ``auto``: fx when it traces the model without unexpected fallbacks, dynamo otherwise.
+
+A ``Capture`` gives ``tracked(module)``: a function with ``module.forward``'s signature
+that runs the captured graphs, recording into the active ``Recorder``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from dataclasses import dataclass, field
+from types import FunctionType, ModuleType
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple, Type, Union
+
+import torch
+from torch import fx, nn
+
+from lightning_scale.interpreter import instrument
+
+__all__ = ["CAPTURE_MODES", "Capture", "CaptureError", "DeepTracer", "capture", "label_graph"]
+
+CaptureMode = Literal["auto", "fx", "dynamo"]
+CAPTURE_MODES: Tuple[str, ...] = ("auto", "fx", "dynamo")
+
+#: Modules kept as leaves by default: fx cannot trace them (control flow on proxies),
+#: or tracing would drop their buffer updates (BatchNorm's ``num_batches_tracked``).
+DEFAULT_LEAF_TYPES: Tuple[Type[nn.Module], ...] = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.MultiheadAttention,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+)
+
+
+class CaptureError(RuntimeError):
+    """No capture mode could capture the module."""
+
+
+class DeepTracer(fx.Tracer):
+    """An fx tracer that recurses into every submodule, with a per-submodule fallback.
+
+    Args:
+        autowrap_modules: Python modules whose functions are recorded as calls, not traced.
+        autowrap_functions: functions recorded as calls, not traced.
+        leaf_modules: module types or qualified names kept as ``call_module`` leaves.
+        fallback: on a submodule that fails to trace, keep it as a leaf and go on
+            (recorded in ``fallbacks``) instead of failing the whole trace.
+
+    Function arguments become placeholders named ``function_placeholder__<name>``,
+    resolved through ``graph._tracer_extras["target_to_function"]``.
+    """
+
+    def __init__(
+        self,
+        autowrap_modules: Tuple[ModuleType, ...] = (math,),
+        autowrap_functions: Tuple[Callable[..., Any], ...] = (),
+        leaf_modules: Sequence[Union[str, Type[nn.Module]]] = DEFAULT_LEAF_TYPES,
+        fallback: bool = True,
+    ) -> None:
+        super().__init__(autowrap_modules=autowrap_modules, autowrap_functions=autowrap_functions)  # type: ignore[arg-type]
+        self.leaf_types = tuple(t for t in leaf_modules if isinstance(t, type))
+        self.leaf_names = {t for t in leaf_modules if isinstance(t, str)}
+        self.fallback = fallback
+        self.fallbacks: Dict[str, str] = {}
+        self.leaves: List[str] = []
+        self.target_to_function: Dict[str, FunctionType] = {}
+        self.function_to_node: Dict[FunctionType, fx.Node] = {}
+        if id(FunctionType) in self._autowrap_function_ids:
+            self._autowrap_function_ids.remove(id(FunctionType))
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.fallbacks or module_qualified_name in self.leaf_names:
+            return True
+        return isinstance(m, self.leaf_types)
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        name = self.path_of_module(m)
+        if self.is_leaf_module(m, name):
+            if name not in self.leaves:
+                self.leaves.append(name)
+            return super().call_module(m, forward, args, kwargs)
+        if not self.fallback:
+            return super().call_module(m, forward, args, kwargs)
+        before = list(self.graph.nodes)[-1] if len(self.graph.nodes) else None
+        stack = dict(self.module_stack)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as err:  # noqa: BLE001 - any trace failure means "keep as leaf"
+            self._rollback(before)
+            self.module_stack.clear()
+            self.module_stack.update(stack)
+            self.fallbacks[name] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+            self.leaves.append(name)
+            return self.create_proxy("call_module", name, args, kwargs)
+
+    def _rollback(self, last_kept: Optional[fx.Node]) -> None:
+        nodes = list(self.graph.nodes)
+        start = nodes.index(last_kept) + 1 if last_kept is not None else 0
+        for node in reversed(nodes[start:]):
+            if node.op != "placeholder":
+                self.graph.erase_node(node)
+
+    def create_arg(self, a: Any) -> fx.node.Argument:
+        if isinstance(a, FunctionType):
+            node = self.function_to_node.get(a)
+            if node is None:
+                target = f"function_placeholder__{a.__name__}"
+                node = self.create_node("placeholder", target, (), {}, a.__name__)
+                self.target_to_function[target] = a
+                self.function_to_node[a] = node
+            return node
+        return super().create_arg(a)
+
+    def trace(self, root: Union[nn.Module, Callable[..., Any]], concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
+        graph = super().trace(root, concrete_args)
+        if getattr(graph, "_tracer_extras", None) is None:
+            graph._tracer_extras = {}
+        graph._tracer_extras["target_to_function"] = self.target_to_function
+        return graph
+
+
+# ---------------------------------------------------------------------------------------
+# Labels
+
+
+def _op_name(node: fx.Node, root: Optional[nn.Module]) -> str:
+    if node.op == "call_module" and root is not None:
+        return type(root.get_submodule(str(node.target))).__name__.lower()
+    if node.op == "call_method":
+        return str(node.target)
+    target = node.target
+    return getattr(target, "__name__", str(target)).strip("_") or "op"
+
+
+_DYNAMO_PATH = re.compile(r"^L\['[^']+'\]\.?")
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = str(list(stack.values())[-1][0])
+    path = _DYNAMO_PATH.sub("", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    path = re.sub(r"\._(modules|parameters|buffers)\.", ".", path)
+    return path.strip(".")
+
+
+_DYNAMO_ATTR = re.compile(r"_(modules|parameters|buffers)_")
+
+
+def _placeholder_name(target: str) -> str:
+    """``L_self_modules_fc1_parameters_weight_`` -> ``fc1.weight``; ``L_x_`` -> ``x``."""
+    m = _DYNAMO_ATTR.search(target)
+    if target.startswith("L_") and m:
+        rest = target[m.start() + 1 :]
+        parts = [p for p in _DYNAMO_ATTR.split("_" + rest) if p and p not in ("modules", "parameters", "buffers")]
+        return ".".join(p.strip("_") for p in parts)
+    if target.startswith("L_") and target.endswith("_"):
+        return target[2:-1]
+    return target
+
+
+def _base_label(node: fx.Node, root: Optional[nn.Module], prefix: str) -> str:
+    if node.op == "get_attr":
+        label = str(node.target)
+    elif node.op == "placeholder":
+        label = _placeholder_name(str(node.target))
+    elif node.op == "call_module":
+        label = f"{node.target}/{_op_name(node, root)}"
+    else:
+        path = _module_path(node)
+        label = f"{path}/{_op_name(node, root)}" if path else _op_name(node, root)
+    return f"{prefix}{label}" if prefix and not label.startswith(prefix) else label
+
+
+def label_graph(gm: fx.GraphModule, root: Optional[nn.Module] = None, taken: Optional[Dict[str, int]] = None, prefix: str = "") -> Dict[str, str]:
+    """Readable, unique labels for a graph's nodes: ``blocks.0.mlp.fc1/linear``.
+
+    Args:
+        gm: the graph module.
+        root: the module the graph was traced from (names leaf modules' types).
+        taken: labels already used (by other graphs of the same capture); updated.
+        prefix: prepended to labels (the path of a separately captured submodule).
+
+    Returns:
+        node name -> label, for every node but the output and function placeholders.
+    """
+    taken = {} if taken is None else taken
+    labels: Dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output" or str(node.target).startswith("function_placeholder__"):
+            continue
+        base = _base_label(node, root, prefix)
+        count = taken.get(base, 0)
+        taken[base] = count + 1
+        labels[node.name] = base if count == 0 else f"{base}_{count}"
+    return labels
+
+
+_VIEW_METHODS = {
+    "view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten",
+    "squeeze", "unsqueeze", "t", "view_as", "reshape_as", "swapaxes", "mT",
+}  # fmt: skip
+_VIEW_FUNCTIONS = {
+    torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.squeeze,
+    torch.unsqueeze, torch.t, torch.swapaxes, torch.unflatten,
+}  # fmt: skip
+
+
+def view_aliases(gm: fx.GraphModule, labels: Dict[str, str]) -> Dict[str, str]:
+    """Labels whose statistics equal another node's, forward and backward, exactly.
+
+    A reshape-like op (view, transpose, permute, ...) holds the same values as its input;
+    when it is the input's only user, its gradient holds the same values as the input's
+    gradient too. Such nodes need no computation of their own: label -> source label.
+    """
+    aliases: Dict[str, str] = {}
+    for node in gm.graph.nodes:
+        src = _view_source(node)
+        if src is None or len(src.users) != 1 or src.name not in labels or node.name not in labels:
+            continue
+        root = labels[src.name]
+        aliases[labels[node.name]] = aliases.get(root, root)
+    return aliases
+
+
+def _view_source(node: fx.Node) -> Optional[fx.Node]:
+    is_view = (node.op == "call_method" and node.target in _VIEW_METHODS) or (
+        node.op == "call_function" and node.target in _VIEW_FUNCTIONS
+    )
+    if is_view and node.args and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Captures
+
+
+@dataclass
+class Capture:
+    """A captured module: its graphs, node labels and how to run it tracked.
+
+    Attributes:
+        mode: "fx" or "dynamo" (what was used; "auto" resolves to one of them).
+        graphs: the captured graph modules (dynamo adds one per graph as they compile).
+        labels: node label per (graph index, node name), in graph order.
+        leaves: module paths run as leaf ``call_module`` nodes (recorded at their output).
+        fallbacks: module path -> why fx could not trace it (kept as a leaf).
+        aliases: label -> label of a node with provably identical statistics (views of a
+            single-use tensor); these are not computed twice.
+        reason: why auto chose this mode.
+    """
+
+    mode: str
+    module: nn.Module
+    graphs: List[fx.GraphModule] = field(default_factory=list)
+    labels: List[Dict[str, str]] = field(default_factory=list)
+    leaves: List[str] = field(default_factory=list)
+    fallbacks: Dict[str, str] = field(default_factory=dict)
+    aliases: Dict[str, str] = field(default_factory=dict)
+    reason: str = ""
+    _taken: Dict[str, int] = field(default_factory=dict)
+    _fns: List[Callable[..., Any]] = field(default_factory=list)
+    _compiled: Optional[Callable[..., Any]] = None
+
+    @property
+    def node_labels(self) -> List[str]:
+        """Every node label, graph by graph, in execution order."""
+        return [label for labels in self.labels for label in labels.values()]
+
+    def tracked(self) -> Callable[..., Any]:
+        """A function with the module's forward signature that runs the captured graphs.
+
+        It records into the active recorder (``recorder.recording``); untracked calls
+        should use the module's own forward instead.
+        """
+        if self.mode == "fx":
+            return self._fns[0]
+        if self._compiled is None:
+            forward = type(self.module).forward.__get__(self.module)
+            self._compiled = torch.compile(forward, backend=self._backend, dynamic=False)
+        return self._compiled
+
+    def _backend(self, gm: fx.GraphModule, example_inputs: List[Any]) -> Callable[..., Any]:
+        labels = label_graph(gm, None, self._taken)
+        aliases = view_aliases(gm, labels)
+        self.graphs.append(gm)
+        self.labels.append(labels)
+        self.aliases.update(aliases)
+        return instrument(gm, _observed(labels, aliases))
+
+    def describe(self) -> str:
+        """One line for a person: mode, graphs, nodes, leaves and fallbacks."""
+        parts = [f"capture={self.mode}", f"graphs={len(self.graphs)}", f"nodes={len(self.node_labels)}"]
+        if self.leaves:
+            parts.append(f"leaf modules={len(self.leaves)}")
+        if self.fallbacks:
+            parts.append("fx fallbacks: " + ", ".join(f"{k} ({v})" for k, v in self.fallbacks.items()))
+        if self.reason:
+            parts.append(self.reason)
+        return "; ".join(parts)
+
+
+def capture(
+    module: nn.Module,
+    mode: str = "auto",
+    leaf_modules: Sequence[Union[str, Type[nn.Module]]] = (),
+    autowrap_modules: Tuple[ModuleType, ...] = (math,),
+    autowrap_functions: Tuple[Callable[..., Any], ...] = (),
+) -> Capture:
+    """Capture ``module``'s forward.
+
+    Args:
+        module: the module; the capture shares its parameters and buffers.
+        mode: "auto", "fx" or "dynamo".
+        leaf_modules: extra module types or qualified names to keep as leaves (fx).
+        autowrap_modules, autowrap_functions: passed to the fx tracer.
+
+    Raises:
+        ValueError: unknown ``mode``.
+        CaptureError: ``mode="fx"`` and the module cannot be traced.
+    """
+    if mode not in CAPTURE_MODES:
+        raise ValueError(f"`mode` must be one of {list(CAPTURE_MODES)}, got {mode!r}")
+    if mode == "dynamo":
+        return Capture("dynamo", module, reason="dynamo requested")
+    try:
+        cap = _fx_capture(module, tuple(DEFAULT_LEAF_TYPES) + tuple(leaf_modules), autowrap_modules, autowrap_functions)
+    except Exception as err:  # noqa: BLE001 - any failure of the trace itself
+        if mode == "fx":
+            raise CaptureError(f"torch.fx could not trace {type(module).__name__}: {type(err).__name__}: {err}") from err
+        return Capture("dynamo", module, reason=f"auto: fx failed ({type(err).__name__}: {str(err).splitlines()[0][:160]})")
+    if mode == "auto" and cap.fallbacks:
+        reason = "auto: fx needed fallbacks for " + ", ".join(cap.fallbacks)
+        return Capture("dynamo", module, fallbacks=cap.fallbacks, reason=reason)
+    cap.reason = "fx requested" if mode == "fx" else "auto: fx traced the whole model"
+    return cap
+
+
+def _fx_capture(
+    module: nn.Module,
+    leaf_modules: Sequence[Union[str, Type[nn.Module]]],
+    autowrap_modules: Tuple[ModuleType, ...],
+    autowrap_functions: Tuple[Callable[..., Any], ...],
+) -> Capture:
+    tracer = DeepTracer(autowrap_modules, autowrap_functions, leaf_modules)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = tracer.trace(module)
+    gm = fx.GraphModule(module, graph)
+    taken: Dict[str, int] = {}
+    labels = label_graph(gm, module, taken)
+    aliases = view_aliases(gm, labels)
+    cap = Capture("fx", module, [gm], [labels], list(tracer.leaves), dict(tracer.fallbacks), aliases, _taken=taken)
+    cap._fns.append(instrument(gm, _observed(labels, aliases), live=module))
+    return cap
+
+
+def _observed(labels: Dict[str, str], aliases: Dict[str, str]) -> Dict[str, str]:
+    return {name: label for name, label in labels.items() if label not in aliases}

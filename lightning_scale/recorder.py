@@ -1,0 +1,144 @@
+"""Recorder: collects the statistics of every observed tensor and its gradient in one step.
+
+``observe(key, tensor)`` computes the tensor's statistics at once (before any later
+in-place op can change it) and registers a tensor hook that computes the statistics of
+its gradient when backward reaches it. Tensor hooks add no autograd node, so in-place ops
+on the observed value keep working. Entries stay on the tensor's device until
+``records()`` assembles them into one tensor: one read for the whole step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from contextlib import contextmanager
+from typing import Any, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from lightning_scale import stats
+
+__all__ = ["FORWARD", "BACKWARD", "Recorder", "active", "observe", "recording"]
+
+FORWARD, BACKWARD = 0, 1
+
+_ACTIVE: Optional["Recorder"] = None
+
+
+class Recorder:
+    """Statistics of observed tensors (forward) and their gradients (backward), by key.
+
+    Args:
+        groups: statistic groups to compute (see ``stats.GROUPS``).
+        host_reads: allow reading intermediate results on the host (fast on CPU; see
+            ``stats.record_of``). ``None`` decides per tensor by its device.
+    """
+
+    def __init__(self, groups: Sequence[str] = ("moments", "range"), host_reads: Optional[bool] = None) -> None:
+        self.groups = tuple(groups)
+        self.host_reads = host_reads
+        self._slots: Dict[Hashable, int] = OrderedDict()
+        self._rows: List[Tuple[int, int, List[stats.Entry]]] = []
+        self._handles: List[Any] = []
+        self.device: Optional[torch.device] = None
+
+    @property
+    def keys(self) -> List[Hashable]:
+        """Observed keys, in the order they were first seen (execution order)."""
+        return list(self._slots)
+
+    def slot(self, key: Hashable) -> int:
+        if key not in self._slots:
+            self._slots[key] = len(self._slots)
+        return self._slots[key]
+
+    def observe(self, key: Hashable, x: Tensor) -> None:
+        """Record ``x`` (forward) now and its gradient (backward) when it arrives."""
+        slot = self.slot(key)
+        self._add(slot, FORWARD, x)
+        if x.requires_grad and torch.is_grad_enabled():
+            handle = x.register_hook(functools.partial(self._on_grad, slot))
+            if x.is_leaf:  # hooks on parameters outlive the step: remove them in clear()
+                self._handles.append(handle)
+
+    def _on_grad(self, slot: int, grad: Tensor) -> None:
+        self._add(slot, BACKWARD, grad)
+
+    def _add(self, slot: int, direction: int, x: Tensor) -> None:
+        if self.device is None:
+            self.device = x.device
+        self._rows.append((slot, direction, stats.record_of(x, self.groups, self.host_reads)))
+
+    def records(self, keys: Optional[Sequence[Hashable]] = None, aliases: Optional[Mapping[Hashable, Hashable]] = None) -> Tensor:
+        """One ``[len(keys), 2, len(FIELDS)]`` float64 tensor on the observed device.
+
+        Row ``[i, FORWARD]`` is key ``i``'s forward record, ``[i, BACKWARD]`` its
+        gradient's; a key seen more than once in a direction has its records merged; a
+        key never seen has an empty record (count 0); a key in ``aliases`` (never observed
+        itself) gets its source key's record. Nothing is read to the host.
+        """
+        keys = self.keys if keys is None else list(keys)
+        out = self._records(keys)
+        if aliases:
+            index = {k: i for i, k in enumerate(keys)}
+            pairs = [(i, index[aliases[k]]) for i, k in enumerate(keys) if k in aliases and aliases[k] in index]
+            if pairs:
+                dst, src = zip(*pairs)
+                out[torch.tensor(dst, device=out.device)] = out[torch.tensor(src, device=out.device)]
+        return out
+
+    def _records(self, keys: List[Hashable]) -> Tensor:
+        index = {k: i for i, k in enumerate(keys)}
+        inverse = {s: index.get(k) for k, s in self._slots.items()}
+        rows = [(inverse[s], d, e) for s, d, e in self._rows if inverse[s] is not None]
+        out = torch.zeros(len(keys), 2, len(stats.FIELDS), dtype=torch.float64, device=self.device)
+        if not rows:
+            return out
+        assembled = stats.assemble([e for _, _, e in rows], device=self.device)
+        groups: Dict[int, List[int]] = {}
+        for j, (i, d, _) in enumerate(rows):
+            groups.setdefault(i * 2 + d, []).append(j)
+        flat = out.view(-1, len(stats.FIELDS))
+        single = [(dst, js[0]) for dst, js in groups.items() if len(js) == 1]
+        if single:  # the common case, each key once per direction: one scatter
+            dst, src = zip(*single)
+            flat[torch.tensor(dst, device=out.device)] = assembled[torch.tensor(src, device=out.device)]
+        for dst, js in groups.items():
+            if len(js) > 1:
+                flat[dst] = stats.merge_rows(assembled[torch.tensor(js, device=out.device)])
+        return out
+
+    def clear(self) -> None:
+        """Forget this step's entries and remove its hooks (keys and their order are kept)."""
+        self._rows.clear()
+        self.remove_hooks()
+
+    def remove_hooks(self) -> None:
+        """Remove gradient hooks still registered on leaf tensors (parameters, inputs)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def active() -> Optional[Recorder]:
+    """The recorder that ``observe`` currently feeds, if any."""
+    return _ACTIVE
+
+
+@contextmanager
+def recording(recorder: Recorder) -> Iterator[Recorder]:
+    """Route ``observe`` calls (from instrumented graphs) to ``recorder`` in this block."""
+    global _ACTIVE
+    previous, _ACTIVE = _ACTIVE, recorder
+    try:
+        yield recorder
+    finally:
+        _ACTIVE = previous
+
+
+def observe(x: Any, key: Hashable) -> None:
+    """Called by instrumented graphs after each node: record floating tensors."""
+    rec = _ACTIVE
+    if rec is not None and isinstance(x, Tensor) and x.is_floating_point():
+        rec.observe(key, x)

@@ -1,0 +1,291 @@
+"""Per-tensor statistics: computed on the tensor's device, merged exactly.
+
+A *record* is a float64 vector of ``len(FIELDS)`` numbers that summarises one tensor:
+its element count, mean and sum of squared deviations (``m2``), extremes, and counts of
+special values. Records merge exactly: ``merge(record(a), record(b))`` equals
+``record(cat(a, b))`` up to rounding, which is what pooling across micro-batches and
+ranks relies on. Fields that were not computed hold NaN and stay NaN through merges.
+
+Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "FIELDS",
+    "FORMATS",
+    "GROUPS",
+    "STATISTICS",
+    "assemble",
+    "FloatFormat",
+    "merge",
+    "merge_rows",
+    "record_of",
+    "statistic",
+    "summarise",
+]
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    """Range of a floating-point format: smallest subnormal, smallest normal, largest."""
+
+    min_subnormal: float
+    min_normal: float
+    max: float
+
+
+FORMATS: Dict[str, FloatFormat] = {
+    "fp16": FloatFormat(2.0**-24, 2.0**-14, 65504.0),
+    "bf16": FloatFormat(2.0**-133, 2.0**-126, (2 - 2.0**-7) * 2.0**127),
+    "e4m3": FloatFormat(2.0**-9, 2.0**-6, 448.0),
+    "e5m2": FloatFormat(2.0**-16, 2.0**-14, 57344.0),
+}
+
+_FORMAT_FIELDS = [
+    f"{kind}_{fmt}" for fmt in FORMATS for kind in ("underflow", "below_normal", "overflow")
+]
+FIELDS: Tuple[str, ...] = (
+    "count", "mean", "m2", "absmax", "nan", "inf", "zeros", "min_nonzero", *_FORMAT_FIELDS,
+)  # fmt: skip
+_IX = {name: i for i, name in enumerate(FIELDS)}
+_COUNT, _MEAN, _M2, _ABSMAX, _NAN, _INF, _ZEROS, _MINNZ = range(8)
+_FMT0 = 8
+
+#: Which record fields each computation group fills.
+GROUPS: Dict[str, Tuple[str, ...]] = {
+    "moments": ("count", "mean", "m2", "nan", "inf"),
+    "range": ("absmax",),
+    "formats": ("zeros", "min_nonzero", *_FORMAT_FIELDS),
+}
+
+#: Statistic name -> the group that computes it. ``summarise`` derives each from a record.
+STATISTICS: Dict[str, str] = {
+    "std": "moments",
+    "mean": "moments",
+    "rms": "moments",
+    "count": "moments",
+    "nan": "moments",
+    "inf": "moments",
+    "absmax": "range",
+    "zeros": "formats",
+    "min_nonzero": "formats",
+    **{name: "formats" for name in _FORMAT_FIELDS},
+}
+
+Entry = Union[float, Tensor]
+
+
+def record_of(x: Tensor, groups: Iterable[str] = ("moments",), host_reads: Optional[bool] = None) -> List[Entry]:
+    """Statistics of ``x`` as a list of ``len(FIELDS)`` entries (floats or 0-dim tensors).
+
+    Args:
+        x: a floating-point tensor. Half types are reduced with float32 accumulation.
+        groups: which of ``GROUPS`` to compute; the others are NaN.
+        host_reads: whether the computation may read intermediate results on the host to
+            skip work (cheap only where the tensor lives in host memory). Defaults to
+            ``x.device.type == "cpu"``. Without host reads every entry stays on the device.
+    """
+    if host_reads is None:
+        host_reads = x.device.type == "cpu"
+    x = x.detach()
+    out: List[Entry] = [math.nan] * len(FIELDS)
+    n = x.numel()
+    out[_COUNT] = float(n)
+    if n == 0:
+        out[_MEAN], out[_M2] = 0.0, 0.0
+        return out
+    groups = set(groups)
+    if host_reads:
+        _host_moments(x, out)
+    else:
+        _device_moments(x, out)
+    if "range" in groups:
+        (_host_range if host_reads else _device_range)(x, out)
+    if "formats" in groups:
+        _formats(x, out, host_reads)
+    return out
+
+
+def _acc_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _host_moments(x: Tensor, out: List[Entry]) -> None:
+    # Two cheap passes (sum, norm); recompute about the mean only when the one-pass
+    # formula would lose digits, i.e. when |mean| is large against the std.
+    acc = _acc_dtype(x)
+    n = x.numel()
+    total = float(x.sum(dtype=acc))
+    sumsq = float(torch.linalg.vector_norm(x, dtype=acc)) ** 2
+    mean = total / n
+    m2 = sumsq - total * mean
+    finite = math.isfinite(total) and math.isfinite(sumsq)
+    if finite and m2 <= 1e-3 * sumsq:
+        mean_t = x.mean(dtype=acc)
+        m2 = float(torch.linalg.vector_norm(x.to(acc) - mean_t)) ** 2
+        mean = float(mean_t)
+    out[_MEAN], out[_M2] = mean, max(m2, 0.0) if finite else math.nan
+    out[_NAN], out[_INF] = (0.0, 0.0) if finite else _nonfinite_counts(x)
+
+
+def _device_moments(x: Tensor, out: List[Entry]) -> None:
+    # Welford-style single reduction on the device: accurate when |mean| >> std.
+    var, mean = torch.var_mean(x if x.dtype == _acc_dtype(x) else x.float(), correction=0)
+    out[_MEAN], out[_M2] = mean, var * x.numel()
+    out[_NAN], out[_INF] = torch.isnan(x).sum(), torch.isinf(x).sum()
+
+
+def _host_range(x: Tensor, out: List[Entry]) -> None:
+    lo, hi = torch.aminmax(x)
+    out[_ABSMAX] = max(abs(float(lo)), abs(float(hi)))
+
+
+def _nonfinite_counts(x: Tensor) -> Tuple[float, float]:
+    return float(torch.isnan(x).sum()), float(torch.isinf(x).sum())
+
+
+def _device_range(x: Tensor, out: List[Entry]) -> None:
+    lo, hi = torch.aminmax(x)
+    out[_ABSMAX] = torch.maximum(lo.abs(), hi.abs())
+
+
+def _formats(x: Tensor, out: List[Entry], host_reads: bool) -> None:
+    a = x.abs()
+    if a.dtype != torch.float64:
+        a = a.float()  # compare half types against the thresholds in float32, exactly
+    counts = _format_counts_host(a) if host_reads else _format_counts_device(a)
+    out[_ZEROS], out[_MINNZ] = counts[0], counts[1]
+    out[_FMT0 : _FMT0 + len(_FORMAT_FIELDS)] = counts[2:]
+
+
+def _format_counts_device(a: Tensor) -> List[Entry]:
+    zeros = a.numel() - torch.count_nonzero(a)
+    inf = torch.full((), math.inf, dtype=a.dtype, device=a.device)
+    res: List[Entry] = [zeros, torch.where(a > 0, a, inf).amin()]
+    for fmt in FORMATS.values():
+        for t in (fmt.min_subnormal, fmt.min_normal):
+            res.append((a < t).sum() - zeros)
+        res.append((a > fmt.max).sum())
+    return res
+
+
+def _format_counts_host(a: Tensor) -> List[Entry]:
+    if a.dtype != torch.float32:
+        return [float(v) for v in _format_counts_device(a)]
+    # float32 |x|: one exponent histogram answers every power-of-two threshold at or
+    # above 2**-126; the rare cases below it and the overflow tails are counted only
+    # when the histogram or the maximum says they can be nonzero.
+    bits = a.view(torch.int32)
+    hist = torch.bincount((bits >> 23).flatten(), minlength=256).tolist()
+    zeros = float(a.numel() - int(torch.count_nonzero(a)))
+    res: List[Entry] = [zeros, _min_nonzero_host(a, zeros)]
+    absmax = float(a.amax())
+    for fmt in FORMATS.values():
+        for t in (fmt.min_subnormal, fmt.min_normal):
+            res.append(_count_below_host(bits, hist, t, zeros))
+        res.append(0.0 if absmax <= fmt.max else float((a > fmt.max).sum()))
+    return res
+
+
+def _count_below_host(bits: Tensor, hist: List[int], t: float, zeros: float) -> float:
+    k = int(math.log2(t))
+    if k >= -126:
+        return float(sum(hist[: k + 127])) - zeros
+    if hist[0] == zeros:  # no float32 subnormals at all
+        return 0.0
+    tb = int(torch.tensor(t, dtype=torch.float32).view(torch.int32))
+    return float(((bits > 0) & (bits < tb)).sum())
+
+
+def _min_nonzero_host(a: Tensor, zeros: float) -> float:
+    if zeros == a.numel():
+        return math.inf
+    if zeros == 0:
+        return float(a.amin())
+    return float(torch.where(a > 0, a, math.inf).amin())
+
+
+# ---------------------------------------------------------------------------------------
+# Assembly, merging and derived statistics on float64 record tensors.
+
+
+def assemble(rows: Sequence[Sequence[Entry]], device: Optional[torch.device] = None) -> Tensor:
+    """Stack per-tensor entry lists into one float64 ``[N, len(FIELDS)]`` tensor.
+
+    Host-known floats are placed first; device entries are stacked (a handful of kernel
+    launches in total, whatever N) and scattered in. Nothing is read back to the host.
+    """
+    template = torch.tensor([[v if isinstance(v, float) else 0.0 for v in row] for row in rows], dtype=torch.float64).reshape(len(rows), len(FIELDS))
+    positions: List[int] = []
+    values: List[Tensor] = []
+    for r, row in enumerate(rows):
+        for c, v in enumerate(row):
+            if isinstance(v, Tensor):
+                positions.append(r * len(FIELDS) + c)
+                values.append(v.reshape(()).to(torch.float64))
+    if not values:
+        return template if device is None else template.to(device)
+    dev = values[0].device if device is None else device
+    out = template.to(dev, non_blocking=True)
+    out.view(-1)[torch.tensor(positions, device=dev)] = torch.stack(values)
+    return out
+
+
+def merge(a: Tensor, b: Tensor) -> Tensor:
+    """Merge two record tensors ``[..., len(FIELDS)]`` as if their tensors were concatenated."""
+    na, nb = a[..., _COUNT], b[..., _COUNT]
+    n = na + nb
+    safe = torch.where(n > 0, n, torch.ones_like(n))
+    delta = b[..., _MEAN] - a[..., _MEAN]
+    out = a + b  # counts add
+    out[..., _MEAN] = torch.where(n > 0, a[..., _MEAN] + delta * nb / safe, torch.zeros_like(n))
+    out[..., _M2] = a[..., _M2] + b[..., _M2] + delta * delta * na * nb / safe
+    # Empty records carry no information about extremes.
+    out[..., _ABSMAX] = _pick(na, nb, a[..., _ABSMAX], b[..., _ABSMAX], torch.maximum)
+    out[..., _MINNZ] = _pick(na, nb, a[..., _MINNZ], b[..., _MINNZ], torch.minimum)
+    return out
+
+
+def _pick(na: Tensor, nb: Tensor, x: Tensor, y: Tensor, op) -> Tensor:  # type: ignore[no-untyped-def]
+    both = op(x, y)
+    return torch.where(na == 0, y, torch.where(nb == 0, x, both))
+
+
+def merge_rows(records: Tensor, dim: int = 0) -> Tensor:
+    """Merge records along ``dim`` pairwise (a tree, so rounding stays balanced)."""
+    parts = list(records.unbind(dim))
+    while len(parts) > 1:
+        nxt = [merge(parts[i], parts[i + 1]) for i in range(0, len(parts) - 1, 2)]
+        if len(parts) % 2:
+            nxt.append(parts[-1])
+        parts = nxt
+    return parts[0]
+
+
+def statistic(records: Tensor, name: str) -> Tensor:
+    """Derive a named statistic (see ``STATISTICS``) from record(s) ``[..., len(FIELDS)]``."""
+    if name not in STATISTICS:
+        raise ValueError(f"Unknown statistic {name!r}; choose from {sorted(STATISTICS)}")
+    n = records[..., _COUNT]
+    if name == "std":
+        # Bessel's correction as torch.std; a single element has spread 0, not NaN.
+        return (records[..., _M2] / (n - 1).clamp(min=1)).clamp(min=0).sqrt()
+    if name == "rms":
+        return ((records[..., _M2] + n * records[..., _MEAN] ** 2) / n.clamp(min=1)).sqrt()
+    if name in ("count", "mean", "absmax", "nan", "inf", "min_nonzero"):
+        return records[..., _IX[name]]
+    # zeros and format counts are reported as fractions of the element count
+    return records[..., _IX[name]] / n.clamp(min=1)
+
+
+def summarise(record: Tensor, names: Iterable[str] = STATISTICS) -> Dict[str, float]:
+    """A dict of named statistics from one record (host tensor)."""
+    return {name: float(statistic(record, name)) for name in names}
