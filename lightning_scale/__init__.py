@@ -1,5 +1,6 @@
 """lightning-scale: the scale of every tensor in your model, forward and backward, while it trains."""
 
+from lightning_scale.callback import ScaleMonitor
 from lightning_scale.capture import Capture, CaptureError, DeepTracer, capture
 from lightning_scale.interpreter import ScalePair, ScaleTrackingInterpreter
 from lightning_scale.recorder import Recorder, recording
@@ -12,6 +13,7 @@ __all__ = sorted(
         "DeepTracer",
         "Recorder",
         "ScalePair",
+        "ScaleMonitor",
         "ScaleTrackingInterpreter",
         "analyse_module",
         "capture",

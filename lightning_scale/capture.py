@@ -173,27 +173,32 @@ def _placeholder_name(target: str) -> str:
     return target
 
 
-def _base_label(node: fx.Node, root: Optional[nn.Module], prefix: str) -> str:
+def _base_label(node: fx.Node, root: Optional[nn.Module], scope: str) -> str:
+    """``path/op`` for ops, the attribute path for parameters, the name for inputs;
+    ``scope`` is the path of the module the graph belongs to inside the captured one."""
+    def under(path: str) -> str:
+        return ".".join(p for p in (scope, path) if p)
+
     if node.op == "get_attr":
-        label = str(node.target)
-    elif node.op == "placeholder":
-        label = _placeholder_name(str(node.target))
-    elif node.op == "call_module":
-        label = f"{node.target}/{_op_name(node, root)}"
-    else:
-        path = _module_path(node)
-        label = f"{path}/{_op_name(node, root)}" if path else _op_name(node, root)
-    return f"{prefix}{label}" if prefix and not label.startswith(prefix) else label
+        return under(str(node.target))
+    if node.op == "placeholder":
+        name = _placeholder_name(str(node.target))
+        return f"{scope}/{name}" if scope else name
+    if node.op == "call_module":
+        return f"{under(str(node.target))}/{_op_name(node, root)}"
+    path = under(_module_path(node))
+    return f"{path}/{_op_name(node, root)}" if path else _op_name(node, root)
 
 
-def label_graph(gm: fx.GraphModule, root: Optional[nn.Module] = None, taken: Optional[Dict[str, int]] = None, prefix: str = "") -> Dict[str, str]:
+def label_graph(gm: fx.GraphModule, root: Optional[nn.Module] = None, taken: Optional[Dict[str, int]] = None, scope: str = "") -> Dict[str, str]:
     """Readable, unique labels for a graph's nodes: ``blocks.0.mlp.fc1/linear``.
 
     Args:
         gm: the graph module.
         root: the module the graph was traced from (names leaf modules' types).
         taken: labels already used (by other graphs of the same capture); updated.
-        prefix: prepended to labels (the path of a separately captured submodule).
+        scope: path of the graph's module inside the captured module (for submodules
+            captured separately, such as FSDP units).
 
     Returns:
         node name -> label, for every node but the output and function placeholders.
@@ -203,7 +208,7 @@ def label_graph(gm: fx.GraphModule, root: Optional[nn.Module] = None, taken: Opt
     for node in gm.graph.nodes:
         if node.op == "output" or str(node.target).startswith("function_placeholder__"):
             continue
-        base = _base_label(node, root, prefix)
+        base = _base_label(node, root, scope)
         count = taken.get(base, 0)
         taken[base] = count + 1
         labels[node.name] = base if count == 0 else f"{base}_{count}"
@@ -275,12 +280,18 @@ class Capture:
     reason: str = ""
     _taken: Dict[str, int] = field(default_factory=dict)
     _fns: List[Callable[..., Any]] = field(default_factory=list)
+    _unit_fns: List[Tuple[str, Callable[..., Any]]] = field(default_factory=list)
     _compiled: Optional[Callable[..., Any]] = None
 
     @property
     def node_labels(self) -> List[str]:
         """Every node label, graph by graph, in execution order."""
         return [label for labels in self.labels for label in labels.values()]
+
+    def parts(self) -> List[Tuple[str, Callable[..., Any]]]:
+        """(submodule path, tracked forward) pairs to install: ``""`` is the captured
+        module itself; separately captured units (FSDP) follow."""
+        return [("", self.tracked()), *self._unit_fns]
 
     def tracked(self) -> Callable[..., Any]:
         """A function with the module's forward signature that runs the captured graphs.
@@ -321,6 +332,7 @@ def capture(
     leaf_modules: Sequence[Union[str, Type[nn.Module]]] = (),
     autowrap_modules: Tuple[ModuleType, ...] = (math,),
     autowrap_functions: Tuple[Callable[..., Any], ...] = (),
+    units: Sequence[str] = (),
 ) -> Capture:
     """Capture ``module``'s forward.
 
@@ -329,6 +341,8 @@ def capture(
         mode: "auto", "fx" or "dynamo".
         leaf_modules: extra module types or qualified names to keep as leaves (fx).
         autowrap_modules, autowrap_functions: passed to the fx tracer.
+        units: paths of submodules captured as graphs of their own and run through their
+            own ``__call__`` (so their hooks run: FSDP units). Implies fx.
 
     Raises:
         ValueError: unknown ``mode``.
@@ -338,8 +352,14 @@ def capture(
         raise ValueError(f"`mode` must be one of {list(CAPTURE_MODES)}, got {mode!r}")
     if mode == "dynamo":
         return Capture("dynamo", module, reason="dynamo requested")
+    leaves = tuple(DEFAULT_LEAF_TYPES) + tuple(leaf_modules)
+    if units:
+        cap = _fx_capture(module, leaves + tuple(units), autowrap_modules, autowrap_functions)
+        _add_units(cap, module, units, leaves, autowrap_modules, autowrap_functions)
+        cap.reason = f"fx per unit: {len(units)} separately captured units"
+        return cap
     try:
-        cap = _fx_capture(module, tuple(DEFAULT_LEAF_TYPES) + tuple(leaf_modules), autowrap_modules, autowrap_functions)
+        cap = _fx_capture(module, leaves, autowrap_modules, autowrap_functions)
     except Exception as err:  # noqa: BLE001 - any failure of the trace itself
         if mode == "fx":
             raise CaptureError(f"torch.fx could not trace {type(module).__name__}: {type(err).__name__}: {err}") from err
@@ -351,6 +371,13 @@ def capture(
     return cap
 
 
+def _trace(module: nn.Module, tracer: DeepTracer) -> fx.GraphModule:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = tracer.trace(module)
+    return fx.GraphModule(module, graph)
+
+
 def _fx_capture(
     module: nn.Module,
     leaf_modules: Sequence[Union[str, Type[nn.Module]]],
@@ -358,16 +385,36 @@ def _fx_capture(
     autowrap_functions: Tuple[Callable[..., Any], ...],
 ) -> Capture:
     tracer = DeepTracer(autowrap_modules, autowrap_functions, leaf_modules)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        graph = tracer.trace(module)
-    gm = fx.GraphModule(module, graph)
+    gm = _trace(module, tracer)
     taken: Dict[str, int] = {}
     labels = label_graph(gm, module, taken)
     aliases = view_aliases(gm, labels)
     cap = Capture("fx", module, [gm], [labels], list(tracer.leaves), dict(tracer.fallbacks), aliases, _taken=taken)
     cap._fns.append(instrument(gm, _observed(labels, aliases), live=module))
     return cap
+
+
+def _add_units(
+    cap: Capture,
+    root: nn.Module,
+    units: Sequence[str],
+    leaves: Tuple[Any, ...],
+    autowrap_modules: Tuple[ModuleType, ...],
+    autowrap_functions: Tuple[Callable[..., Any], ...],
+) -> None:
+    """Capture each unit's own forward, nested units kept as leaves (run via __call__)."""
+    for path in units:
+        unit = root.get_submodule(path)
+        inner = tuple(u[len(path) + 1 :] for u in units if u.startswith(path + "."))
+        tracer = DeepTracer(autowrap_modules, autowrap_functions, leaves + inner)
+        gm = _trace(unit, tracer)
+        labels = label_graph(gm, unit, cap._taken, scope=path)
+        aliases = view_aliases(gm, labels)
+        cap.graphs.append(gm)
+        cap.labels.append(labels)
+        cap.aliases.update(aliases)
+        cap.fallbacks.update({f"{path}.{k}": v for k, v in tracer.fallbacks.items()})
+        cap._unit_fns.append((path, instrument(gm, _observed(labels, aliases), live=unit)))
 
 
 def _observed(labels: Dict[str, str], aliases: Dict[str, str]) -> Dict[str, str]:

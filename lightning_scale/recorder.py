@@ -41,6 +41,10 @@ class Recorder:
         self._slots: Dict[Hashable, int] = OrderedDict()
         self._rows: List[Tuple[int, int, List[stats.Entry]]] = []
         self._handles: List[Any] = []
+        self.error: Optional[BaseException] = None
+        #: keys whose values' log2 histogram (``stats.log2_histogram``) is also taken
+        self.histogram_keys: set = set()
+        self.histograms: Dict[Tuple[Hashable, int], Tensor] = {}
         self.device: Optional[torch.device] = None
 
     @property
@@ -63,12 +67,23 @@ class Recorder:
                 self._handles.append(handle)
 
     def _on_grad(self, slot: int, grad: Tensor) -> None:
-        self._add(slot, BACKWARD, grad)
+        if self.error is not None:
+            return
+        try:
+            self._add(slot, BACKWARD, grad)
+        except Exception as err:  # noqa: BLE001 - never break the user's backward
+            self.error = err
 
     def _add(self, slot: int, direction: int, x: Tensor) -> None:
         if self.device is None:
             self.device = x.device
         self._rows.append((slot, direction, stats.record_of(x, self.groups, self.host_reads)))
+        if self.histogram_keys:
+            key = list(self._slots)[slot]
+            if key in self.histogram_keys:
+                h = stats.log2_histogram(x)
+                prev = self.histograms.get((key, direction))
+                self.histograms[(key, direction)] = h if prev is None else prev + h
 
     def records(self, keys: Optional[Sequence[Hashable]] = None, aliases: Optional[Mapping[Hashable, Hashable]] = None) -> Tensor:
         """One ``[len(keys), 2, len(FIELDS)]`` float64 tensor on the observed device.
@@ -109,9 +124,23 @@ class Recorder:
                 flat[dst] = stats.merge_rows(assembled[torch.tensor(js, device=out.device)])
         return out
 
+    def first_nonfinite(self, direction: int) -> Optional[Hashable]:
+        """The first key, in arrival order, whose ``direction`` record counted NaN or Inf.
+
+        Reads the host-side entries only (CPU tensors, or after ``records()`` has been
+        read); returns None when no record counted any.
+        """
+        keys = list(self._slots)
+        for slot, d, entry in self._rows:
+            if d == direction and float(entry[stats.FIELDS.index("nan")]) + float(entry[stats.FIELDS.index("inf")]) > 0:
+                return keys[slot]
+        return None
+
     def clear(self) -> None:
         """Forget this step's entries and remove its hooks (keys and their order are kept)."""
         self._rows.clear()
+        self.histograms.clear()
+        self.error = None
         self.remove_hooks()
 
     def remove_hooks(self) -> None:
@@ -138,7 +167,14 @@ def recording(recorder: Recorder) -> Iterator[Recorder]:
 
 
 def observe(x: Any, key: Hashable) -> None:
-    """Called by instrumented graphs after each node: record floating tensors."""
+    """Called by instrumented graphs after each node: record floating tensors.
+
+    A failure while taking statistics is kept in ``recorder.error`` and never reaches
+    the model: monitoring must not break a training step.
+    """
     rec = _ACTIVE
-    if rec is not None and isinstance(x, Tensor) and x.is_floating_point():
-        rec.observe(key, x)
+    if rec is not None and rec.error is None and isinstance(x, Tensor) and x.is_floating_point():
+        try:
+            rec.observe(key, x)
+        except Exception as err:  # noqa: BLE001 - reported by the owner of the recorder
+            rec.error = err

@@ -289,3 +289,23 @@ def statistic(records: Tensor, name: str) -> Tensor:
 def summarise(record: Tensor, names: Iterable[str] = STATISTICS) -> Dict[str, float]:
     """A dict of named statistics from one record (host tensor)."""
     return {name: float(statistic(record, name)) for name in names}
+
+
+#: Octave bins of ``log2_histogram``: bin i counts values with floor(log2|x|) == LOG2_LO + i.
+LOG2_LO, LOG2_HI = -160, 130
+
+
+def log2_histogram(x: Tensor) -> Tensor:
+    """Counts of floor(log2|x|) per octave in ``[LOG2_LO, LOG2_HI)``, on x's device, no sync.
+
+    Zeros and non-finite values are not counted (they have their own statistics).
+    """
+    a = x.detach().abs()
+    a = a if a.dtype == torch.float64 else a.float()
+    valid = (a > 0) & torch.isfinite(a)
+    safe = torch.where(valid, a, torch.ones_like(a))
+    e = torch.floor(torch.log2(safe)).clamp(LOG2_LO, LOG2_HI - 1) - LOG2_LO
+    e = torch.where(valid, e, torch.full_like(e, LOG2_HI - LOG2_LO)).long().flatten()
+    counts = torch.zeros(LOG2_HI - LOG2_LO + 1, dtype=torch.float64, device=a.device)
+    counts.scatter_add_(0, e, torch.ones_like(e, dtype=torch.float64))
+    return counts[:-1]
