@@ -1,0 +1,52 @@
+"""GPU checks (skipped without CUDA; run by `make gpu-check` on a machine with a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_scale import stats
+from lightning_scale.capture import capture
+from lightning_scale.distributed import pool
+from lightning_scale.models import GPT, GPTConfig, synthetic_tokens
+from lightning_scale.recorder import Recorder, recording
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _tracked_step(dtype: torch.dtype) -> tuple:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(layers=2, dim=128)).cuda()
+    x, y = (t.cuda() for t in synthetic_tokens(8, 64, 256))
+    cap = capture(model, "fx")
+    rec = Recorder(("moments", "range", "formats"))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=dtype), recording(rec):
+            logits = cap.tracked()(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), y.reshape(-1))
+        loss.backward()
+        labels = cap.node_labels
+        records = rec.records(labels, cap.aliases)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return labels, records, rec, model, x
+
+
+def test_no_sync_before_the_one_read() -> None:
+    labels, records, rec, _, _ = _tracked_step(torch.bfloat16)
+    assert records.is_cuda
+    host, _ = pool(records, labels)  # the one transfer
+    assert (host[..., 0] > 0).any()
+    rec.clear()
+
+
+def test_gpu_statistics_match_float64() -> None:
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = (1 + 1e-3 * torch.randn(100_000, device="cuda")).to(dtype)
+        rec = stats.assemble([stats.record_of(x, ("moments", "range", "formats"))]).cpu()
+        ref = x.double().cpu()
+        assert float(stats.statistic(rec, "std")[0]) == pytest.approx(float(ref.std()), rel=1e-4)
+        assert float(stats.statistic(rec, "absmax")[0]) == float(ref.abs().max())
