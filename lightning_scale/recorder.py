@@ -61,10 +61,20 @@ class Recorder:
         """Record ``x`` (forward) now and its gradient (backward) when it arrives."""
         slot = self.slot(key)
         self._add(slot, FORWARD, x)
-        if x.requires_grad and torch.is_grad_enabled():
-            handle = x.register_hook(functools.partial(self._on_grad, slot))
-            if x.is_leaf:  # hooks on parameters outlive the step: remove them in clear()
-                self._handles.append(handle)
+        if not (x.requires_grad and torch.is_grad_enabled()):
+            return
+        if not x.is_leaf:
+            x.register_hook(functools.partial(self._on_grad, slot))
+            return
+        # A hook on a leaf (a parameter) outlives the step: it removes itself after the
+        # one gradient it was registered for; clear() removes those still waiting.
+        box: List[Any] = []
+        box.append(x.register_hook(functools.partial(self._on_leaf_grad, slot, box)))
+        self._handles.append(box[0])
+
+    def _on_leaf_grad(self, slot: int, box: List[Any], grad: Tensor) -> None:
+        box[0].remove()
+        self._on_grad(slot, grad)
 
     def _on_grad(self, slot: int, grad: Tensor) -> None:
         if self.error is not None:
@@ -100,7 +110,7 @@ class Recorder:
             pairs = [(i, index[aliases[k]]) for i, k in enumerate(keys) if k in aliases and aliases[k] in index]
             if pairs:
                 dst, src = zip(*pairs)
-                out[torch.tensor(dst, device=out.device)] = out[torch.tensor(src, device=out.device)]
+                out[stats.index_tensor(dst, out.device)] = out[stats.index_tensor(src, out.device)]
         return out
 
     def _records(self, keys: List[Hashable]) -> Tensor:
@@ -118,10 +128,10 @@ class Recorder:
         single = [(dst, js[0]) for dst, js in groups.items() if len(js) == 1]
         if single:  # the common case, each key once per direction: one scatter
             dst, src = zip(*single)
-            flat[torch.tensor(dst, device=out.device)] = assembled[torch.tensor(src, device=out.device)]
+            flat[stats.index_tensor(dst, out.device)] = assembled[stats.index_tensor(src, out.device)]
         for dst, js in groups.items():
             if len(js) > 1:
-                flat[dst] = stats.merge_rows(assembled[torch.tensor(js, device=out.device)])
+                flat[dst] = stats.merge_rows(assembled[stats.index_tensor(js, out.device)])
         return out
 
     def first_nonfinite(self, direction: int) -> Optional[Hashable]:
