@@ -63,13 +63,18 @@ class ScaleTrackingInterpreter(fx.Interpreter):
         >>> gm = fx.symbolic_trace(torch.nn.Linear(4, 4))
         >>> interp = ScaleTrackingInterpreter(gm)
         >>> interp.run(torch.randn(8, 4, requires_grad=True)).sum().backward()
-        >>> list(interp.scales)
-        ['input', 'weight', 'bias', 'linear']
+        >>> list(interp.scales)  # the output node too, as the reference
+        ['input_1', 'weight', 'bias', 'linear', 'output']
     """
 
     def __init__(self, module: fx.GraphModule, groups: Sequence[str] = ("moments", "range"), host_reads: Optional[bool] = None) -> None:
         super().__init__(module)
         self.recorder = Recorder(groups, host_reads)
+
+    def run(self, *args: Any, initial_env: Optional[Dict[fx.Node, Any]] = None, enable_io_processing: bool = True) -> Any:
+        """Run the graph; the records of an earlier run are dropped, as the reference's."""
+        self.recorder.clear()
+        return super().run(*args, initial_env=initial_env, enable_io_processing=enable_io_processing)
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
@@ -79,23 +84,27 @@ class ScaleTrackingInterpreter(fx.Interpreter):
 
     def boxed_run(self, args_list: List[Any]) -> Any:
         # Unlike fx's, record the placeholders too: they are inputs a user cares about.
+        self.recorder.clear()
         env: Dict[fx.Node, Any] = {}
         args_iter = iter(args_list)
         for n in self.graph.nodes:
-            if n.op == "placeholder":
-                env[n] = next(args_iter)
-                if isinstance(env[n], Tensor) and env[n].is_floating_point():
-                    self.recorder.observe(n.name, env[n])
+            if n.op != "placeholder":
+                continue
+            function = self._function_of(n.target)
+            env[n] = next(args_iter) if function is None else function
+            if isinstance(env[n], Tensor) and env[n].is_floating_point():
+                self.recorder.observe(n.name, env[n])
         args_list.clear()
-        return self.run(initial_env=env, enable_io_processing=False)
+        return super().run(initial_env=env, enable_io_processing=False)
 
     def placeholder(self, target: fx.node.Target, args: Tuple[fx.node.Argument, ...], kwargs: Dict[str, Any]) -> Any:
         """Resolve function arguments that the deep tracer turned into placeholders."""
+        function = self._function_of(target)
+        return super().placeholder(target, args, kwargs) if function is None else function
+
+    def _function_of(self, target: fx.node.Target) -> Optional[Callable[..., Any]]:
         extras = getattr(self.module.graph, "_tracer_extras", None) or {}
-        functions = extras.get("target_to_function", {})
-        if isinstance(target, str) and target in functions:
-            return functions[target]
-        return super().placeholder(target, args, kwargs)
+        return extras.get("target_to_function", {}).get(target) if isinstance(target, str) else None
 
     def records(self) -> Tensor:
         """``[nodes, 2, len(stats.FIELDS)]`` records on the device, in execution order."""
