@@ -262,7 +262,7 @@ def test_recorder_counts_each_parameter_gradient_once_per_observation() -> None:
         rec.observe("w", w)
         x = torch.randn(5, 4)
         (x @ w.T).pow(2).sum().backward()
-        grads.append(2 * (x @ w.T).T @ x)  # d/dw sum((x w^T)^2)
+        grads.append(2 * (x @ w.detach().T).T @ x)  # d/dw sum((x w^T)^2)
     records = rec.records(["w"])
     assert records[0, FORWARD, 0] == 2 * w.numel()
     assert records[0, BACKWARD, 0] == 2 * w.numel()

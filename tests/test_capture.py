@@ -1,0 +1,384 @@
+"""capture: deep fx traces with per-submodule fallback, dynamo capture, readable labels."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Callable, Dict, Iterator, List, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx, nn
+
+from lightning_scale import stats
+from lightning_scale.capture import Capture, CaptureError, DeepTracer, capture
+from lightning_scale.interpreter import ScaleTrackingInterpreter
+from lightning_scale.models import GPT, GPTConfig
+from lightning_scale.recorder import BACKWARD, FORWARD, Recorder, recording
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tiny GPT-2 is built from a config
+GROUPS = ("moments", "range", "formats")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    # Every test compiles its own models; don't let the caches of one reach the next.
+    yield
+    torch._dynamo.reset()
+
+
+def tracked_step(cap: Capture, *args: Any, grad_of: Callable[[Any], Tensor] = lambda out: out.sum(), **kwargs: Any) -> Tuple[Any, Tensor]:
+    """One tracked forward and backward, as the callback runs it: (output, records)."""
+    fn = cap.tracked()
+    rec = Recorder(groups=GROUPS)
+    with recording(rec):
+        out = fn(*args, **kwargs)
+    grad_of(out).backward()
+    records = rec.records(cap.node_labels, cap.aliases).cpu()
+    rec.clear()
+    return out, records
+
+
+def std_of(records: Tensor, labels: List[str], label: str) -> Tuple[float, float]:
+    fwd, bwd = stats.statistic(records[labels.index(label)], "std").tolist()
+    return fwd, bwd
+
+
+def assert_same_training_state(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+    for (name, x), y in zip(a.named_buffers(), b.buffers()):
+        assert torch.equal(x, y), name
+
+
+# ---------------------------------------------------------------------------------------
+# fx: the deep tracer
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("offset", torch.ones(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.fc(x)) + self.offset
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Inner()
+        self.head = nn.Sequential(nn.Linear(4, 8), nn.GELU())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.inner(x))
+
+
+def test_deep_tracer_recurses_into_every_submodule() -> None:
+    model = Outer()
+    assert any(n.op == "call_module" for n in fx.symbolic_trace(model).graph.nodes)  # plain fx stops
+    gm = fx.GraphModule(model, DeepTracer().trace(model))
+    assert not any(n.op == "call_module" for n in gm.graph.nodes)
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch._C._nn.linear in calls and torch.tanh in calls and F.gelu in calls
+    x = torch.randn(3, 4)
+    assert torch.equal(gm(x), model(x))
+    assert capture(model, "fx").node_labels == [
+        "x", "inner.fc.weight", "inner.fc.bias", "inner.fc/linear", "inner/tanh", "inner.offset",
+        "inner/add", "head.0.weight", "head.0.bias", "head.0/linear", "head.1/gelu",
+    ]  # fmt: skip
+
+
+def test_graph_module_shares_parameters_and_buffers() -> None:
+    model = Outer()
+    cap = capture(model, "fx")
+    gm = cap.graphs[0]
+    for name, p in model.named_parameters():
+        assert gm.get_parameter(name) is p
+    assert gm.get_buffer("inner.offset") is model.inner.offset
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        model.inner.fc.weight.mul_(3)  # an optimizer step, in place
+    assert torch.equal(cap.tracked()(x), model(x))
+    model.head[0].weight = nn.Parameter(torch.randn(8, 4))  # a swapped parameter object
+    assert torch.equal(cap.tracked()(x), model(x))
+
+
+class Mixed(nn.Module):
+    """Modules fx cannot trace through, inside a model it can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.proj = nn.Linear(8, 16)
+        self.mha = nn.MultiheadAttention(16, 2, dropout=0.1, batch_first=True)
+        self.enc = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.relu(self.bn(self.conv(x)))  # (B, 8, H, W)
+        h = self.proj(h.flatten(2).transpose(1, 2))  # (B, HW, 16)
+        a, _ = self.mha(h, h, h)
+        return self.head(self.drop(self.enc(h + a))).mean(1)
+
+
+def test_untraceable_submodules_become_leaves() -> None:
+    tracer = DeepTracer(leaf_modules=())  # no default leaves: the fallback must find them
+    model = Mixed().eval()  # (fx bakes the training flag of traced ops into the graph)
+    gm = fx.GraphModule(model, tracer.trace(model))
+    assert list(tracer.fallbacks) == ["bn", "mha", "enc"]
+    assert all("control flow" in why for why in tracer.fallbacks.values())
+    leaves = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+    assert leaves == ["bn", "mha", "enc"]
+    x = torch.randn(2, 3, 4, 4)  # the rolled-back trace still computes the model
+    assert torch.equal(gm(x), model(x))
+
+
+def test_capture_with_leaves_trains_bit_identically_to_eager() -> None:
+    torch.manual_seed(0)
+    model = Mixed().train()
+    eager = copy.deepcopy(model)
+    cap = capture(model, "auto")
+    assert cap.mode == "fx" and cap.fallbacks == {}
+    assert cap.leaves == ["bn", "mha", "enc"]
+    assert {"bn/batchnorm2d", "mha/multiheadattention", "enc/transformerencoderlayer"} <= set(cap.node_labels)
+    for step in range(2):
+        x = torch.randn(2, 3, 4, 4)
+        torch.manual_seed(10 + step)  # the same dropout masks for both
+        out, records = tracked_step(cap, x)
+        torch.manual_seed(10 + step)
+        expected = eager(x)
+        expected.sum().backward()
+        assert torch.equal(out, expected)
+        assert_same_training_state(model, eager)
+    assert int(model.bn.num_batches_tracked) == 2 and not torch.equal(model.bn.running_mean, torch.zeros(8))
+    labels = cap.node_labels
+    assert std_of(records, labels, "head/linear")[0] > 0 and std_of(records, labels, "bn/batchnorm2d")[1] > 0
+
+
+class Gate(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        if x.mean() > 0:  # control flow on a tensor: fx cannot trace this module
+            return x * 2
+        return x
+
+
+class WithGate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.gate = Gate()
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.gate(self.fc(x)))
+
+
+def test_unexpected_fallbacks_make_auto_choose_dynamo() -> None:
+    model = WithGate()
+    fx_cap = capture(model, "fx")
+    assert fx_cap.mode == "fx" and list(fx_cap.fallbacks) == ["gate"]
+    assert "gate/gate" in fx_cap.node_labels
+    x = torch.randn(5, 4)
+    out, _ = tracked_step(fx_cap, x)
+    assert torch.equal(out, model(x))
+    auto = capture(model, "auto")
+    assert auto.mode == "dynamo" and auto.reason == "auto: fx needed fallbacks for gate"
+    assert "gate" in auto.describe()
+
+
+def test_invalid_mode_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"`mode` must be one of \['auto', 'fx', 'dynamo'\], got 'jit'"):
+        capture(Outer(), "jit")
+
+
+# ---------------------------------------------------------------------------------------
+# dynamo
+
+
+class Branchy(nn.Module):
+    """Data-dependent control flow at the root: fx fails, dynamo breaks the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 12)
+        self.fc2 = nn.Linear(12, 3)
+        with torch.no_grad():  # positive inputs take one branch, negative ones the other
+            self.fc1.weight.abs_()
+            self.fc1.bias.zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc1(x)
+        if h.sum() > 0:
+            h = torch.relu(h)
+        else:
+            h = -h
+        out = self.fc2(h)
+        out += 1.0  # in place on a node's value
+        return out * 2
+
+
+def test_root_that_fx_cannot_trace_is_captured_by_dynamo() -> None:
+    with pytest.raises(CaptureError, match="torch.fx could not trace Branchy: TraceError: .*control flow"):
+        capture(Branchy(), "fx")
+    cap = capture(Branchy(), "auto")
+    assert cap.mode == "dynamo"
+    assert cap.reason.startswith("auto: fx failed (TraceError: ") and "control flow" in cap.reason
+
+
+def test_dynamo_records_across_graph_breaks_and_matches_eager() -> None:
+    torch.manual_seed(1)
+    model = Branchy()
+    eager = copy.deepcopy(model)
+    cap = capture(model, "dynamo")
+    x = torch.rand(5, 6)  # positive: the relu branch
+    out, records = tracked_step(cap, x)
+
+    xe = x.clone()
+    h = eager.fc1(xe)
+    r = torch.relu(h)
+    o = eager.fc2(r)
+    o2 = o + 1.0
+    y = o2 * 2
+    for t in (h, r, o, y):
+        t.retain_grad()
+    y.sum().backward()
+    assert torch.equal(out, y)
+    assert_same_training_state(model, eager)
+
+    assert len(cap.graphs) >= 2  # a graph break at the `if`
+    assert "fc1/linear" in cap.labels[0].values() and "fc2/linear" in cap.labels[-1].values()
+    labels = cap.node_labels
+    for label, t in {"fc1/linear": h, "relu": r, "fc2/linear": o, "mul": y}.items():
+        fwd, bwd = std_of(records, labels, label)
+        assert fwd == pytest.approx(float(t.detach().std()), rel=1e-6), label
+        assert bwd == pytest.approx(float(t.grad.std()), rel=1e-6, abs=1e-12), label
+    fwd, bwd = std_of(records, labels, "fc1.weight")
+    assert fwd == pytest.approx(float(model.fc1.weight.detach().std()), rel=1e-6)
+    assert bwd == pytest.approx(float(model.fc1.weight.grad.std()), rel=1e-6)
+
+    # The other branch compiles a new graph; earlier labels keep their names.
+    before = list(labels)
+    x = -torch.rand(5, 6)
+    out, records = tracked_step(cap, x)
+    assert torch.equal(out, eager(x))
+    assert cap.node_labels[: len(before)] == before and "neg" in cap.node_labels[len(before) :]
+    neg = -eager.fc1(x)
+    assert std_of(records, cap.node_labels, "neg")[0] == pytest.approx(float(neg.detach().std()), rel=1e-6)
+    assert float(records[cap.node_labels.index("relu"), FORWARD, 0]) == 0  # not taken this step
+
+
+def test_dynamo_labels_are_stable_across_captures_and_steps() -> None:
+    model = Branchy()
+    runs = []
+    for _ in range(2):
+        cap = capture(model, "dynamo")
+        keys = []
+        for _ in range(2):
+            fn = cap.tracked()
+            rec = Recorder()
+            with recording(rec):
+                fn(torch.rand(4, 6)).sum().backward()
+            keys.append(rec.keys)
+            rec.clear()
+        assert keys[0] == keys[1]
+        runs.append(cap.node_labels)
+        torch._dynamo.reset()
+    assert runs[0] == runs[1] and len(set(runs[0])) == len(runs[0])
+
+
+def test_tiny_hugging_face_gpt2_is_captured_with_readable_labels() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(2)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    eager = copy.deepcopy(model)
+    cap = capture(model, "auto")
+    assert cap.mode == "dynamo" and cap.reason.startswith("auto: fx failed")
+    ids = torch.randint(100, (2, 8))
+    labels_per_step = []
+    for step in range(2):
+        model.zero_grad()
+        eager.zero_grad()
+        torch.manual_seed(20 + step)  # the same dropout masks for both
+        out, records = tracked_step(cap, input_ids=ids, labels=ids, grad_of=lambda o: o.loss)
+        torch.manual_seed(20 + step)
+        expected = eager(input_ids=ids, labels=ids)
+        expected.loss.backward()
+        assert torch.equal(out.logits, expected.logits) and torch.equal(out.loss, expected.loss)
+        assert_same_training_state(model, eager)
+        labels_per_step.append(cap.node_labels)
+    labels = labels_per_step[0]
+    assert labels_per_step[1] == labels and len(set(labels)) == len(labels)
+    for path in ("transformer.h.0.attn", "transformer.h.1.mlp", "transformer.ln_f"):
+        assert any(label.startswith((path + "/", path + ".")) and "/" in label for label in labels), path
+    assert "transformer.h.0.attn.c_attn.weight" in labels
+    assert any(label.endswith("/scaled_dot_product_attention") for label in labels)
+    # The tied embedding: its gradient sums the embedding's and the head's.
+    wte = model.transformer.wte.weight
+    fwd, bwd = std_of(records, labels, "transformer.wte.weight")
+    assert fwd == pytest.approx(float(wte.detach().std()), rel=1e-6)
+    assert bwd == pytest.approx(float(wte.grad.std()), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# Labels of the example GPT
+
+
+def small_gpt() -> GPT:
+    return GPT(GPTConfig(vocab=32, seq=8, layers=2, dim=16, heads=2))
+
+
+def test_gpt_labels_are_readable_unique_and_stable() -> None:
+    torch.manual_seed(3)
+    model = small_gpt()
+    cap = capture(model, "auto")
+    assert cap.mode == "fx"
+    labels = cap.node_labels
+    assert len(set(labels)) == len(labels)
+    for label in ("idx", "tok.weight", "blocks.0.mlp.fc1/linear", "blocks.0.mlp.fc1.weight", "blocks.1.attn/scaled_dot_product_attention", "blocks.1.ln2/layer_norm", "head/linear"):
+        assert label in labels, label
+    assert capture(model, "fx").node_labels == labels
+    assert capture(small_gpt(), "fx").node_labels == labels  # another instance, same shape
+    idx = torch.randint(32, (2, 8))
+    keys = []
+    for _ in range(2):
+        rec = Recorder()
+        with recording(rec):
+            cap.tracked()(idx).sum().backward()
+        keys.append(rec.keys)
+        rec.clear()
+    assert keys[0] == keys[1]
+    assert set(keys[0]) <= set(labels) - set(cap.aliases)  # aliases are never computed
+    assert "blocks.0.mlp.fc1/linear" in keys[0] and "idx" not in keys[0]  # floats only
+
+
+def test_capture_records_equal_the_interpreter_on_every_node() -> None:
+    # Aliased views are filled from their source; every label must still hold the
+    # statistics of its own node, forward and backward.
+    torch.manual_seed(4)
+    model = small_gpt()
+    cap = capture(model, "fx")
+    assert cap.aliases, "the GPT's head reshapes should be aliased"
+    idx = torch.randint(32, (2, 8))
+    grad = torch.randn(2, 8, 32)
+    _, records = tracked_step(cap, idx, grad_of=lambda out: (out * grad).sum())
+    interp = ScaleTrackingInterpreter(cap.graphs[0], groups=GROUPS)
+    interp.run(idx).backward(grad)
+    by_name = dict(zip(interp.recorder.keys, interp.records()))
+    names = {label: name for name, label in cap.labels[0].items()}
+    labels = cap.node_labels
+    for i, label in enumerate(labels):
+        want = by_name.get(names[label])
+        if want is None:  # integer nodes: never recorded
+            assert records[i, FORWARD, 0] == 0, label
+            continue
+        for d in (FORWARD, BACKWARD):
+            got_std, want_std = stats.statistic(records[i, d], "std"), stats.statistic(want[d], "std")
+            assert records[i, d, 0] == want[d, 0], (label, d)
+            assert float(got_std) == pytest.approx(float(want_std), rel=1e-6, abs=1e-12), (label, d)
+            assert float(stats.statistic(records[i, d], "absmax")) == pytest.approx(float(stats.statistic(want[d], "absmax")), rel=0, nan_ok=True), (label, d)
