@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Iterator, List, Tuple
 
 import pytest
 import torch
