@@ -16,9 +16,11 @@ that runs the captured graphs, recording into the active ``Recorder``.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from types import FunctionType, ModuleType
 from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple, Type, Union
@@ -26,6 +28,7 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple
 import torch
 from torch import fx, nn
 
+from lightning_scale import recorder
 from lightning_scale.interpreter import instrument
 
 __all__ = ["CAPTURE_MODES", "Capture", "CaptureError", "DeepTracer", "capture", "label_graph"]
@@ -61,6 +64,10 @@ class DeepTracer(fx.Tracer):
     resolved through ``graph._tracer_extras["target_to_function"]``.
     """
 
+    # Buffers read as get_attr nodes: otherwise an op on buffers alone (``torch.where(
+    # self.flag, ...)``) runs at trace time and its result is frozen into the graph.
+    proxy_buffer_attributes = True
+
     def __init__(
         self,
         autowrap_modules: Tuple[ModuleType, ...] = (math,),
@@ -76,6 +83,7 @@ class DeepTracer(fx.Tracer):
         self.leaves: List[str] = []
         self.target_to_function: Dict[str, FunctionType] = {}
         self.function_to_node: Dict[FunctionType, fx.Node] = {}
+        self._modes: Optional[Tuple[Any, ...]] = None
         if id(FunctionType) in self._autowrap_function_ids:
             self._autowrap_function_ids.remove(id(FunctionType))
 
@@ -122,12 +130,29 @@ class DeepTracer(fx.Tracer):
             return node
         return super().create_arg(a)
 
+    def create_node(self, kind: str, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        if self._modes is not None and _grad_modes() != self._modes:
+            raise RuntimeError(
+                f"{kind} {getattr(target, '__name__', target)} runs under a grad or autocast mode switched "
+                "inside forward (torch.no_grad, autocast, ...), which a graph does not record"
+            )
+        return super().create_node(kind, target, *args, **kwargs)
+
     def trace(self, root: Union[nn.Module, Callable[..., Any]], concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
+        self._modes = _grad_modes()
         graph = super().trace(root, concrete_args)
         if getattr(graph, "_tracer_extras", None) is None:
             graph._tracer_extras = {}
         graph._tracer_extras["target_to_function"] = self.target_to_function
         return graph
+
+
+def _grad_modes() -> Tuple[Any, ...]:
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")),
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -279,6 +304,7 @@ class Capture:
     aliases: Dict[str, str] = field(default_factory=dict)
     reason: str = ""
     _taken: Dict[str, int] = field(default_factory=dict)
+    _by_signature: Dict[Tuple[str, ...], Dict[str, str]] = field(default_factory=dict)
     _fns: List[Callable[..., Any]] = field(default_factory=list)
     _unit_fns: List[Tuple[str, Callable[..., Any]]] = field(default_factory=list)
     _compiled: Optional[Callable[..., Any]] = None
@@ -303,11 +329,19 @@ class Capture:
             return self._fns[0]
         if self._compiled is None:
             forward = type(self.module).forward.__get__(self.module)
-            self._compiled = torch.compile(forward, backend=self._backend, dynamic=False)
+            self._compiled = torch.compile(forward, backend=_WeakBackend(self), dynamic=False, **_ISOLATED)
         return self._compiled
 
     def _backend(self, gm: fx.GraphModule, example_inputs: List[Any]) -> Callable[..., Any]:
+        # A recompile (new input shapes) keeps the labels of the graph it repeats, so a
+        # node keeps one tag whatever the shape; it is not listed a second time.
+        fresh = label_graph(gm)
+        known = self._by_signature.get(tuple(fresh.values()))
+        if known is not None:
+            labels = dict(zip(fresh, known.values()))
+            return instrument(gm, _observed(labels, view_aliases(gm, labels)))
         labels = label_graph(gm, None, self._taken)
+        self._by_signature[tuple(fresh.values())] = labels
         aliases = view_aliases(gm, labels)
         self.graphs.append(gm)
         self.labels.append(labels)
@@ -324,6 +358,40 @@ class Capture:
         if self.reason:
             parts.append(self.reason)
         return "; ".join(parts)
+
+
+# Compiles of the same forward (a new model of the same class) share dynamo's recompile
+# limit unless isolated: after 8 fits in one process, tracking would stop.
+_ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+
+
+class _WeakBackend:
+    """A capture's dynamo backend that holds it weakly: dynamo keeps every backend for the
+    life of the process (``eval_frame.cached_backends``), and a capture holds its model."""
+
+    def __init__(self, cap: Capture) -> None:
+        self._cap = weakref.ref(cap)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: List[Any]) -> Callable[..., Any]:
+        cap = self._cap()
+        if cap is None:
+            return gm.forward
+        try:
+            return cap._backend(gm, example_inputs)
+        except Exception as err:  # noqa: BLE001 - never fail the user's forward: run it untracked
+            return _failing_step(gm, RuntimeError(f"dynamo graph not instrumented ({type(err).__name__}: {err})"))
+
+
+def _failing_step(gm: fx.GraphModule, error: Exception) -> Callable[..., Any]:
+    """Runs ``gm`` as compiled, and marks the step's recorder failed (the callback warns)."""
+
+    def run(*args: Any) -> Any:
+        rec = recorder.active()
+        if rec is not None and rec.error is None:
+            rec.error = error
+        return gm.forward(*args)
+
+    return run
 
 
 def capture(
