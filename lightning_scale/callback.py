@@ -133,8 +133,7 @@ class ScaleMonitor(Callback):
                 "`ScaleMonitor` needs a logger to write to, but the Trainer has none "
                 "(`Trainer(logger=False)`); pass `logger=True` (TensorBoard) or a logger instance"
             )
-        if self.submodule:
-            _resolve_submodule(pl_module, self.submodule)
+        self._start_run(self._target(pl_module), stage)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -186,6 +185,15 @@ class ScaleMonitor(Callback):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.last_tracked_step = int(state_dict.get("last_tracked_step", -1))
 
+    def _start_run(self, target: nn.Module, stage: str) -> None:
+        """Forget what belongs to the previous run: its loggers, its module's captures."""
+        self._writers.clear()
+        if stage == "fit":
+            self.last_tracked_step = -1  # a resumed checkpoint restores it after setup
+        if any(cap.module is not target for cap in self._captures.values()):
+            self._captures.clear()
+            self._disabled = None
+
     # ---- capture -------------------------------------------------------------------------
 
     def _target(self, pl_module: pl.LightningModule) -> nn.Module:
@@ -226,7 +234,7 @@ class ScaleMonitor(Callback):
             return
         rec = Recorder(self.groups)
         if self.value_histograms is not None:
-            rec.histogram_keys = {k for k in cap.node_labels if self.value_histograms.search(k)}
+            rec.histogram_keys = _Matching(self.value_histograms)  # type: ignore[assignment]  # dynamo labels appear as it compiles
         self._active = _TrackedStep(step, prefix, cap, rec)
         self._active.install(target)
         if prefix == "":
@@ -253,7 +261,7 @@ class ScaleMonitor(Callback):
             self._warn_once("error", f"ScaleMonitor: statistics failed at step {active.step} ({rec.error!r}); nothing logged for it")
             return
         labels = [l for l in cap.node_labels if self._selected(l, cap)]
-        records = rec.records(labels, cap.aliases)
+        records = _records_of(rec, cap, labels)
         if active.loss_scale is not None:  # an extra row, so it travels in the same transfer
             extra = torch.zeros(1, 2, len(stats.FIELDS), dtype=torch.float64, device=records.device)
             extra[0, FORWARD, 0] = 1.0
@@ -270,6 +278,9 @@ class ScaleMonitor(Callback):
             return
         pooled, per_rank = self._unscale(trainer, pooled, per_rank, loss_scale_value)
         keep = [i for i in range(len(labels)) if bool((pooled[i, :, 0] > 0).any())]
+        if not keep:
+            self._warn_once(f"empty{active.prefix}", self._nothing_recorded(active, labels))
+            return
         keep = self._cap(keep, labels)
         out_labels = [labels[i] for i in keep]
         writer = self._writer(trainer, active.prefix)
@@ -281,6 +292,16 @@ class ScaleMonitor(Callback):
         if rec.histograms:
             hists = {f"{'fwd' if d == FORWARD else 'bwd'}/{k}": h.cpu() for (k, d), h in rec.histograms.items()}
             writer.write_value_histograms(active.step, hists)
+
+    def _nothing_recorded(self, active: "_TrackedStep", labels: List[str]) -> str:
+        where = f"step {active.step}" + (" (validation)" if active.prefix else "")
+        if not labels:
+            return f"ScaleMonitor: no node selected at {where}: `include` / `exclude` / `prune_views` leave none of {len(active.capture.node_labels)} nodes"
+        target = self.submodule or type(active.capture.module).__name__
+        return (
+            f"ScaleMonitor: nothing recorded at {where}: the captured forward of `{target}` did not run "
+            "(call the module, e.g. `self(x)`, in the step; with capture='dynamo' the compile cache may be full)"
+        )
 
     def _selected(self, label: str, cap: Capture) -> bool:
         if self.include is not None and not self.include.search(label):
@@ -377,6 +398,26 @@ def _scale_backward(records: Tensor, factor: float) -> Tensor:
     for name, power in (("mean", 1), ("m2", 2), ("absmax", 1), ("min_nonzero", 1)):
         bwd[..., stats.FIELDS.index(name)] *= factor**power
     return out
+
+
+class _Matching:
+    """The labels a regex matches, as a container (``label in matching``)."""
+
+    def __init__(self, pattern: "re.Pattern[str]") -> None:
+        self.pattern = pattern
+
+    def __contains__(self, label: object) -> bool:
+        return isinstance(label, str) and self.pattern.search(label) is not None
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def _records_of(rec: Recorder, cap: Capture, labels: List[str]) -> Tensor:
+    """Records of ``labels``; a view gets its source's record also when the source is not selected."""
+    chosen = set(labels)
+    sources = [s for s in dict.fromkeys(cap.aliases[l] for l in labels if l in cap.aliases) if s not in chosen]
+    return rec.records(labels + sources, cap.aliases)[: len(labels)]
 
 
 def _compile(name: str, pattern: Optional[str]) -> Optional["re.Pattern[str]"]:

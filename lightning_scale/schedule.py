@@ -28,17 +28,17 @@ class Schedule:
     stop_step: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if self.every_n_steps is not None and (not isinstance(self.every_n_steps, int) or self.every_n_steps <= 0):
+        if self.every_n_steps is not None and (not _is_int(self.every_n_steps) or self.every_n_steps <= 0):
             raise ValueError(f"`every_n_steps` must be a positive integer or None, got {self.every_n_steps!r}")
         if self.steps is not None:
-            bad = [s for s in self.steps if not isinstance(s, int) or s < 0]
+            bad = [s for s in self.steps if not _is_int(s) or s < 0]
             if bad:
                 raise ValueError(f"`steps` must hold non-negative integers, got {bad!r} in {self.steps!r}")
             if list(self.steps) != sorted(set(self.steps)):
                 raise ValueError(f"`steps` must be sorted and free of repeats, got {self.steps!r}")
-        if not isinstance(self.start_step, int) or self.start_step < 0:
+        if not _is_int(self.start_step) or self.start_step < 0:
             raise ValueError(f"`start_step` must be a non-negative integer, got {self.start_step!r}")
-        if self.stop_step is not None and (not isinstance(self.stop_step, int) or self.stop_step <= self.start_step):
+        if self.stop_step is not None and (not _is_int(self.stop_step) or self.stop_step <= self.start_step):
             raise ValueError(f"`stop_step` must be an integer above `start_step` ({self.start_step}) or None, got {self.stop_step!r}")
         if self.every_n_steps is None and not self.steps:
             raise ValueError("Nothing to track: give `every_n_steps` or a non-empty `steps` list")
@@ -50,3 +50,7 @@ class Schedule:
         if self.steps and step in self.steps:
             return True
         return self.every_n_steps is not None and (step - self.start_step) % self.every_n_steps == 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python

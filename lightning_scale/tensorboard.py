@@ -9,6 +9,7 @@ nodes' values.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -20,6 +21,10 @@ from lightning_scale.recorder import BACKWARD, FORWARD
 __all__ = ["DIRECTIONS", "ScaleWriter", "scale_figure", "scalar_metrics"]
 
 DIRECTIONS = (("fwd", FORWARD), ("bwd", BACKWARD))
+
+# TensorBoard shows the last custom-scalars layout of a run, so each SummaryWriter gets
+# every prefix's charts at once: its categories so far, by title.
+_LAYOUTS: "weakref.WeakKeyDictionary[Any, Dict[str, Any]]" = weakref.WeakKeyDictionary()
 
 
 def _tag_stat(name: str) -> str:
@@ -89,7 +94,6 @@ class ScaleWriter:
         self.histograms = histograms
         self.figure = figure
         self.prefix = prefix
-        self._layout_written = False
 
     def _tensorboards(self) -> List[Any]:
         out = []
@@ -132,8 +136,7 @@ class ScaleWriter:
         return out
 
     def _write_extras(self, writer: Any, step: int, labels: Sequence[str], records: Tensor, code: Optional[str]) -> None:
-        if not self._layout_written:
-            self._write_layout(writer, labels, records)
+        self._write_layout(writer, labels)
         if self.histograms:
             std = stats.statistic(records, "std")
             for tag, d in DIRECTIONS:
@@ -150,12 +153,15 @@ class ScaleWriter:
         if code:
             writer.add_text(f"{self.prefix}scale_code", "    " + code.replace("\n", "\n    "), step)
 
-    def _write_layout(self, writer: Any, labels: Sequence[str], records: Tensor) -> None:
+    def _write_layout(self, writer: Any, labels: Sequence[str]) -> None:
         from tensorboard.plugins.custom_scalar import layout_pb2  # noqa: F401 - presence check
 
-        charts = {label: ["Multiline", [f"{self.prefix}scale/fwd/{label}", f"{self.prefix}scale/bwd/{label}"]] for label in labels}
-        writer.add_custom_scalars({f"{self.prefix}scale (fwd and bwd per node)": charts})
-        self._layout_written = True
+        title = f"{self.prefix}scale (fwd and bwd per node)"
+        layout = _LAYOUTS.setdefault(writer, {})
+        if title in layout:
+            return
+        layout[title] = {label: ["Multiline", [f"{self.prefix}scale/fwd/{label}", f"{self.prefix}scale/bwd/{label}"]] for label in labels}
+        writer.add_custom_scalars(dict(layout))
 
     def write_value_histograms(self, step: int, histograms: Dict[str, Tensor]) -> None:
         """Histograms of log2|x| (``{"fwd/<label>": counts over exponent bins}``)."""
