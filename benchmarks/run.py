@@ -1,0 +1,140 @@
+"""The CPU benchmark suite: ``make bench`` (``python benchmarks/run.py --out docs/benchmarks.md``).
+
+Step time of every variant at three GPT sizes (interleaved rounds), untracked steps in a
+real Trainer fit loop, peak memory in fresh processes, and capture time of a 12-layer
+GPT. Prints a markdown page and writes it to ``--out``. ``--quick`` runs a few rounds
+of everything, to check the suite itself (minutes matter on a 2-core machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib.metadata
+import platform
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+import workload  # noqa: F401 - first: puts the checkout's package on sys.path
+import capture_time
+import fit_loop
+import memory
+import render
+from timing import CLOCKS, Summary, between_noise_floor, interleaved, load_average, noise_floor
+from workload import MAIN, SIZES, VARIANTS, Size, Workload
+
+#: By model width: (most rounds, wall-time budget in seconds). Each size stops at its
+#: budget (after at least 6 rounds), so a loaded machine cannot stretch the suite past
+#: about 8 minutes; the page reports the rounds done.
+ROUNDS = {64: (60, 20.0), 128: (30, 45.0), 256: (14, 60.0)}
+QUICK_ROUNDS = {64: (4, None), 128: (3, None), 256: (2, None)}
+FIT_ROUNDS, FIT_STEPS, FIT_DEADLINE_S = 6, 30, 300.0  # fit rounds stop FIT_DEADLINE_S into the run
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def machine() -> Dict[str, str]:
+    cpu, cores, mem = render.machine_info()
+    return {
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "cpu": cpu, "cores": cores, "memory": mem, "python": platform.python_version(),
+        "torch": torch.__version__, "lightning": _version("lightning"), "unit_scaling": _version("unit-scaling"),
+    }  # fmt: skip
+
+
+def step_times(res: render.Results, size: Size, rounds: int, budget_s: Optional[float]) -> None:
+    work = Workload(size)
+    steps = {}
+    for variant in VARIANTS:
+        try:
+            steps[variant] = work.step(variant)
+        except ImportError as err:  # the reference needs the `bench` extra
+            res.missing[variant] = f'{err}; `pip install "lightning-scale[bench]"`'
+    samples = interleaved(steps, rounds, budget_s=budget_s, min_rounds=min(6, rounds))
+    res.steps[size] = {clock: {name: Summary.of(t.clock(clock)) for name, t in samples.items()} for clock in CLOCKS}
+    res.rounds[size] = len(samples["plain"].wall)
+    res.noise[size] = {clock: noise_floor(samples["plain"].clock(clock)) for clock in CLOCKS}
+    _log(f"{size.name}, {res.rounds[size]} rounds: " + ", ".join(f"{k} {render.ratio(res, size, k):.2f}x" for k in samples))
+
+
+def fit_times(res: render.Results, quick: bool, elapsed: float) -> None:
+    if fit_loop.monitor_class() is None:
+        res.fit_missing = "`lightning_scale.ScaleMonitor` does not exist yet"
+        return
+    try:
+        if quick:
+            samples, hooks = fit_loop.measure(MAIN, rounds=2, steps=12)
+        else:
+            budget = max(10.0, FIT_DEADLINE_S - elapsed)
+            samples, hooks = fit_loop.measure(MAIN, rounds=FIT_ROUNDS, steps=FIT_STEPS, budget_s=budget)
+    except Exception as err:  # noqa: BLE001 - an unfinished callback must not sink the suite
+        res.fit_missing = f"the fit loop with `ScaleMonitor` failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        return
+    res.fit = {clock: {name: Summary.of([t for fit in fits for t in fit.clock(clock)]) for name, fits in samples.items()} for clock in CLOCKS}
+    res.fit_noise = {clock: between_noise_floor([fit.clock(clock) for fit in samples["fit"]]) for clock in CLOCKS}
+    res.fit_rounds = len(samples["fit"])
+    res.fit_hooks = statistics.median(hooks)
+    _log(f"fit loop: monitor {render.fit_ratio(res):.3f}x CPU, {render.fit_ratio(res, 'wall'):.3f}x wall")
+
+
+def memory_peaks(res: render.Results, quick: bool) -> None:
+    reps = {size: 3 if size == MAIN and not quick else 1 for size in SIZES}
+    jobs = [(s.dim, s.layers, v) for s in SIZES for _ in range(reps[s]) for v in ("plain", "tracked")]
+    res.memory_steps = 3 if quick else 4
+    peaks = memory.measure(jobs, steps=res.memory_steps)
+    for size in SIZES:
+        res.memory[size] = {v: [p for job, p in zip(jobs, peaks) if job == (size.dim, size.layers, v)] for v in ("plain", "tracked")}
+        _log(f"memory {size.name}: training {render.memory_ratio(res, size, 'training_kb'):.3f}x")
+
+
+def row_labels() -> Dict[str, str]:
+    """Variant -> row label, in table order: the untracked row after the tracked ones."""
+    ours = [k for k in VARIANTS if k not in ("reference", "interpreter")]
+    order = ours + [render.UNTRACKED, "reference", "interpreter"]
+    labels = {**VARIANTS, render.UNTRACKED: "untracked step, `ScaleMonitor(every_n_steps=10**9)` installed"}
+    return {k: labels[k] for k in order}
+
+
+def _log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv: List[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the markdown page here as well")
+    parser.add_argument("--quick", action="store_true", help="a few rounds only (checks the suite, not the code)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    command = "make bench" if not args.quick else "python benchmarks/run.py --quick"
+    res = render.Results(machine(), command, SIZES, row_labels())
+    load_start = load_average()
+    for size in SIZES:
+        step_times(res, size, *(QUICK_ROUNDS if args.quick else ROUNDS)[size.dim])
+        gc.collect()
+    fit_times(res, args.quick, time.perf_counter() - start)
+    memory_peaks(res, args.quick)
+    res.capture = capture_time.measure(Size(128, 12), fx_repeats=5, dynamo_repeats=2 if args.quick else 3)
+    _log(f"capture: fx {res.capture.fx_median:.3f} s, dynamo {res.capture.dynamo_median:.2f} s")
+    res.seconds = time.perf_counter() - start
+    res.load = (load_start, load_average())
+    text = render.page(res)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

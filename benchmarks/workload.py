@@ -1,0 +1,143 @@
+"""Workload: the GPT sizes, their data, and one training step per benchmarked variant.
+
+A training step is always zero_grad, forward, cross-entropy loss, backward, AdamW step;
+variants differ only in how the forward runs and what is recorded on the way.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable, Dict, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run as `python benchmarks/x.py`: import the checkout's package
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import Tensor, fx, nn  # noqa: E402
+
+from lightning_scale import Recorder, ScaleTrackingInterpreter, capture, recording  # noqa: E402
+from lightning_scale.models import GPT, GPTConfig, synthetic_tokens  # noqa: E402
+
+Step = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Size:
+    """One model size of the cost curve."""
+
+    dim: int
+    layers: int
+    heads: int = 4
+    batch: int = 16
+    seq: int = 64
+    vocab: int = 256
+
+    @property
+    def name(self) -> str:
+        return f"d={self.dim}, {self.layers} layers"
+
+
+SIZES: Tuple[Size, ...] = (Size(64, 2), Size(128, 4), Size(256, 6))
+MAIN = SIZES[1]  # the size the targets are judged on
+
+#: Variant key -> row label, in the order they run within a round.
+VARIANTS: Dict[str, str] = {
+    "plain": "plain step",
+    "tracked": 'tracked, fx fast path, groups ("moments",)',
+    "tracked_range": 'tracked, fx fast path, groups ("moments", "range")',
+    "tracked_formats": 'tracked, fx fast path, groups ("moments", "range", "formats")',
+    "reference": "reference: unit_scaling.utils.ScaleTrackingInterpreter",
+    "interpreter": 'ours: lightning_scale.ScaleTrackingInterpreter, groups ("moments",)',
+}
+GROUPS = {
+    "tracked": ("moments",),
+    "tracked_range": ("moments", "range"),
+    "tracked_formats": ("moments", "range", "formats"),
+}
+
+
+class Workload:
+    """A GPT of one size in train mode, its AdamW optimizer and one fixed batch."""
+
+    def __init__(self, size: Size, seed: int = 0, device: str = "cpu") -> None:
+        torch.manual_seed(seed)
+        cfg = GPTConfig(vocab=size.vocab, seq=size.seq, layers=size.layers, dim=size.dim, heads=size.heads)
+        self.size = size
+        self.model = GPT(cfg).to(device).train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        x, y = synthetic_tokens(size.batch, size.seq, size.vocab, seed=seed)
+        self.x, self.y = x.to(device), y.to(device)
+
+    def loss(self, logits: Tensor) -> Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), self.y.reshape(-1))
+
+    def step(self, variant: str) -> Step:
+        """A no-argument function that runs one training step of ``variant``."""
+        if variant == "plain":
+            return self._plain_step()
+        if variant in GROUPS:
+            return self._tracked_step(GROUPS[variant])
+        if variant == "reference":
+            return self._reference_step()
+        if variant == "interpreter":
+            return self._interpreter_step()
+        raise ValueError(f"`variant` must be one of {sorted(VARIANTS)}, got {variant!r}")
+
+    def _plain_step(self) -> Step:
+        def step() -> None:
+            self.opt.zero_grad()
+            self.loss(self.model(self.x)).backward()
+            self.opt.step()
+
+        return step
+
+    def _tracked_step(self, groups: Tuple[str, ...]) -> Step:
+        cap = capture(self.model, "fx")
+        fn = cap.tracked()
+        rec = Recorder(groups=groups)
+
+        def step() -> None:
+            self.opt.zero_grad()
+            with recording(rec):
+                self.loss(fn(self.x)).backward()
+            rec.records(cap.node_labels, cap.aliases).cpu()  # the one read per tracked step
+            rec.clear()
+            self.opt.step()
+
+        return step
+
+    def _reference_step(self) -> Step:
+        from unit_scaling.utils import ScaleTrackingInterpreter as Reference
+        from unit_scaling.utils import _DeepTracer
+
+        gm = _deep_trace(self.model, _DeepTracer(recurse_modules=True))
+
+        def step() -> None:
+            self.opt.zero_grad()
+            self.loss(Reference(gm).run(self.x)).backward()  # reads float(t.std()) per tensor
+            self.opt.step()
+
+        return step
+
+    def _interpreter_step(self) -> Step:
+        from unit_scaling.utils import _DeepTracer
+
+        gm = _deep_trace(self.model, _DeepTracer(recurse_modules=True))
+
+        def step() -> None:
+            self.opt.zero_grad()
+            interp = ScaleTrackingInterpreter(gm, groups=("moments",))
+            self.loss(interp.run(self.x)).backward()
+            interp.records().cpu()
+            self.opt.step()
+
+        return step
+
+
+def _deep_trace(model: nn.Module, tracer: fx.Tracer) -> fx.GraphModule:
+    graph = tracer.trace(model)
+    return fx.GraphModule(tracer.root, graph)  # shares the model's parameters
