@@ -257,22 +257,13 @@ class ScaleMonitor(Callback):
 
     def _report(self, trainer: pl.Trainer, active: "_TrackedStep") -> None:
         rec, cap = active.recorder, active.capture
-        if rec.error is not None:
-            self._warn_once("error", f"ScaleMonitor: statistics failed at step {active.step} ({rec.error!r}); nothing logged for it")
-            return
         labels = [l for l in cap.node_labels if self._selected(l, cap)]
-        records = _records_of(rec, cap, labels)
-        if active.loss_scale is not None:  # an extra row, so it travels in the same transfer
-            extra = torch.zeros(1, 2, len(stats.FIELDS), dtype=torch.float64, device=records.device)
-            extra[0, FORWARD, 0] = 1.0
-            extra[0, FORWARD, 1] = active.loss_scale.to(records.device)
-            records = torch.cat([records, extra])
-        rows = records.shape[0] if cap.mode == "fx" else max(records.shape[0], _DYNAMO_ROWS)
-        pooled, per_rank = distributed.pool(records, labels, rows)
-        loss_scale_value = None
-        if active.loss_scale is not None:
-            loss_scale_value = float(pooled[-1, FORWARD, 1])
-            pooled, per_rank = pooled[:-1], per_rank[:, :-1]
+        try:
+            pooled, per_rank, loss_scale_value = self._pool(trainer, active, labels)
+        except distributed.RankFailedError as err:  # raised on every rank alike
+            here = f"; here: {rec.error!r}" if rec.error is not None else ""
+            self._warn_once("error", f"ScaleMonitor: {err} at step {active.step}{here}; nothing logged for it")
+            return
         self._check_nonfinite(rec, pooled, labels, active.step)
         if not trainer.is_global_zero:
             return
@@ -292,6 +283,27 @@ class ScaleMonitor(Callback):
         if rec.histograms:
             hists = {f"{'fwd' if d == FORWARD else 'bwd'}/{k}": h.cpu() for (k, d), h in rec.histograms.items()}
             writer.write_value_histograms(active.step, hists)
+
+    def _pool(self, trainer: pl.Trainer, active: "_TrackedStep", labels: List[str]) -> Tuple[Tensor, Tensor, Optional[float]]:
+        """Every rank sends its records, a failure flag and the loss scale in one collective,
+        also when its statistics failed, so no rank is left waiting."""
+        rec, cap = active.recorder, active.capture
+        failed = rec.error is not None
+        if failed:
+            records = torch.zeros(len(labels), 2, len(stats.FIELDS), dtype=torch.float64, device=trainer.strategy.root_device)
+        else:
+            records = _records_of(rec, cap, labels)
+        if active.loss_scale is not None:  # an extra row, so it travels in the same transfer
+            extra = torch.zeros(1, 2, len(stats.FIELDS), dtype=torch.float64, device=records.device)
+            extra[0, FORWARD, 0] = 1.0
+            extra[0, FORWARD, 1] = active.loss_scale.to(records.device)
+            records = torch.cat([records, extra])
+        rows = records.shape[0] if cap.mode == "fx" else max(records.shape[0], _DYNAMO_ROWS)
+        replicated = _replicated_labels(self._target(trainer.lightning_module))
+        pooled, per_rank = distributed.pool(records, labels, rows, replicated, failed)
+        if active.loss_scale is None:
+            return pooled, per_rank, None
+        return pooled[:-1], per_rank[:, :-1], float(pooled[-1, FORWARD, 1])
 
     def _nothing_recorded(self, active: "_TrackedStep", labels: List[str]) -> str:
         where = f"step {active.step}" + (" (validation)" if active.prefix else "")
@@ -437,6 +449,11 @@ def _resolve_submodule(root: nn.Module, path: str) -> nn.Module:
         near = difflib.get_close_matches(path, names, n=5, cutoff=0.3)
         hint = f"; nearest: {near}" if near else f"; submodules include {names[:8]}"
         raise ValueError(f"`submodule` {path!r} is not a submodule of {type(root).__name__}{hint}") from None
+
+
+def _replicated_labels(target: nn.Module) -> "set[str]":
+    """Parameter and buffer paths: under data parallelism every rank holds them whole."""
+    return {n for n, _ in target.named_parameters()} | {n for n, _ in target.named_buffers()}
 
 
 def _fsdp_units(target: nn.Module) -> List[str]:

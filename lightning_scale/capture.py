@@ -161,11 +161,19 @@ def _grad_modes() -> Tuple[Any, ...]:
 
 def _op_name(node: fx.Node, root: Optional[nn.Module]) -> str:
     if node.op == "call_module" and root is not None:
-        return type(root.get_submodule(str(node.target))).__name__.lower()
+        return _module_type(root.get_submodule(str(node.target))).__name__.lower()
     if node.op == "call_method":
         return str(node.target)
     target = node.target
     return getattr(target, "__name__", str(target)).strip("_") or "op"
+
+
+def _module_type(m: nn.Module) -> type:
+    """The user's class: FSDP2's ``fully_shard`` swaps in a subclass ``FSDP<name>``."""
+    cls = type(m)
+    if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2 and cls.__bases__[0].__name__ == "FSDPModule":
+        return cls.__bases__[1]
+    return cls
 
 
 _DYNAMO_PATH = re.compile(r"^L\['[^']+'\]\.?")
