@@ -98,7 +98,7 @@ def targets(res: Results) -> List[str]:
         r, w = ratio(res, MAIN, "tracked"), ratio(res, MAIN, "tracked", "wall")
         others = ", ".join(f"{ratio(res, s, 'tracked'):.2f}x at {s.name}" for s in res.sizes if s != MAIN and s in res.steps)
         rows.append(f"| tracked step <= {TRACKED_MAX}x plain ({MAIN.name}, fx fast path, moments) | "
-                    f"CPU {r:.2f}x, wall {w:.2f}x (CPU {others}) | {_yes(r <= TRACKED_MAX)} |")  # fmt: skip
+                    f"CPU {r:.3f}x, wall {w:.3f}x (CPU {others}) | {_yes(r <= TRACKED_MAX)} |")  # fmt: skip
     if res.fit is not None:
         u, w = fit_ratio(res), fit_ratio(res, "wall")
         h = 1 + res.fit_hooks / res.fit["wall"]["fit"].median
