@@ -40,9 +40,10 @@ Run = Tuple[Path, Path]  # output folders of a run and of the run without the ca
 # ---- running the training script --------------------------------------------------------
 
 
-def _start(out: Path, strategy: str, callback: str) -> "subprocess.Popen[str]":
+def _start(out: Path, strategy: str, callback: str, port: int) -> "subprocess.Popen[str]":
     out.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # distinct ports for runs started together
     cmd = [sys.executable, str(SCRIPT), str(out), strategy, callback]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -64,7 +65,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., 
     a run is process start-up and Lightning's launch delay); waits for the one asked."""
     base = tmp_path_factory.mktemp("runs")
     modes = [(s, cb) for s in STRATEGIES for cb in ("on", "off")] + [("ddp", "fail")]
-    procs = {(s, cb): _start(base / s / cb, s, cb) for s, cb in modes}
+    ports = _free_ports(len(modes))
+    procs = {(s, cb): _start(base / s / cb, s, cb, port) for (s, cb), port in zip(modes, ports)}
     finished: Dict[Tuple[str, str], Path] = {}
 
     def get(strategy: str, mode: str = "on") -> Run:
@@ -250,16 +252,22 @@ def _pool_worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(n: int) -> List[int]:
+    """``n`` distinct ports free right now (all held open until each has been chosen)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @pytest.fixture(scope="module")
 def pooled(tmp_path_factory: pytest.TempPathFactory) -> List[dict]:
     out = tmp_path_factory.mktemp("pool")
-    ctx = mp.start_processes(_pool_worker, args=(_free_port(), str(out)), nprocs=2, join=False, start_method="spawn")
+    ctx = mp.start_processes(_pool_worker, args=(_free_ports(1)[0], str(out)), nprocs=2, join=False, start_method="spawn")
     deadline = time.monotonic() + 120
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
