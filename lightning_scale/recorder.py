@@ -10,6 +10,7 @@ on the observed value keep working. Entries stay on the tensor's device until
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -41,6 +42,9 @@ class Recorder:
         self._slots: Dict[Hashable, int] = OrderedDict()
         self._rows: List[Tuple[int, int, List[stats.Entry]]] = []
         self._handles: List[Any] = []
+        self._host_only = True  # every entry so far is a float (host-read records)
+        self._previous: Optional[Tuple[Any, int, int]] = None  # (weakref, version, slot)
+        self._same: Dict[int, List[int]] = {}  # slot -> slots that returned the same tensor
         self.error: Optional[BaseException] = None
         #: keys whose values' log2 histogram (``stats.log2_histogram``) is also taken
         self.histogram_keys: set = set()
@@ -60,6 +64,13 @@ class Recorder:
     def observe(self, key: Hashable, x: Tensor) -> None:
         """Record ``x`` (forward) now and its gradient (backward) when it arrives."""
         slot = self.slot(key)
+        prev = self._previous
+        if prev is not None and prev[0]() is x and prev[1] == x._version and prev[2] != slot:
+            # The node returned its input itself (dropout with p=0, .contiguous(), .to()
+            # to the same dtype): same values, same gradient. Reuse, do not recompute.
+            self._same.setdefault(prev[2], []).append(slot)
+            return
+        self._previous = (weakref.ref(x), x._version, slot)
         self._add(slot, FORWARD, x)
         if not (x.requires_grad and torch.is_grad_enabled()):
             return
@@ -87,7 +98,9 @@ class Recorder:
     def _add(self, slot: int, direction: int, x: Tensor) -> None:
         if self.device is None:
             self.device = x.device
-        self._rows.append((slot, direction, stats.record_of(x, self.groups, self.host_reads)))
+        host = x.device.type == "cpu" if self.host_reads is None else self.host_reads
+        self._host_only = self._host_only and host
+        self._rows.append((slot, direction, stats.record_of(x, self.groups, host)))
         if self.histogram_keys:
             key = list(self._slots)[slot]
             if key in self.histogram_keys:
@@ -116,11 +129,12 @@ class Recorder:
     def _records(self, keys: List[Hashable]) -> Tensor:
         index = {k: i for i, k in enumerate(keys)}
         inverse = {s: index.get(k) for k, s in self._slots.items()}
-        rows = [(inverse[s], d, e) for s, d, e in self._rows if inverse[s] is not None]
+        expanded = [(t, d, e) for s, d, e in self._rows for t in (s, *self._same.get(s, ()))]
+        rows = [(inverse[s], d, e) for s, d, e in expanded if inverse[s] is not None]
         out = torch.zeros(len(keys), 2, len(stats.FIELDS), dtype=torch.float64, device=self.device)
         if not rows:
             return out
-        assembled = stats.assemble([e for _, _, e in rows], device=self.device)
+        assembled = stats.assemble([e for _, _, e in rows], device=self.device, host_only=self._host_only)
         groups: Dict[int, List[int]] = {}
         for j, (i, d, _) in enumerate(rows):
             groups.setdefault(i * 2 + d, []).append(j)
@@ -149,6 +163,9 @@ class Recorder:
     def clear(self) -> None:
         """Forget this step's entries and remove its hooks (keys and their order are kept)."""
         self._rows.clear()
+        self._host_only = True
+        self._previous = None
+        self._same.clear()
         self.histograms.clear()
         self.error = None
         self.remove_hooks()

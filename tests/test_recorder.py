@@ -1,0 +1,72 @@
+"""Recorder: a node that returns its input tensor itself reuses its record, exactly."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_scale import stats
+from lightning_scale.capture import capture
+from lightning_scale.recorder import BACKWARD, FORWARD, Recorder, recording
+
+
+class Identityish(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.0)  # returns its input tensor itself
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.fc(x)).contiguous()
+        y = h + 1.0
+        y.mul_(2.0)  # same object, new version: a different value, recorded afresh
+        return y.sum() + (h * h).sum()
+
+
+def _run(model: nn.Module, x: torch.Tensor) -> tuple:
+    cap = capture(model, "fx")
+    rec = Recorder()
+    with recording(rec):
+        loss = cap.tracked()(x)
+    loss.backward()
+    labels = cap.node_labels
+    records = rec.records(labels, cap.aliases).cpu()
+    rec.clear()
+    return labels, records, rec
+
+
+def test_same_tensor_reuses_record_and_gradient() -> None:
+    torch.manual_seed(0)
+    model, x = Identityish(), torch.randn(32, 8)
+    labels, records, _ = _run(model, x)
+    index = {l: i for i, l in enumerate(labels)}
+    lin, drop = index["fc/linear"], index["drop/dropout"]
+    torch.testing.assert_close(records[drop], records[lin], rtol=0, atol=0, equal_nan=True)
+    # Independent float64 reference of the linear output and its gradient.
+    w, b = model.fc.weight.detach().double(), model.fc.bias.detach().double()
+    h = (x.double() @ w.T + b).requires_grad_()
+    ((h + 1) * 2).sum().add((h * h).sum()).backward()
+    std = stats.statistic(records, "std")
+    assert abs(float(std[lin, FORWARD]) / float(h.detach().std()) - 1) < 1e-6
+    assert abs(float(std[lin, BACKWARD]) / float(h.grad.std()) - 1) < 1e-6
+
+
+def test_in_place_result_is_recorded_afresh() -> None:
+    torch.manual_seed(0)
+    model, x = Identityish(), torch.randn(32, 8)
+    labels, records, _ = _run(model, x)
+    index = {l: i for i, l in enumerate(labels)}
+    add, mul = records[index["add"]], records[index["mul_"]]
+    std = stats.statistic(torch.stack([add, mul]), "std")
+    assert abs(float(std[1, FORWARD]) / float(std[0, FORWARD]) - 2) < 1e-6
+
+
+def test_same_tensor_is_not_computed_twice(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    calls = []
+    original = stats.record_of
+    monkeypatch.setattr(stats, "record_of", lambda x, *a, **k: calls.append(x.shape) or original(x, *a, **k))
+    torch.manual_seed(0)
+    labels, records, _ = _run(Identityish(), torch.randn(32, 8))
+    present = int((records[..., 0] > 0).sum())
+    # dropout(p=0) and .contiguous() return the linear output itself: 2 nodes x 2 directions
+    assert len(calls) == present - 4
