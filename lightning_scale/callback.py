@@ -56,6 +56,8 @@ class ScaleMonitor(Callback):
         max_tags: the most nodes whose scalars are written (beyond it, a warning once).
         histograms: write ``scale_hist/fwd`` and ``scale_hist/bwd``.
         figure: write the per-node scale figure (needs matplotlib).
+        figure_every: draw the figure on the first tracked step and then on every n-th
+            tracked step (matplotlib takes about a second for a few hundred nodes).
         code: write the captured code annotated with scales as text.
         value_histograms: regex; for matching nodes, write the histogram of log2|x| of
             the values and gradients (``values_log2/``).
@@ -90,6 +92,7 @@ class ScaleMonitor(Callback):
         max_tags: int = 1000,
         histograms: bool = True,
         figure: bool = True,
+        figure_every: int = 10,
         code: bool = True,
         value_histograms: Optional[str] = None,
         rank_spread: bool = False,
@@ -104,6 +107,8 @@ class ScaleMonitor(Callback):
         unknown = [s for s in self.statistics if s not in stats.STATISTICS]
         if unknown or not self.statistics:
             raise ValueError(f"`statistics` must be a non-empty list from {sorted(stats.STATISTICS)}, got {statistics!r}")
+        if not isinstance(figure_every, int) or isinstance(figure_every, bool) or figure_every <= 0:
+            raise ValueError(f"`figure_every` must be a positive integer, got {figure_every!r}")
         if not isinstance(max_tags, int) or max_tags <= 0:
             raise ValueError(f"`max_tags` must be a positive integer, got {max_tags!r}")
         self.include = _compile("include", include)
@@ -113,6 +118,7 @@ class ScaleMonitor(Callback):
         self.capture_mode = capture
         self.prune_views, self.max_tags = prune_views, max_tags
         self.histograms, self.figure, self.code = histograms, figure, code
+        self.figure_every = figure_every
         self.rank_spread, self.track_validation = rank_spread, track_validation
         self.unscale_gradients = unscale_gradients
         self.leaf_modules = list(leaf_modules or [])
@@ -355,7 +361,7 @@ class ScaleMonitor(Callback):
 
     def _writer(self, trainer: pl.Trainer, prefix: str) -> ScaleWriter:
         if prefix not in self._writers:
-            self._writers[prefix] = ScaleWriter(trainer.loggers, self.statistics, self.histograms, self.figure, prefix)
+            self._writers[prefix] = ScaleWriter(trainer.loggers, self.statistics, self.histograms, self.figure, prefix, self.figure_every)
         return self._writers[prefix]
 
     def _code(self, cap: Capture, labels: List[str], pooled: Tensor) -> str:

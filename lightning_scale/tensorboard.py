@@ -72,7 +72,9 @@ def scale_figure(labels: Sequence[str], records: Tensor, title: str = "") -> Any
     ax.grid(axis="x", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     ax.set_title(title or "Scale of every node (forward, backward)")
-    fig.tight_layout()
+    # Fixed margins (tight_layout measures every label: slow for hundreds of nodes).
+    height = fig.get_figheight()
+    fig.subplots_adjust(left=0.3, right=0.98, top=1 - 0.5 / height, bottom=0.6 / height)
     return fig
 
 
@@ -86,14 +88,18 @@ class ScaleWriter:
         histograms: write ``scale_hist/{fwd,bwd}``.
         figure: write the per-node scale figure (needs matplotlib).
         prefix: prepended to every tag (e.g. ``"val_"`` for validation tracking).
+        figure_every: draw the figure on the first write and every n-th after it
+            (drawing a few hundred nodes takes matplotlib about a second).
     """
 
-    def __init__(self, loggers: Sequence[Any], statistics: Sequence[str], histograms: bool = True, figure: bool = True, prefix: str = "") -> None:
+    def __init__(self, loggers: Sequence[Any], statistics: Sequence[str], histograms: bool = True, figure: bool = True, prefix: str = "", figure_every: int = 1) -> None:
         self.loggers = list(loggers)
         self.statistics = list(statistics)
         self.histograms = histograms
         self.figure = figure
         self.prefix = prefix
+        self.figure_every = figure_every
+        self._writes = 0
 
     def _tensorboards(self) -> List[Any]:
         out = []
@@ -116,8 +122,10 @@ class ScaleWriter:
                     writer.add_scalar(tag, value, step)
             else:
                 logger.log_metrics(metrics, step=step)
+        draw = self._writes % self.figure_every == 0
+        self._writes += 1
         for writer in self._tensorboards():
-            self._write_extras(writer, step, labels, records, code)
+            self._write_extras(writer, step, labels, records, code, draw)
 
     def _tensorboards_of(self, logger: Any) -> bool:
         exp = getattr(logger, "experiment", None)
@@ -135,7 +143,7 @@ class ScaleWriter:
                     out[f"scale_rank_max/{tag}/{label}"] = hi[i][d]
         return out
 
-    def _write_extras(self, writer: Any, step: int, labels: Sequence[str], records: Tensor, code: Optional[str]) -> None:
+    def _write_extras(self, writer: Any, step: int, labels: Sequence[str], records: Tensor, code: Optional[str], draw: bool) -> None:
         self._write_layout(writer, labels)
         if self.histograms:
             std = stats.statistic(records, "std")
@@ -143,7 +151,7 @@ class ScaleWriter:
                 ok = (records[:, d, 0] > 0) & (std[:, d] > 0) & torch.isfinite(std[:, d])
                 if bool(ok.any()):
                     writer.add_histogram(f"{self.prefix}scale_hist/{tag}", std[ok, d].log2(), step)
-        if self.figure:
+        if self.figure and draw:
             try:
                 fig = scale_figure(labels, records, f"step {step}")
             except ImportError:

@@ -232,7 +232,7 @@ def test_logged_std_equals_float64_reference(tmp_path: Path) -> None:
 def test_extras_statistics_and_value_histograms(tmp_path: Path) -> None:
     torch.manual_seed(0)
     snap = Snapshot()
-    monitor = ScaleMonitor(every_n_steps=2, statistics=["std", "absmax", "underflow_e4m3"], value_histograms=r"^net\.0/linear$", rank_spread=True)
+    monitor = ScaleMonitor(every_n_steps=2, statistics=["std", "absmax", "underflow_e4m3"], value_histograms=r"^net\.0/linear$", rank_spread=True, figure_every=1)
     acc = events(fit(MLP(), tmp_path, [snap, monitor], max_steps=3))
     tags = acc.Tags()
     for tag, nodes in (("scale_hist/fwd", 8), ("scale_hist/bwd", 7)):  # the input has no gradient
@@ -262,6 +262,12 @@ def test_extras_statistics_and_value_histograms(tmp_path: Path) -> None:
         assert [e.step for e in hist] == [0, 2]
         assert hist[0].histogram_value.num == int((values != 0).sum())
     assert not [t for t in tags["histograms"] if t.startswith("values_log2/") and "net.0/linear" not in t]
+
+
+def test_figure_is_drawn_every_n_tracked_steps(tmp_path: Path) -> None:
+    acc = events(fit(MLP(), tmp_path, [ScaleMonitor(every_n_steps=1, figure_every=2)], max_steps=5))
+    assert [e.step for e in acc.Images("scale_plot")] == [0, 2, 4]
+    assert [e.step for e in acc.Histograms("scale_hist/fwd")] == [0, 1, 2, 3, 4]
 
 
 def test_extras_can_be_switched_off(tmp_path: Path) -> None:
@@ -418,6 +424,7 @@ def test_no_logger_is_an_error_at_fit(tmp_path: Path) -> None:
         ({"value_histograms": "a)"}, r"`value_histograms` must be a valid regular expression, got 'a\)'"),
         ({"capture": "jit"}, r"`capture` must be one of \['auto', 'fx', 'dynamo'\], got 'jit'"),
         ({"max_tags": 0}, r"`max_tags` must be a positive integer, got 0"),
+        ({"figure_every": 0}, r"`figure_every` must be a positive integer, got 0"),
         ({"start_step": 3, "stop_step": 3}, r"`stop_step` must be an integer above `start_step` \(3\) or None, got 3"),
         ({"start_step": 3, "stop_step": 1}, r"`stop_step` must be an integer above `start_step` \(3\)"),
     ],
