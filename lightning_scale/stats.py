@@ -252,18 +252,19 @@ def assemble(rows: Sequence[Sequence[Entry]], device: Optional[torch.device] = N
         out = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), len(FIELDS))
         return out if device is None else out.to(device)
     template = torch.tensor([[v if isinstance(v, float) else 0.0 for v in row] for row in rows], dtype=torch.float64).reshape(len(rows), len(FIELDS))
-    positions: List[int] = []
-    values: List[Tensor] = []
+    by_dtype: Dict[torch.dtype, Tuple[List[int], List[Tensor]]] = {}
     for r, row in enumerate(rows):
         for c, v in enumerate(row):
             if isinstance(v, Tensor):
+                positions, values = by_dtype.setdefault(v.dtype, ([], []))
                 positions.append(r * len(FIELDS) + c)
-                values.append(v.reshape(()).to(torch.float64))
-    if not values:
+                values.append(v.reshape(()))
+    if not by_dtype:
         return template if device is None else template.to(device)
-    dev = values[0].device if device is None else device
+    dev = next(iter(by_dtype.values()))[1][0].device if device is None else device
     out = template.to(dev, non_blocking=True)
-    out.view(-1)[index_tensor(positions, dev)] = torch.stack(values)
+    for positions, values in by_dtype.values():  # one stack and one cast per dtype
+        out.view(-1)[index_tensor(positions, dev)] = torch.stack(values).to(torch.float64)
     return out
 
 
