@@ -23,7 +23,7 @@ import warnings
 import weakref
 from dataclasses import dataclass, field
 from types import FunctionType, ModuleType
-from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Set, Tuple, Type, Union
 
 import torch
 from torch import fx, nn
@@ -176,7 +176,7 @@ def _module_type(m: nn.Module) -> type:
     return cls
 
 
-_DYNAMO_PATH = re.compile(r"^L\['[^']+'\]\.?")
+_DYNAMO_PATH = re.compile(r"^L\['[^']+'\]\.?(__self__\.?)?")  # L['self'].x, or L['fn'].__self__.x for a bound method
 
 
 def _module_path(node: fx.Node) -> str:
@@ -223,7 +223,13 @@ def _base_label(node: fx.Node, root: Optional[nn.Module], scope: str) -> str:
     return f"{path}/{_op_name(node, root)}" if path else _op_name(node, root)
 
 
-def label_graph(gm: fx.GraphModule, root: Optional[nn.Module] = None, taken: Optional[Dict[str, int]] = None, scope: str = "") -> Dict[str, str]:
+def label_graph(
+    gm: fx.GraphModule,
+    root: Optional[nn.Module] = None,
+    taken: Optional[Dict[str, int]] = None,
+    scope: str = "",
+    only: Optional[Set[str]] = None,
+) -> Dict[str, str]:
     """Readable, unique labels for a graph's nodes: ``blocks.0.mlp.fc1/linear``.
 
     Args:
@@ -232,6 +238,7 @@ def label_graph(gm: fx.GraphModule, root: Optional[nn.Module] = None, taken: Opt
         taken: labels already used (by other graphs of the same capture); updated.
         scope: path of the graph's module inside the captured module (for submodules
             captured separately, such as FSDP units).
+        only: label only these node names (default: all).
 
     Returns:
         node name -> label, for every node but the output and function placeholders.
@@ -240,6 +247,8 @@ def label_graph(gm: fx.GraphModule, root: Optional[nn.Module] = None, taken: Opt
     labels: Dict[str, str] = {}
     for node in gm.graph.nodes:
         if node.op == "output" or str(node.target).startswith("function_placeholder__"):
+            continue
+        if only is not None and node.name not in only:
             continue
         base = _base_label(node, root, scope)
         count = taken.get(base, 0)
@@ -337,18 +346,21 @@ class Capture:
             return self._fns[0]
         if self._compiled is None:
             forward = type(self.module).forward.__get__(self.module)
-            self._compiled = torch.compile(forward, backend=_WeakBackend(self), dynamic=False, **_ISOLATED)
+            self._compiled = torch.compile(forward, backend=_WeakBackend(self), dynamic=None, **_ISOLATED)
         return self._compiled
 
     def _backend(self, gm: fx.GraphModule, example_inputs: List[Any]) -> Callable[..., Any]:
         # A recompile (new input shapes) keeps the labels of the graph it repeats, so a
         # node keeps one tag whatever the shape; it is not listed a second time.
-        fresh = label_graph(gm)
+        # Only tensor nodes are labelled: a graph recompiled with dynamic shapes gains
+        # size placeholders and size arithmetic but keeps its tensor ops.
+        tensors = {n.name for n in gm.graph.nodes if isinstance(n.meta.get("example_value"), torch.Tensor)}
+        fresh = label_graph(gm, only=tensors)
         known = self._by_signature.get(tuple(fresh.values()))
         if known is not None:
             labels = dict(zip(fresh, known.values()))
             return instrument(gm, _observed(labels, view_aliases(gm, labels)))
-        labels = label_graph(gm, None, self._taken)
+        labels = label_graph(gm, None, self._taken, only=tensors)
         self._by_signature[tuple(fresh.values())] = labels
         aliases = view_aliases(gm, labels)
         self.graphs.append(gm)

@@ -382,3 +382,24 @@ def test_capture_records_equal_the_interpreter_on_every_node() -> None:
             assert records[i, d, 0] == want[d, 0], (label, d)
             assert float(got_std) == pytest.approx(float(want_std), rel=1e-6, abs=1e-12), (label, d)
             assert float(stats.statistic(records[i, d], "absmax")) == pytest.approx(float(stats.statistic(want[d], "absmax")), rel=0, nan_ok=True), (label, d)
+
+
+def test_dynamo_tracks_every_input_shape_under_one_set_of_labels() -> None:
+    # More distinct batch sizes than dynamo's recompile limit (8): a dynamic-shape graph
+    # takes over after the first recompile, and it keeps the labels of the static one.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    cap = capture(model, "dynamo")
+    for batch in range(1, 13):
+        x = torch.randn(batch, 4)
+        rec = Recorder()
+        with recording(rec):
+            out = cap.tracked()(x)
+        out.sum().backward()
+        records = rec.records(cap.node_labels, cap.aliases)
+        rec.clear()
+        assert len(cap.node_labels) == 8 and {"0/linear", "1/relu", "2/linear"} <= set(cap.node_labels)
+        hidden = model[0](x).detach().double()
+        got = float(stats.statistic(records, "std")[cap.node_labels.index("0/linear"), FORWARD])
+        assert got == pytest.approx(float(hidden.std()), rel=1e-5)
+    assert len(cap.graphs) == 1
