@@ -1,4 +1,7 @@
-"""Untracked steps: a real ``lightning.Trainer`` fit loop with and without ``ScaleMonitor``.
+"""Steps of a real ``lightning.Trainer`` fit loop, with and without ``ScaleMonitor``.
+
+``measure``: untracked steps (below). ``measure_tracked``: tracked steps and whole fits
+(see its docstring).
 
 ``ScaleMonitor(every_n_steps=10**9)`` tracks step 0 only; every later step is an
 untracked step with the callback installed, which is what is timed. A step's time is the
@@ -18,12 +21,13 @@ import logging
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from timing import Samples
+from timing import Samples, Stopwatch
 from workload import Size, Workload
 
 
@@ -67,8 +71,11 @@ def _step_timer() -> Any:
             self.starts: List[float] = []
             self.cpu_starts: List[float] = []
             self.hooks: Dict[int, float] = {}
+            self.global_steps: List[int] = []  # trainer.global_step at each batch start
+            self.total: Tuple[float, float] = (float("nan"), float("nan"))  # trainer.fit(): wall, cpu
 
-        def on_train_batch_start(self, *args: Any) -> None:
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            self.global_steps.append(trainer.global_step)
             self.starts.append(time.perf_counter())
             self.cpu_starts.append(time.process_time())
 
@@ -116,7 +123,9 @@ def _fit(size: Size, steps: int, monitor: Optional[Any], root: str) -> Any:
         callbacks=[timer] + ([monitor] if monitor is not None else []),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
+    watch = Stopwatch()
     trainer.fit(module, data)
+    timer.total = watch.lap()
     return timer
 
 
@@ -149,3 +158,108 @@ def measure(size: Size, rounds: int = 5, steps: int = 30, skip: int = 5, budget_
                 if monitor is not None:
                     hooks += timer.hook_times()[skip:]
     return out, hooks
+
+
+#: Kinds of kept step in ``TrackedFits.steps``.
+TRACKED_KINDS = ("plain", "untracked", "tracked", "after_tracked", "tracked_figure", "after_figure")
+
+
+@dataclass
+class TrackedFits:
+    """What ``measure_tracked`` measured."""
+
+    every_n_steps: int
+    figure_every: int
+    steps: int  # of each short fit with frequent tracking
+    whole_steps: int  # of each whole fit
+    skip: int
+    steps_by_kind: Dict[str, Samples] = field(default_factory=dict)  # TRACKED_KINDS -> step periods, all rounds
+    hooks: Dict[str, List[float]] = field(default_factory=dict)  # kind -> wall s in ScaleMonitor's hooks per step
+    totals: Dict[str, Samples] = field(default_factory=dict)  # "fit" / "fit_default" -> trainer.fit() time per round
+    plain_by_round: List[Samples] = field(default_factory=list)  # kept plain steps, by round (noise floor)
+    rounds: int = 0
+    seconds: float = 0.0  # wall time of the whole measurement
+
+
+def measure_tracked(
+    size: Size,
+    rounds: int = 3,
+    steps: int = 45,
+    whole_steps: int = 200,
+    every_n_steps: int = 5,
+    figure_every: int = 2,
+    skip: int = 5,
+    budget_s: Optional[float] = None,
+) -> TrackedFits:
+    """Tracked steps in a Trainer fit, and the whole-fit cost of ``ScaleMonitor()``'s defaults.
+
+    Each round runs three fits, in an order that rotates from round to round:
+    a plain fit of ``whole_steps`` steps; a fit of ``whole_steps`` steps with
+    ``ScaleMonitor()`` (defaults: every 50th step tracked, a figure on the first tracked
+    step and every 10th after it); and a fit of ``steps`` steps with
+    ``ScaleMonitor(every_n_steps=every_n_steps, figure_every=figure_every)``. Of the
+    whole fits, ``trainer.fit()`` is timed (capture at fit start included); of the short
+    fit, every kept step period (``global_step >= skip``) is sorted by kind (see
+    ``_sort_steps``) and compared with the kept step periods of the plain whole fit. The
+    monitor's own hooks are timed per step.
+
+    With ``budget_s``, stops after the round (at least two) that passes that much wall time.
+    """
+    cls = monitor_class()
+    if cls is None:
+        raise RuntimeError("lightning_scale.ScaleMonitor does not exist yet")
+    out = TrackedFits(every_n_steps, figure_every, steps, whole_steps, skip)
+    out.steps_by_kind = {k: Samples() for k in TRACKED_KINDS}
+    out.hooks = {k: [] for k in TRACKED_KINDS[1:]}
+    out.totals = {"fit": Samples(), "fit_default": Samples()}
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as root, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for r in range(rounds):
+            if budget_s is not None and r >= 2 and time.perf_counter() - start > budget_s:
+                break
+            jobs = [
+                ("fit", whole_steps, lambda: None),
+                ("fit_default", whole_steps, lambda: cls()),
+                ("fit_tracked", steps, lambda: cls(every_n_steps=every_n_steps, figure_every=figure_every)),
+            ]
+            for name, n, make in jobs[r % 3:] + jobs[: r % 3]:  # no place bias
+                gc.collect()
+                monitor = make()
+                timer = _fit(size, n, monitor, root)
+                if name in out.totals:
+                    out.totals[name].wall.append(timer.total[0])
+                    out.totals[name].cpu.append(timer.total[1])
+                if name == "fit":
+                    kept = timer.periods(skip)
+                    out.plain_by_round.append(kept)
+                    out.steps_by_kind["plain"].wall.extend(kept.wall)
+                    out.steps_by_kind["plain"].cpu.extend(kept.cpu)
+                elif name == "fit_tracked":
+                    _sort_steps(out, timer, monitor)
+            out.rounds = r + 1
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+def _sort_steps(out: TrackedFits, timer: Any, monitor: Any) -> None:
+    """Adds the kept step periods of a short tracked fit to ``out`` by kind: a tracked
+    step with or without the figure, the untracked step right after either (the step after
+    a figure pays part of its cost), or any other untracked step."""
+    full = timer.periods(0)
+    hooks = timer.hook_times()
+    tracked_before = 0  # tracked steps of this fit before the current one
+    previous = "untracked"
+    for i, step in enumerate(timer.global_steps[: len(full.wall)]):
+        if monitor.schedule.is_tracked(step):
+            kind = "tracked_figure" if tracked_before % out.figure_every == 0 else "tracked"
+            tracked_before += 1
+        else:
+            kind = {"tracked": "after_tracked", "tracked_figure": "after_figure"}.get(previous, "untracked")
+        previous = kind
+        if step < out.skip:
+            continue
+        out.steps_by_kind[kind].wall.append(full.wall[i])
+        out.steps_by_kind[kind].cpu.append(full.cpu[i])
+        out.hooks[kind].append(hooks[i])

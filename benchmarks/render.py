@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from capture_time import CaptureTimes
-from timing import Summary
+from fit_loop import TrackedFits
+from timing import Summary, between_noise_floor
 from workload import MAIN, Size
 
 #: The targets; each is (description, limit) and holds when the measured ratio/time <= limit.
 UNTRACKED = "untracked"  # the row measured in a Trainer fit loop, not in the rounds
+TRACKED_FIT = {"fit_tracked": "tracked", "fit_tracked_figure": "tracked_figure"}  # rows from `measure_tracked`
 TRACKED_MAX, UNTRACKED_MAX, MEMORY_MAX, FX_CAPTURE_MAX_S = 1.20, 1.01, 1.05, 1.0
 
 
@@ -36,6 +38,8 @@ class Results:
     fit_rounds: int = 0
     fit_hooks: float = float("nan")  # median seconds in ScaleMonitor's hooks per untracked step
     fit_missing: str = ""
+    tracked: Optional[TrackedFits] = None  # tracked steps in a Trainer fit; whole fits with the defaults
+    tracked_missing: str = ""
     memory: Dict[Size, Dict[str, List[Dict[str, int]]]] = field(default_factory=dict)
     memory_steps: int = 0
     capture: Optional[CaptureTimes] = None
@@ -137,6 +141,8 @@ def step_table(res: Results, clock: str) -> List[str]:
     for variant, label in res.labels.items():
         if variant == UNTRACKED:
             rows.append(_untracked_row(res, sizes, clock))
+        elif variant in TRACKED_FIT:
+            rows.append(_tracked_fit_row(res, sizes, clock, variant))
         elif variant in res.missing:
             rows.append(f"| {label} | " + " | ".join("not measured" for _ in sizes) + " |")
         else:
@@ -151,11 +157,42 @@ def step_notes(res: Results) -> List[str]:
     rows = [f"- {res.labels[v]}: **not measured**: {why}" for v, why in res.missing.items()]
     if res.fit is None:
         rows.append(f"- {res.labels[UNTRACKED]}: **TODO, not measured**: {res.fit_missing}.")
+    if res.tracked is None:
+        rows.append(f"- tracked steps in a Trainer fit: **not measured**: {res.tracked_missing}.")
     rows.append("- A/A noise floor: |1 - median of the plain step's odd rounds / median of its even rounds|; "
                 "ratios closer to 1 than this are not resolved by this run.")  # fmt: skip
     rows.append(f"- The untracked row comes from a real Trainer fit loop at {MAIN.name} (see 'Untracked steps in a Trainer fit loop'), "
-                "so its ratio is to a plain Trainer fit step, not to the plain step above.")  # fmt: skip
+                "so its ratio is to a plain Trainer fit step, not to the plain step above; "
+                "so are the two rows of tracked steps in a Trainer fit (see 'Tracked steps in a Trainer fit loop'), "
+                "which include everything `ScaleMonitor` does at the end of a tracked step.")  # fmt: skip
     return rows + [""]
+
+
+def _tracked_fit_row(res: Results, sizes: Sequence[Size], clock: str, variant: str) -> str:
+    label = res.labels[variant]
+    if res.tracked is None:
+        return f"| {label} | " + " | ".join("not measured" for _ in sizes) + " |"
+    kind = TRACKED_FIT[variant]
+    main = f"{_ms(_kind(res.tracked, kind, clock).median)} ms, {tracked_ratio(res.tracked, kind, clock=clock):.2f}x of a plain Trainer fit step"
+    return f"| {label} | " + " | ".join(main if s == MAIN else "-" for s in sizes) + " |"
+
+
+def _ordinal(n: int) -> str:
+    return {1: "one", 2: "second", 3: "third"}.get(n, f"{n}th")
+
+
+def _kind(t: TrackedFits, kind: str, clock: str = JUDGE) -> Summary:
+    return Summary.of(t.steps_by_kind[kind].clock(clock))
+
+
+def tracked_ratio(t: TrackedFits, kind: str, to: str = "plain", clock: str = JUDGE) -> float:
+    """Median step time of ``kind`` over that of ``to`` (both from ``measure_tracked``)."""
+    return _kind(t, kind, clock).median / _kind(t, to, clock).median
+
+
+def whole_ratio(t: TrackedFits, clock: str = JUDGE) -> float:
+    """Median ``trainer.fit()`` time with ``ScaleMonitor()`` over that of the plain fit."""
+    return statistics.median(t.totals["fit_default"].clock(clock)) / statistics.median(t.totals["fit"].clock(clock))
 
 
 def _untracked_row(res: Results, sizes: Sequence[Size], clock: str) -> str:
@@ -199,6 +236,96 @@ def fit_table(res: Results) -> List[str]:
         f"A/A noise floor, between fits: |1 - median of the plain fits of odd rounds / median of those of even rounds| = "
         f"CPU {res.fit_noise.get('cpu', float('nan')):.3f}, wall {res.fit_noise.get('wall', float('nan')):.3f}. Wall time inside `ScaleMonitor`'s hooks "
         f"(every hook it overrides, wrapped with a timer): median {res.fit_hooks * 1e6:.1f} us per untracked step.",
+        "",
+    ]
+
+
+TRACKED_ROWS = (
+    ("plain", "plain fit step (the plain whole fits)"),
+    ("untracked", "untracked step (not right after a tracked step)"),
+    ("tracked", "**tracked step, no figure**"),
+    ("after_tracked", "untracked step right after it"),
+    ("tracked_figure", "**tracked step drawing the figure**"),
+    ("after_figure", "untracked step right after it"),
+)
+
+
+def tracked_table(res: Results) -> List[str]:
+    rows = ["## Tracked steps in a Trainer fit loop", ""]
+    t = res.tracked
+    if t is None:
+        return rows + [f"**Not measured**: {res.tracked_missing}.", ""]
+    rows += [
+        f"`lightning.Trainer` on CPU, {MAIN.name}, with `ScaleMonitor(every_n_steps={t.every_n_steps}, figure_every={t.figure_every})`: "
+        f"every {_ordinal(t.every_n_steps)} step is tracked, and the figure is drawn on the first tracked step and on every "
+        f"{_ordinal(t.figure_every)} after it, so both kinds of tracked step occur. A tracked step's period (as above: from one "
+        "`on_train_batch_start` to the next) holds the tracked forward and backward and everything the callback does "
+        "at the end of the step: pooling the records, the TensorBoard scalars, histograms and annotated code text, and, "
+        "on a figure step, the matplotlib figure. "
+        f"{t.rounds} rounds; each runs a {t.steps}-step fit with this monitor, a plain {t.whole_steps}-step fit, which the "
+        f"ratios are to, and the {t.whole_steps}-step fit with `ScaleMonitor()` of the next section (the order rotates). "
+        f"Steps 0-{t.skip - 1} of each fit are dropped (warm-up; step 0 is also the first tracked step, with matplotlib's import).",
+        "",
+        "| step | CPU median ms | p25 | p75 | x plain fit step | x untracked step | wall median ms | x plain fit step | in `ScaleMonitor`'s hooks, wall ms | steps |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for kind, label in TRACKED_ROWS:
+        c, w = _kind(t, kind), _kind(t, kind, "wall")
+        hooks = f"{statistics.median(t.hooks[kind]) * 1e3:.2f}" if kind in t.hooks else "-"
+        rows.append(f"| {label} | {_ms(c.median)} | {_ms(c.p25)} | {_ms(c.p75)} | {tracked_ratio(t, kind):.2f}x | "
+                    f"{tracked_ratio(t, kind, 'untracked'):.2f}x | {_ms(w.median)} | {tracked_ratio(t, kind, clock='wall'):.2f}x | {hooks} | {c.n} |")  # fmt: skip
+    plain = _kind(t, "plain").median
+    extra = {k: _kind(t, k).median - plain for k in ("tracked", "after_tracked", "tracked_figure", "after_figure")}
+    noise = between_noise_floor([r.cpu for r in t.plain_by_round])
+    return rows + [
+        "",
+        f"A tracked step adds about {_ms(extra['tracked'])} ms of CPU time to a plain fit step without the figure, "
+        f"{_ms(extra['tracked_figure'])} ms with it; the untracked step right after a figure step is "
+        f"{_ms(extra['after_figure'])} ms slower than a plain one (after a tracked step without the figure: "
+        f"{_ms(extra['after_tracked'])} ms): in trials that extra time ran on another thread of the process (the main "
+        "thread's own CPU time of that step was a plain step's), most likely TensorBoard's background event writer writing "
+        "the figure's image, so it belongs to the figure. The hooks column is the wall time inside the callback's own hooks "
+        "(installing the recorder at the start of a tracked step; pooling and writing at its end); the rest of a tracked "
+        "step's extra time is mostly the recording in the tracked forward and backward. "
+        f"A/A noise floor of the plain fit step, between rounds: CPU {noise:.3f}.",
+        "",
+    ]
+
+
+def whole_table(res: Results) -> List[str]:
+    rows = ["## A whole fit with `ScaleMonitor()` defaults", ""]
+    t = res.tracked
+    if t is None:
+        return rows + [f"**Not measured**: {res.tracked_missing}.", ""]
+    n = t.whole_steps
+    tracked = list(range(0, n, 50))
+    rows += [
+        f"`trainer.fit()` of {n} steps ({MAIN.name}, CPU), timed whole (Lightning's setup and teardown, the capture at fit "
+        f"start, every step), plain and with `ScaleMonitor()`: every 50th step tracked (here steps "
+        f"{', '.join(map(str, tracked))}), the figure on the first tracked step and every 10th after it (here step 0 only). "
+        f"{t.rounds} rounds, each with one fit of each (the order rotates, as above). {n} steps and at most 3 rounds keep "
+        f"this section and the previous one, which share the rounds, to about a minute and a half of `make bench` ({t.seconds:.0f} s in this run); a longer fit dilutes the first figure and the capture (see the estimate below).",
+        "",
+        "| fit | CPU s, median | each round, CPU s | x plain fit | wall s, median | x plain fit |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, label in (("fit", "plain fit"), ("fit_default", "fit + `ScaleMonitor()`")):
+        c, w = t.totals[name].cpu, t.totals[name].wall
+        rc = statistics.median(c) / statistics.median(t.totals["fit"].cpu)
+        rw = statistics.median(w) / statistics.median(t.totals["fit"].wall)
+        rows.append(f"| {label} | {statistics.median(c):.2f} | {', '.join(f'{x:.2f}' for x in c)} | {rc:.3f}x | {statistics.median(w):.2f} | {rw:.3f}x |")
+    paired = [m / p for m, p in zip(t.totals["fit_default"].cpu, t.totals["fit"].cpu)]
+    plain = _kind(t, "plain").median
+    extra = {k: _kind(t, k).median - plain for k in ("tracked", "after_tracked", "tracked_figure", "after_figure")}
+    per_ten = 9 * (extra["tracked"] + extra["after_tracked"]) + extra["tracked_figure"] + extra["after_figure"]
+    long_run = 1 + per_ten / (500 * plain)
+    return rows + [
+        "",
+        f"Ratio of the two fits within each round, CPU: {', '.join(f'{x:.3f}x' for x in paired)}. "
+        f"Estimate for a long fit at the defaults (not measured: from the previous section's medians), where 10 tracked "
+        f"steps, one with the figure, come in every 500 steps: 9 x {_ms(extra['tracked'] + extra['after_tracked'])} ms + "
+        f"{_ms(extra['tracked_figure'] + extra['after_figure'])} ms over 500 plain steps of {_ms(plain)} ms = "
+        f"**{long_run:.3f}x**, before the capture at fit start.",
         "",
     ]
 
@@ -258,7 +385,7 @@ def page(res: Results) -> str:
     parts: List[str] = header(res) + targets(res) + step_table(res, "cpu") + step_table(res, "wall") + step_notes(res)
     if MAIN in res.steps:
         parts += detail_table(res, MAIN)
-    parts += fit_table(res) + memory_table(res) + capture_table(res)
+    parts += fit_table(res) + tracked_table(res) + whole_table(res) + memory_table(res) + capture_table(res)
     parts += [
         "## Not measured here",
         "",

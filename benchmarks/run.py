@@ -1,7 +1,7 @@
 """The CPU benchmark suite: ``make bench`` (``python benchmarks/run.py --out docs/benchmarks.md``).
 
-Step time of every variant at three GPT sizes (interleaved rounds), untracked steps in a
-real Trainer fit loop, peak memory in fresh processes, and capture time of a 12-layer
+Step time of every variant at three GPT sizes (interleaved rounds), untracked and tracked
+steps in a real Trainer fit loop, whole fits with ``ScaleMonitor()``'s defaults, peak memory in fresh processes, and capture time of a 12-layer
 GPT. Prints a markdown page and writes it to ``--out``. ``--quick`` runs a few rounds
 of everything, to check the suite itself (minutes matter on a 2-core machine).
 """
@@ -30,10 +30,14 @@ from workload import MAIN, SIZES, VARIANTS, Size, Workload
 
 #: By model width: (most rounds, wall-time budget in seconds). Each size stops at its
 #: budget (after at least 6 rounds), so a loaded machine cannot stretch the suite past
-#: about 8 minutes; the page reports the rounds done.
+#: about 10 minutes (with the tracked fits below); the page reports the rounds done.
 ROUNDS = {64: (60, 20.0), 128: (30, 45.0), 256: (14, 60.0)}
 QUICK_ROUNDS = {64: (4, None), 128: (3, None), 256: (2, None)}
 FIT_ROUNDS, FIT_STEPS, FIT_DEADLINE_S = 6, 30, 300.0  # fit rounds stop FIT_DEADLINE_S into the run
+#: Tracked steps in a Trainer fit, and whole fits with ScaleMonitor()'s defaults: at most
+#: TRACKED_ROUNDS rounds (each ~30 s on an idle 2-core machine: a 45-step fit tracking every
+#: 5th step, two 200-step fits), no new round after TRACKED_BUDGET_S (at least two rounds).
+TRACKED_ROUNDS, TRACKED_STEPS, WHOLE_STEPS, TRACKED_BUDGET_S = 3, 45, 200, 75.0
 
 
 def _version(dist: str) -> str:
@@ -87,6 +91,23 @@ def fit_times(res: render.Results, quick: bool, elapsed: float) -> None:
     _log(f"fit loop: monitor {render.fit_ratio(res):.3f}x CPU, {render.fit_ratio(res, 'wall'):.3f}x wall")
 
 
+def tracked_fit_times(res: render.Results, quick: bool) -> None:
+    if fit_loop.monitor_class() is None:
+        res.tracked_missing = "`lightning_scale.ScaleMonitor` does not exist yet"
+        return
+    try:
+        if quick:
+            res.tracked = fit_loop.measure_tracked(MAIN, rounds=2, steps=20, whole_steps=60)
+        else:
+            res.tracked = fit_loop.measure_tracked(MAIN, rounds=TRACKED_ROUNDS, steps=TRACKED_STEPS, whole_steps=WHOLE_STEPS, budget_s=TRACKED_BUDGET_S)
+    except Exception as err:  # noqa: BLE001 - a failing callback must not sink the suite
+        res.tracked_missing = f"the fit loop with `ScaleMonitor` failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        return
+    t = res.tracked
+    _log(f"tracked fit steps: {render.tracked_ratio(t, 'tracked'):.2f}x, with the figure {render.tracked_ratio(t, 'tracked_figure'):.2f}x; "
+         f"whole {t.whole_steps}-step fit with ScaleMonitor(): {render.whole_ratio(t):.3f}x CPU ({t.rounds} rounds, {t.seconds:.0f} s)")  # fmt: skip
+
+
 def memory_peaks(res: render.Results, quick: bool) -> None:
     reps = {size: 3 if size == MAIN and not quick else 1 for size in SIZES}
     jobs = [(s.dim, s.layers, v) for s in SIZES for _ in range(reps[s]) for v in ("plain", "tracked")]
@@ -98,10 +119,15 @@ def memory_peaks(res: render.Results, quick: bool) -> None:
 
 
 def row_labels() -> Dict[str, str]:
-    """Variant -> row label, in table order: the untracked row after the tracked ones."""
+    """Variant -> row label, in table order: the Trainer fit rows after the tracked ones."""
     ours = [k for k in VARIANTS if k not in ("reference", "interpreter")]
-    order = ours + [render.UNTRACKED, "reference", "interpreter"]
-    labels = {**VARIANTS, render.UNTRACKED: "untracked step, `ScaleMonitor(every_n_steps=10**9)` installed"}
+    order = ours + [*render.TRACKED_FIT, render.UNTRACKED, "reference", "interpreter"]
+    labels = {
+        **VARIANTS,
+        "fit_tracked": "tracked step in a Trainer fit, `ScaleMonitor(every_n_steps=5)`, no figure",
+        "fit_tracked_figure": "tracked step in a Trainer fit, `ScaleMonitor(every_n_steps=5)`, drawing the figure",
+        render.UNTRACKED: "untracked step, `ScaleMonitor(every_n_steps=10**9)` installed",
+    }
     return {k: labels[k] for k in order}
 
 
@@ -123,6 +149,7 @@ def main(argv: List[str]) -> int:
         step_times(res, size, *(QUICK_ROUNDS if args.quick else ROUNDS)[size.dim])
         gc.collect()
     fit_times(res, args.quick, time.perf_counter() - start)
+    tracked_fit_times(res, args.quick)
     memory_peaks(res, args.quick)
     res.capture = capture_time.measure(Size(128, 12), fx_repeats=5, dynamo_repeats=2 if args.quick else 3)
     _log(f"capture: fx {res.capture.fx_median:.3f} s, dynamo {res.capture.dynamo_median:.2f} s")
