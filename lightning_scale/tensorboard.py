@@ -44,6 +44,23 @@ def scalar_metrics(labels: Sequence[str], records: Tensor, names: Sequence[str])
     return out
 
 
+def _add_scalars(writer: Any, metrics: Dict[str, float], step: int) -> None:
+    """All scalars of a step as one event (one ``Summary`` of many values).
+
+    ``add_scalar`` writes one event per tag through a queue of 10 that blocks on the
+    writer thread: ~50 us a tag, 15 ms a step for a few hundred nodes.
+    """
+    file_writer = getattr(writer, "_get_file_writer", None)
+    if file_writer is None:  # another SummaryWriter implementation: the public way
+        for tag, value in metrics.items():
+            writer.add_scalar(tag, value, step)
+        return
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    values = [Summary.Value(tag=tag, simple_value=value) for tag, value in metrics.items()]
+    file_writer().add_summary(Summary(value=values), step)
+
+
 def scale_figure(labels: Sequence[str], records: Tensor, title: str = "") -> Any:
     """A matplotlib figure: every node top to bottom, log2 of its forward and backward std,
     with the FP16, FP8 E4M3 and E5M2 normal ranges marked."""
@@ -117,9 +134,7 @@ class ScaleWriter:
         metrics = {self.prefix + k: v for k, v in metrics.items()}
         for logger in self.loggers:
             if self._tensorboards_of(logger):
-                writer = logger.experiment
-                for tag, value in metrics.items():
-                    writer.add_scalar(tag, value, step)
+                _add_scalars(logger.experiment, metrics, step)
             else:
                 logger.log_metrics(metrics, step=step)
         draw = self._writes % self.figure_every == 0
