@@ -60,8 +60,8 @@ def token_loaders(n: int = 4096, seq: int = 64, vocab: int = 256, batch: int = 1
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--every", type=int, default=25)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--logdir", default="lightning_logs")
     parser.add_argument("--figure", default=None, help="also save the last scale figure to this PNG path")
     args = parser.parse_args(argv)
