@@ -32,7 +32,7 @@ gpu-check: $(STAMP)
 	$(BIN)/python benchmarks/gpu.py
 
 lint: $(STAMP)
-	$(BIN)/python -m pyflakes lightning_scale tests benchmarks examples 2>/dev/null || true
+	$(BIN)/python -m ruff check lightning_scale tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) lightning_logs build *.egg-info

@@ -6,18 +6,16 @@ from lightning_scale.interpreter import ScalePair, ScaleTrackingInterpreter
 from lightning_scale.recorder import Recorder, recording
 from lightning_scale.report import analyse_module, records_table
 
-__all__ = sorted(
-    [
-        "Capture",
-        "CaptureError",
-        "DeepTracer",
-        "Recorder",
-        "ScalePair",
-        "ScaleMonitor",
-        "ScaleTrackingInterpreter",
-        "analyse_module",
-        "capture",
-        "records_table",
-        "recording",
-    ]
-)
+__all__ = [
+    "Capture",
+    "CaptureError",
+    "DeepTracer",
+    "Recorder",
+    "ScaleMonitor",
+    "ScalePair",
+    "ScaleTrackingInterpreter",
+    "analyse_module",
+    "capture",
+    "recording",
+    "records_table",
+]

@@ -6,7 +6,6 @@ self-attention (``scaled_dot_product_attention``, as nanoGPT) and a GELU MLP, a 
 
 from __future__ import annotations
 
-import math
 from typing import Tuple
 
 import torch

@@ -9,12 +9,11 @@ import math
 import re
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-import torch
 from torch import Tensor, fx, nn
 
 from lightning_scale import stats
 from lightning_scale.capture import DEFAULT_LEAF_TYPES, DeepTracer
-from lightning_scale.interpreter import ScalePair, ScaleTrackingInterpreter, scales_from_records
+from lightning_scale.interpreter import ScalePair, ScaleTrackingInterpreter
 from lightning_scale.recorder import BACKWARD, FORWARD
 
 __all__ = ["analyse_module", "annotate_code", "records_table", "table_to_csv", "table_to_json"]

@@ -258,7 +258,7 @@ def test_recorder_counts_each_parameter_gradient_once_per_observation() -> None:
     w = nn.Parameter(torch.randn(3, 4))
     rec = Recorder()
     grads = []
-    for k in range(2):
+    for _ in range(2):
         rec.observe("w", w)
         x = torch.randn(5, 4)
         (x @ w.T).pow(2).sum().backward()

@@ -525,9 +525,9 @@ def test_dynamo_fits_of_one_class_stay_tracked_and_free_their_models(tmp_path: A
     for i in range(10):  # beyond dynamo's default recompile limit of 8
         modules: List[Net] = []
 
-        def make() -> Net:
-            modules.append(Net(Dropouts()))
-            return modules[-1]
+        def make() -> Net:  # closes over `modules`, deleted below so the models can be freed
+            modules.append(Net(Dropouts()))  # noqa: B023, F821
+            return modules[-1]  # noqa: B023, F821
 
         run = fit(tmp_path, f"fit{i}", make, dense(8), [ScaleMonitor(every_n_steps=1, capture="dynamo", figure=False)], steps=1)
         assert run.warnings == [] and scale_tags(run, steps=1), i

@@ -1,0 +1,15 @@
+"""The public API: exactly these names, sorted, each importable from the package."""
+
+import lightning_scale
+
+PUBLIC = {
+    "Capture", "CaptureError", "DeepTracer", "Recorder", "ScaleMonitor", "ScalePair",
+    "ScaleTrackingInterpreter", "analyse_module", "capture", "records_table", "recording",
+}  # fmt: skip
+
+
+def test_all_is_sorted_and_complete() -> None:
+    assert lightning_scale.__all__ == sorted(lightning_scale.__all__)
+    assert set(lightning_scale.__all__) == PUBLIC
+    for name in lightning_scale.__all__:
+        assert getattr(lightning_scale, name) is not None
