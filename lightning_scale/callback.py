@@ -134,12 +134,23 @@ class ScaleMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not trainer.loggers:
+        writes = stage == "fit" or (stage == "validate" and self.track_validation)
+        if writes and not trainer.loggers:
             raise ValueError(
                 "`ScaleMonitor` needs a logger to write to, but the Trainer has none "
                 "(`Trainer(logger=False)`); pass `logger=True` (TensorBoard) or a logger instance"
             )
-        self._start_run(self._target(pl_module), stage)
+        self._start_run(self._setup_target(pl_module), stage)
+
+    def _setup_target(self, pl_module: pl.LightningModule) -> nn.Module:
+        try:
+            return self._target(pl_module)
+        except ValueError:
+            # `configure_model` runs after setup and may create the submodule: check again
+            # at fit start, where a path that still does not exist raises the same error.
+            if type(pl_module).configure_model is not pl.LightningModule.configure_model:
+                return pl_module
+            raise
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -439,6 +439,36 @@ def test_unknown_submodule_names_the_nearest(tmp_path: Path) -> None:
         fit(MLP(), tmp_path, [ScaleMonitor(submodule="net.3")])
 
 
+class LateMLP(MLP):
+    """Builds its head in `configure_model`, which runs after the callbacks' `setup`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head: Optional[nn.Module] = None
+
+    def configure_model(self) -> None:
+        if self.head is None:
+            self.head = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.net(x))
+
+
+def test_submodule_created_in_configure_model(tmp_path: Path) -> None:
+    acc = events(fit(LateMLP(), tmp_path, [ScaleMonitor(every_n_steps=1, submodule="head")], max_steps=1))
+    assert set(scalars(acc)) == {f"scale/{d}/{n}" for d in ("fwd", "bwd") for n in ("input", "weight", "bias", "linear")}
+    with pytest.raises(ValueError, match=r"`submodule` 'hed' is not a submodule of LateMLP; nearest: \['head'"):
+        fit(LateMLP(), tmp_path, [ScaleMonitor(submodule="hed")])
+
+
+def test_validate_without_a_logger_is_fine_unless_validation_is_tracked(tmp_path: Path) -> None:
+    trainer = pl.Trainer(accelerator="cpu", logger=False, callbacks=[ScaleMonitor()], enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.validate(MLP(), loader(), verbose=False)  # nothing to write: no error
+    trainer = pl.Trainer(accelerator="cpu", logger=False, callbacks=[ScaleMonitor(track_validation=True)], enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"`ScaleMonitor` needs a logger"):
+        trainer.validate(MLP(), loader(), verbose=False)
+
+
 def test_submodule_capture(tmp_path: Path) -> None:
     torch.manual_seed(0)
     series = scalars(events(fit(MLP(), tmp_path, [ScaleMonitor(every_n_steps=2, submodule="net")])))
