@@ -21,21 +21,35 @@ import logging
 import tempfile
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from timing import Samples, Stopwatch
-from workload import Size, Workload
+from workload import Size, Workload  # puts the repository root on sys.path
+
+from lightning_scale import ScaleMonitor
 
 
-def monitor_class() -> Optional[type]:
-    """``lightning_scale.ScaleMonitor`` if the package has it yet, else None."""
-    import lightning_scale
+@contextmanager
+def _rounds(rounds: int, budget_s: Optional[float]) -> Iterator[Tuple[str, Iterator[int]]]:
+    """A scratch log folder, and the round numbers to run: at least two, then more while
+    ``budget_s`` of wall time has not passed; Lightning's chatter silenced."""
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    start = time.perf_counter()
 
-    return getattr(lightning_scale, "ScaleMonitor", None)
+    def numbers() -> Iterator[int]:
+        for r in range(rounds):
+            if budget_s is not None and r >= 2 and time.perf_counter() - start > budget_s:
+                return
+            yield r
+
+    with tempfile.TemporaryDirectory() as root, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield root, numbers()
 
 
 def _lightning_module(size: Size) -> Any:
@@ -134,23 +148,12 @@ def measure(size: Size, rounds: int = 5, steps: int = 30, skip: int = 5, budget_
     the wall time spent in ``ScaleMonitor``'s hooks in each kept monitored step.
 
     With ``budget_s``, stops after the round (at least two) that passes that much wall time.
-
-    Raises:
-        RuntimeError: ``lightning_scale.ScaleMonitor`` does not exist yet.
     """
-    cls = monitor_class()
-    if cls is None:
-        raise RuntimeError("lightning_scale.ScaleMonitor does not exist yet")
     out: Dict[str, List[Samples]] = {"fit": [], "fit_monitor": []}
     hooks: List[float] = []
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as root, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for r in range(rounds):
-            if budget_s is not None and r >= 2 and time.perf_counter() - start > budget_s:
-                break
-            pair = [("fit", None), ("fit_monitor", cls(every_n_steps=10**9))]
+    with _rounds(rounds, budget_s) as (root, numbers):
+        for r in numbers:
+            pair = [("fit", None), ("fit_monitor", ScaleMonitor(every_n_steps=10**9))]
             for name, monitor in pair if r % 2 == 0 else pair[::-1]:  # no place bias
                 gc.collect()
                 timer = _fit(size, steps, monitor, root)
@@ -205,24 +208,17 @@ def measure_tracked(
 
     With ``budget_s``, stops after the round (at least two) that passes that much wall time.
     """
-    cls = monitor_class()
-    if cls is None:
-        raise RuntimeError("lightning_scale.ScaleMonitor does not exist yet")
     out = TrackedFits(every_n_steps, figure_every, steps, whole_steps, skip)
     out.steps_by_kind = {k: Samples() for k in TRACKED_KINDS}
     out.hooks = {k: [] for k in TRACKED_KINDS[1:]}
     out.totals = {"fit": Samples(), "fit_default": Samples()}
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as root, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for r in range(rounds):
-            if budget_s is not None and r >= 2 and time.perf_counter() - start > budget_s:
-                break
+    with _rounds(rounds, budget_s) as (root, numbers):
+        for r in numbers:
             jobs = [
                 ("fit", whole_steps, lambda: None),
-                ("fit_default", whole_steps, lambda: cls()),
-                ("fit_tracked", steps, lambda: cls(every_n_steps=every_n_steps, figure_every=figure_every)),
+                ("fit_default", whole_steps, lambda: ScaleMonitor()),
+                ("fit_tracked", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, figure_every=figure_every)),
             ]
             for name, n, make in jobs[r % 3:] + jobs[: r % 3]:  # no place bias
                 gc.collect()

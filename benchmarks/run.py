@@ -72,9 +72,6 @@ def step_times(res: render.Results, size: Size, rounds: int, budget_s: Optional[
 
 
 def fit_times(res: render.Results, quick: bool, elapsed: float) -> None:
-    if fit_loop.monitor_class() is None:
-        res.fit_missing = "`lightning_scale.ScaleMonitor` does not exist yet"
-        return
     try:
         if quick:
             samples, hooks = fit_loop.measure(MAIN, rounds=2, steps=12)
@@ -92,9 +89,6 @@ def fit_times(res: render.Results, quick: bool, elapsed: float) -> None:
 
 
 def tracked_fit_times(res: render.Results, quick: bool) -> None:
-    if fit_loop.monitor_class() is None:
-        res.tracked_missing = "`lightning_scale.ScaleMonitor` does not exist yet"
-        return
     try:
         if quick:
             res.tracked = fit_loop.measure_tracked(MAIN, rounds=2, steps=20, whole_steps=60)
