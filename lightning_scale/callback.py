@@ -309,7 +309,7 @@ class ScaleMonitor(Callback):
         if failed:
             records = torch.zeros(len(labels), 2, len(stats.FIELDS), dtype=torch.float64, device=trainer.strategy.root_device)
         else:
-            records = _records_of(rec, cap, labels)
+            records = rec.records(labels, cap.aliases)
         if active.loss_scale is not None:  # an extra row, so it travels in the same transfer
             extra = torch.zeros(1, 2, len(stats.FIELDS), dtype=torch.float64, device=records.device)
             extra[0, FORWARD, 0] = 1.0
@@ -440,13 +440,6 @@ class _Matching:
 
     def __bool__(self) -> bool:
         return True
-
-
-def _records_of(rec: Recorder, cap: Capture, labels: List[str]) -> Tensor:
-    """Records of ``labels``; a view gets its source's record also when the source is not selected."""
-    chosen = set(labels)
-    sources = [s for s in dict.fromkeys(cap.aliases[l] for l in labels if l in cap.aliases) if s not in chosen]
-    return rec.records(labels + sources, cap.aliases)[: len(labels)]
 
 
 def _compile(name: str, pattern: Optional[str]) -> Optional["re.Pattern[str]"]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -39,7 +38,8 @@ class Recorder:
     def __init__(self, groups: Sequence[str] = ("moments", "range"), host_reads: Optional[bool] = None) -> None:
         self.groups = tuple(groups)
         self.host_reads = host_reads
-        self._slots: Dict[Hashable, int] = OrderedDict()
+        self._slots: Dict[Hashable, int] = {}  # key -> slot
+        self._keys: List[Hashable] = []  # slot -> key
         self._rows: List[Tuple[int, int, List[stats.Entry]]] = []
         self._handles: List[Any] = []
         self._host_only = True  # every entry so far is a float (host-read records)
@@ -54,11 +54,12 @@ class Recorder:
     @property
     def keys(self) -> List[Hashable]:
         """Observed keys, in the order they were first seen (execution order)."""
-        return list(self._slots)
+        return list(self._keys)
 
     def slot(self, key: Hashable) -> int:
         if key not in self._slots:
-            self._slots[key] = len(self._slots)
+            self._slots[key] = len(self._keys)
+            self._keys.append(key)
         return self._slots[key]
 
     def observe(self, key: Hashable, x: Tensor) -> None:
@@ -102,7 +103,7 @@ class Recorder:
         self._host_only = self._host_only and host
         self._rows.append((slot, direction, stats.record_of(x, self.groups, host)))
         if self.histogram_keys:
-            key = list(self._slots)[slot]
+            key = self._keys[slot]
             if key in self.histogram_keys:
                 h = stats.log2_histogram(x)
                 prev = self.histograms.get((key, direction))
@@ -114,23 +115,18 @@ class Recorder:
         Row ``[i, FORWARD]`` is key ``i``'s forward record, ``[i, BACKWARD]`` its
         gradient's; a key seen more than once in a direction has its records merged; a
         key never seen has an empty record (count 0); a key in ``aliases`` (never observed
-        itself) gets its source key's record. Nothing is read to the host.
+        itself) gets its source key's record, whether or not the source is among ``keys``.
+        Nothing is read to the host.
         """
         keys = self.keys if keys is None else list(keys)
-        out = self._records(keys)
-        if aliases:
-            index = {k: i for i, k in enumerate(keys)}
-            pairs = [(i, index[aliases[k]]) for i, k in enumerate(keys) if k in aliases and aliases[k] in index]
-            if pairs:
-                dst, src = zip(*pairs)
-                out[stats.index_tensor(dst, out.device)] = out[stats.index_tensor(src, out.device)]
-        return out
-
-    def _records(self, keys: List[Hashable]) -> Tensor:
         index = {k: i for i, k in enumerate(keys)}
-        inverse = {s: index.get(k) for k, s in self._slots.items()}
-        expanded = [(t, d, e) for s, d, e in self._rows for t in (s, *self._same.get(s, ()))]
-        rows = [(inverse[s], d, e) for s, d, e in expanded if inverse[s] is not None]
+        followers = self._followers(aliases or {})
+        rows = [
+            (index[k], d, e)
+            for s, d, e in self._rows
+            for k in _sharing(self._keys[s], followers)
+            if k in index
+        ]
         out = torch.zeros(len(keys), 2, len(stats.FIELDS), dtype=torch.float64, device=self.device)
         if not rows:
             return out
@@ -148,16 +144,25 @@ class Recorder:
                 flat[dst] = stats.merge_rows(assembled[stats.index_tensor(js, out.device)])
         return out
 
+    def _followers(self, aliases: Mapping[Hashable, Hashable]) -> Dict[Hashable, List[Hashable]]:
+        """Key -> keys whose records are its record: nodes that returned the very tensor
+        it produced (seen at run time) and ``aliases`` (views, known from the graph)."""
+        out: Dict[Hashable, List[Hashable]] = {}
+        for s, sames in self._same.items():
+            out.setdefault(self._keys[s], []).extend(self._keys[t] for t in sames)
+        for key, source in aliases.items():
+            out.setdefault(source, []).append(key)
+        return out
+
     def first_nonfinite(self, direction: int) -> Optional[Hashable]:
         """The first key, in arrival order, whose ``direction`` record counted NaN or Inf.
 
         Reads the host-side entries only (CPU tensors, or after ``records()`` has been
         read); returns None when no record counted any.
         """
-        keys = list(self._slots)
         for slot, d, entry in self._rows:
             if d == direction and float(entry[stats.FIELDS.index("nan")]) + float(entry[stats.FIELDS.index("inf")]) > 0:
-                return keys[slot]
+                return self._keys[slot]
         return None
 
     def clear(self) -> None:
@@ -175,6 +180,13 @@ class Recorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _sharing(key: Hashable, followers: Mapping[Hashable, List[Hashable]]) -> Iterator[Hashable]:
+    """``key`` and, transitively, every key that shares its record."""
+    yield key
+    for follower in followers.get(key, ()):
+        yield from _sharing(follower, followers)
 
 
 def active() -> Optional[Recorder]:
