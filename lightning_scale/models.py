@@ -2,32 +2,70 @@
 
 minGPT-shaped: token and position embeddings, pre-LayerNorm blocks of causal
 self-attention (``scaled_dot_product_attention``, as nanoGPT) and a GELU MLP, a tied-free head.
+
+``GPTConfig(unit_scaled=True)`` builds a unit-scaled variant (after Graphcore's unit
+scaling, forward scales only): every weight is N(0, 1), every matmul output is scaled by
+1/sqrt(fan_in) (``UnitLinear``) and every residual or embedding add ``a + b`` becomes
+``(a + b) / sqrt(2)``, so unit-scale inputs give unit-scale outputs at any width. The
+default (``unit_scaled=False``) is PyTorch's standard parametrisation, unchanged.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["GPT", "GPTConfig", "synthetic_tokens"]
+__all__ = ["GPT", "GPTConfig", "UnitLinear", "synthetic_tokens"]
 
 
 class GPTConfig:
-    """Sizes of a ``GPT``."""
+    """Sizes of a ``GPT``; ``unit_scaled`` picks the unit-scaled parametrisation."""
 
-    def __init__(self, vocab: int = 256, seq: int = 64, layers: int = 4, dim: int = 128, heads: int = 4, dropout: float = 0.0) -> None:
+    def __init__(
+        self, vocab: int = 256, seq: int = 64, layers: int = 4, dim: int = 128, heads: int = 4, dropout: float = 0.0, unit_scaled: bool = False
+    ) -> None:
         self.vocab, self.seq, self.layers, self.dim, self.heads, self.dropout = vocab, seq, layers, dim, heads, dropout
+        self.unit_scaled = unit_scaled
+
+    def linear(self, fan_in: int, fan_out: int, bias: bool = True) -> nn.Linear:
+        """A ``UnitLinear`` when unit-scaled, else an ``nn.Linear``."""
+        return (UnitLinear if self.unit_scaled else nn.Linear)(fan_in, fan_out, bias=bias)
+
+    def residual_scale(self) -> Optional[float]:
+        """Factor of a sum of two unit-scale tensors (None: the plain sum)."""
+        return 2**-0.5 if self.unit_scaled else None
+
+
+class UnitLinear(nn.Linear):
+    """``x W^T / sqrt(fan_in) + b`` with ``W ~ N(0, 1)`` and ``b = 0``.
+
+    For an input of unit scale the output has unit scale at any ``fan_in``. The factor is
+    applied to the weight (``W / sqrt(fan_in)``), so the ``linear`` node itself carries the
+    output's scale.
+    """
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight * self.in_features**-0.5, self.bias)
+
+
+def _add(a: Tensor, b: Tensor, scale: Optional[float]) -> Tensor:
+    return a + b if scale is None else (a + b) * scale
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.heads = cfg.heads
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
-        self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.qkv = cfg.linear(cfg.dim, 3 * cfg.dim)
+        self.proj = cfg.linear(cfg.dim, cfg.dim)
         self.dropout = cfg.dropout
 
     def forward(self, x: Tensor) -> Tensor:
@@ -44,8 +82,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(cfg.dim, 4 * cfg.dim)
-        self.fc2 = nn.Linear(4 * cfg.dim, cfg.dim)
+        self.fc1 = cfg.linear(cfg.dim, 4 * cfg.dim)
+        self.fc2 = cfg.linear(4 * cfg.dim, cfg.dim)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -59,10 +97,11 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.dim)
         self.mlp = MLP(cfg)
+        self.scale = cfg.residual_scale()
 
     def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = _add(x, self.attn(self.ln1(x)), self.scale)
+        return _add(x, self.mlp(self.ln2(x)), self.scale)
 
 
 class GPT(nn.Module):
@@ -75,12 +114,13 @@ class GPT(nn.Module):
         self.pos = nn.Embedding(cfg.seq, cfg.dim)
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.layers)])
         self.ln_f = nn.LayerNorm(cfg.dim)
-        self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
+        self.head = cfg.linear(cfg.dim, cfg.vocab, bias=False)
+        self.scale = cfg.residual_scale()
 
     def forward(self, idx: Tensor) -> Tensor:
         T = idx.size(1)
         pos = torch.arange(T, device=idx.device)
-        x = self.tok(idx) + self.pos(pos)  # (B, T, C)
+        x = _add(self.tok(idx), self.pos(pos), self.scale)  # (B, T, C)
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
