@@ -2,6 +2,7 @@
 
 from lightning_scale.callback import ScaleMonitor
 from lightning_scale.capture import Capture, CaptureError, DeepTracer, capture
+from lightning_scale.coord_check import coord_check
 from lightning_scale.interpreter import ScalePair, ScaleTrackingInterpreter
 from lightning_scale.recorder import Recorder, recording
 from lightning_scale.report import analyse_module, records_table
@@ -16,6 +17,7 @@ __all__ = [
     "ScaleTrackingInterpreter",
     "analyse_module",
     "capture",
+    "coord_check",
     "recording",
     "records_table",
 ]

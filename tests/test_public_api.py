@@ -4,7 +4,7 @@ import lightning_scale
 
 PUBLIC = {
     "Capture", "CaptureError", "DeepTracer", "Recorder", "ScaleMonitor", "ScalePair",
-    "ScaleTrackingInterpreter", "analyse_module", "capture", "records_table", "recording",
+    "ScaleTrackingInterpreter", "analyse_module", "capture", "coord_check", "records_table", "recording",
 }  # fmt: skip
 
 
