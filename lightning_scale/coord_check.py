@@ -20,7 +20,7 @@ import re
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, NamedTuple, Optional, Pattern, Sequence, Tuple, Union
+from typing import Any, Callable, Collection, Dict, FrozenSet, Iterable, Iterator, List, NamedTuple, Optional, Pattern, Sequence, Set, Tuple, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import Logger
@@ -49,10 +49,10 @@ class CoordRow(NamedTuple):
     std: float
 
 
-def op_type(label: str, parameters: Iterable[str] = ()) -> str:
+def op_type(label: str, parameters: Collection[str] = ()) -> str:
     """The op of a node label: ``"blocks.0.mlp.fc1/linear"`` -> ``"linear"``,
     ``"blocks.0/add_1"`` -> ``"add"``; a label in ``parameters`` -> ``"parameter"``."""
-    if label in set(parameters):
+    if label in parameters:
         return "parameter"
     return re.sub(r"_\d+$", "", label.rsplit("/", 1)[-1])
 
@@ -297,7 +297,7 @@ def coord_check(
     options = dict(include=include, exclude=exclude, prune_views=prune_views, capture=capture)
     _monitor(options)  # ScaleMonitor checks these before any width trains
     rows: List[CoordRow] = []
-    parameters: set = set()
+    parameters: Set[str] = set()
     for width in widths:
         module = _build(make_module, width, seed)
         parameters |= {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}

@@ -210,3 +210,16 @@ def test_result_arguments_are_checked() -> None:
         _synthetic().slopes(step=3)
     with pytest.raises(ValueError, match="`group` must be 'node', 'op' or a valid regular expression"):
         _synthetic().curves(group="(")
+
+
+class Bypass(MLP):
+    """Calls a submodule, not ``self(...)``: the captured forward never runs."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.mse_loss(self.out(self.act1(self.fc1(x))).expand_as(y), y)
+
+
+def test_a_width_that_records_nothing_raises() -> None:
+    with pytest.warns(UserWarning, match="nothing recorded"), pytest.raises(RuntimeError, match=r"at width 8 ScaleMonitor recorded steps \[\], expected 0..0"):
+        coord_check(lambda w: Bypass(w), [8, 16], steps=1, batches=_loader())
