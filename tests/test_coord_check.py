@@ -223,3 +223,20 @@ class Bypass(MLP):
 def test_a_width_that_records_nothing_raises() -> None:
     with pytest.warns(UserWarning, match="nothing recorded"), pytest.raises(RuntimeError, match=r"at width 8 ScaleMonitor recorded steps \[\], expected 0..0"):
         coord_check(lambda w: Bypass(w), [8, 16], steps=1, batches=_loader())
+
+
+@pytest.mark.parametrize("dim", [32, 128])
+def test_unit_scaled_gpt_has_unit_scale_at_init(dim: int) -> None:
+    from lightning_scale.models import GPT, GPTConfig, UnitLinear
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 4 * dim)
+    layer = UnitLinear(4 * dim, dim)
+    assert float(layer.weight.std()) == pytest.approx(1.0, rel=0.05) and float(layer.bias.abs().max()) == 0.0
+    assert float(layer(x).std()) == pytest.approx(1.0, rel=0.05)  # sum of 4*dim unit terms / sqrt(4*dim)
+    model = GPT(GPTConfig(vocab=64, seq=16, layers=2, dim=dim, heads=4, unit_scaled=True))
+    idx = torch.randint(64, (8, 16))
+    assert float(model(idx).std()) == pytest.approx(1.0, rel=0.1)  # LayerNorm'd input, unit head
+    emb = model.tok(idx) + model.pos(torch.arange(16))
+    assert float(emb.std() * 2**-0.5) == pytest.approx(1.0, rel=0.1)
+    assert all(type(m) is torch.nn.Linear for m in GPT(GPTConfig(dim=dim, layers=1)).modules() if isinstance(m, torch.nn.Linear))
