@@ -153,7 +153,8 @@ class CoordCheck:
         Args:
             group: how nodes are grouped (see ``group_of``); the legend gives each slope.
             step: the tracked step shown (default: the last).
-            axes: two matplotlib axes to draw into (default: a new figure).
+            axes: two matplotlib axes to draw into, forward then backward (default: a
+                new figure). A legend is drawn when a panel has at most 24 lines.
             title: prefix of the panel titles.
 
         Returns:
@@ -161,10 +162,13 @@ class CoordCheck:
 
         Raises:
             ImportError: matplotlib is not installed.
+            ValueError: ``axes`` is not two axes.
         """
         plt = _pyplot()
         if axes is None:
             _, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+        if len(axes) != 2:
+            raise ValueError(f"`axes` must be two matplotlib axes (forward, backward), got {len(axes)}")
         step = self._step(step)
         curves, slopes = self.curves(group, step), self.slopes(group, step)
         for ax, direction in zip(axes, DIRECTIONS):
@@ -184,6 +188,8 @@ class CoordCheck:
 
     def _step(self, step: Optional[int]) -> int:
         steps = self.steps
+        if not steps:
+            raise ValueError("the table has no rows")
         if step is None:
             return steps[-1]
         if step not in steps:

@@ -210,6 +210,8 @@ def test_result_arguments_are_checked() -> None:
         _synthetic().slopes(step=3)
     with pytest.raises(ValueError, match="`group` must be 'node', 'op' or a valid regular expression"):
         _synthetic().curves(group="(")
+    with pytest.raises(ValueError, match="`axes` must be two matplotlib axes"):
+        _synthetic().plot(axes=[None])
 
 
 class Bypass(MLP):
