@@ -154,20 +154,21 @@ def test_heatmap_and_series(run: Tuple[Path, Any, Any], plugin: ScalesPlugin) ->
     assert series["series"]["std/fwd"] == pytest.approx([scalars[f"scale/fwd/{label}"][s] for s in range(STEPS)])
 
 
-def _independent_ranking(scalars: Dict[str, Dict[int, float]], step: int, pattern: str) -> List[Tuple[str, str]]:
+def _independent_ranking(order: List[str], scalars: Dict[str, Dict[int, float]], step: int, pattern: str) -> List[Tuple[str, str]]:
     rows = []
-    for label in logged_labels(scalars):
+    for label in order:  # ties keep execution order
         for d in ("fwd", "bwd"):
             if f"scale/{d}/{label}" in scalars and re.search(pattern, label):
                 std, absmax = scalars[f"scale/{d}/{label}"][step], scalars[f"absmax/{d}/{label}"][step]
                 rows.append((min(math.log2(std / FP16_MIN), math.log2(FP16_MAX / absmax)), label, d))
-    return [(l, d) for _, l, d in sorted(rows, key=lambda r: r[0])]
+    return [(l, d) for _, l, d in sorted(rows, key=lambda r: r[0])]  # stable: ties in execution order
 
 
 def test_worst_route_ranks_by_headroom_and_drift(run: Tuple[Path, Any, Any], plugin: ScalesPlugin) -> None:
-    _, _, scalars = run
+    _, acc, scalars = run
+    order = metadata.decode(acc.Tensors(metadata.TAG)[-1].tensor_proto.string_val[0])["labels"]
     body = get(plugin, "/worst", run=run_name(run), step=3, by="fp16", regex=r"blocks\.1")
-    assert [(r["label"], r["dir"]) for r in body["rows"]] == _independent_ranking(scalars, 3, r"blocks\.1")
+    assert [(r["label"], r["dir"]) for r in body["rows"]] == _independent_ranking(order, scalars, 3, r"blocks\.1")
     drift = get(plugin, "/worst", run=run_name(run), step=3, by="drift")["rows"]
     want = [abs(math.log2(scalars[f"scale/{r['dir']}/{r['label']}"][3] / scalars[f"scale/{r['dir']}/{r['label']}"][0])) for r in drift]
     assert [r["abs_drift"] for r in drift] == pytest.approx(want) and want == sorted(want, reverse=True)
