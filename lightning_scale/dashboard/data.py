@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Set
 
 from lightning_scale.dashboard import metadata
 
-__all__ = ["RunData", "list_runs", "load"]
+__all__ = ["RunData", "fingerprint", "list_runs", "load"]
 
 DIRS = ("fwd", "bwd")
 # Written by the writer but derived from others or not per node: not shown as statistics.
@@ -78,6 +78,20 @@ def list_runs(provider: Any, ctx: Any, eid: str) -> Dict[str, List[str]]:
             if head.endswith("scale") and tag[len(head) :].startswith(("/fwd/", "/bwd/")):
                 out.setdefault(run, set()).add(head[: -len("scale")])
     return {run: sorted(p) for run, p in sorted(out.items())}
+
+
+def fingerprint(provider: Any, ctx: Any, eid: str, run: str) -> tuple:
+    """Changes whenever the run's scalars or texts grow: (tags, newest step, newest wall time) per kind.
+
+    Listing is metadata only; reading every value of a large run takes seconds.
+    """
+    from tensorboard.data.provider import RunTagFilter
+
+    out = []
+    for lister, plugin in ((provider.list_scalars, "scalars"), (provider.list_tensors, "text"), (provider.list_tensors, metadata.PLUGIN_NAME)):
+        series = lister(ctx, experiment_id=eid, plugin_name=plugin, run_tag_filter=RunTagFilter(runs=[run])).get(run, {}).values()
+        out.append((len(series), max((s.max_step for s in series), default=-1), max((s.max_wall_time for s in series), default=0.0)))
+    return tuple(out)
 
 
 def load(provider: Any, ctx: Any, eid: str, run: str, prefix: str) -> RunData:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import threading
-import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -29,7 +28,6 @@ __all__ = ["ScalesPlugin"]
 
 _STATIC = Path(__file__).parent / "static"
 _TYPES = {".js": "text/javascript", ".css": "text/css"}
-_TTL_S = 5.0  # TensorBoard reloads logs every few seconds: re-read no more often
 
 
 def _json_safe(value: Any) -> Any:
@@ -53,7 +51,7 @@ class ScalesPlugin(base_plugin.TBPlugin):
 
     def __init__(self, context: base_plugin.TBContext) -> None:
         self._provider = context.data_provider
-        self._cache: Dict[Tuple[str, str, str], Tuple[float, data.RunData]] = {}
+        self._cache: Dict[Tuple[str, str, str], Tuple[tuple, data.RunData]] = {}
         self._lock = threading.Lock()
 
     def get_plugin_apps(self) -> Dict[str, Callable[..., Any]]:
@@ -124,15 +122,16 @@ class ScalesPlugin(base_plugin.TBPlugin):
     def _load(self, request: Request, run: str, prefix: str) -> data.RunData:
         from tensorboard import plugin_util
 
-        eid = plugin_util.experiment_id(request.environ)
+        eid, ctx = plugin_util.experiment_id(request.environ), plugin_util.context(request.environ)
         key = (eid, run, prefix)
+        stamp = data.fingerprint(self._provider, ctx, eid, run)
         with self._lock:
             hit = self._cache.get(key)
-        if hit and time.monotonic() - hit[0] < _TTL_S:
+        if hit and hit[0] == stamp:  # nothing new since the last read
             return hit[1]
-        loaded = data.load(self._provider, plugin_util.context(request.environ), eid, run, prefix)
+        loaded = data.load(self._provider, ctx, eid, run, prefix)
         with self._lock:
-            self._cache[key] = (time.monotonic(), loaded)
+            self._cache[key] = (stamp, loaded)
         return loaded
 
 
