@@ -184,3 +184,7 @@ def test_validation_and_code_routes(run: Tuple[Path, Any, Any], plugin: ScalesPl
     assert all(not n["bwd"] for n in val["nodes"])  # validation: forward only
     code = get(plugin, "/code", run=run_name(run), step=1)
     assert code["step"] == 1 and any("def forward" in line["text"] for line in code["lines"])
+    for line in code["lines"]:
+        grads = [float(v) for v in re.findall(r"<- ([0-9.e+-]+)\)", line["text"])]
+        assert (line["flag"] == "!<") == any(0 < g < FP16_MIN for g in grads), line  # forward stds here are ~1
+    assert any(line["flag"] for line in code["lines"])

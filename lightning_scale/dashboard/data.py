@@ -118,7 +118,8 @@ def load(provider: Any, ctx: Any, eid: str, run: str, prefix: str) -> RunData:
         seen.append(label)
     doc = nodes.get(prefix, {"labels": [], "parameters": []})
     labels = list(doc["labels"]) + sorted(set(seen) - set(doc["labels"]))
-    params = set(doc["parameters"]) if doc["labels"] else {l for l in labels if "/" not in l and "." in l}
+    # Without the writer's list, a dotted label with no op part is a parameter or buffer read
+    params = set(doc["parameters"]) or {l for l in labels if "/" not in l and "." in l}
     ratios = {t[len("update_ratio/") :]: series.get(t, {}) for t in ratio_tags}
     return RunData(labels, params, sorted(steps), values, ratios, _code(provider, ctx, eid, run, prefix))
 

@@ -100,7 +100,7 @@ def worst(data: RunData, step: Optional[int], by: str = "fp16", pattern: str = "
 
 
 def code(data: RunData, step: Optional[int]) -> Dict[str, Any]:
-    """The annotated code logged at ``step``: lines, each with its out-of-range flag (``!<``, ``!>`` or "")."""
+    """The annotated code logged at ``step``: lines, each with its FP16 out-of-range flag (``!<``, ``!>`` or "")."""
     steps = sorted(data.code)
     if not steps:
         return {"steps": [], "step": None, "lines": []}
@@ -108,6 +108,16 @@ def code(data: RunData, step: Optional[int]) -> Dict[str, Any]:
     lines = []
     for line in data.code[step].split("\n"):
         text = line[4:] if line.startswith("    ") else line  # written as a markdown code block
-        flag = "!<" if "  !<" in text else "!>" if "  !>" in text else ""
-        lines.append({"text": text, "flag": flag})
+        lines.append({"text": text, "flag": _flag(text)})
     return {"steps": steps, "step": step, "lines": lines}
+
+
+_PAIR = re.compile(r"\(-> ([^,]+), <- ([^)]+)\)")
+
+
+def _flag(text: str) -> str:
+    """``!<`` if a std on the line is below FP16's smallest normal, ``!>`` above its max, else ""."""
+    values = [float(v) for pair in _PAIR.findall(text) for v in pair if v != "n/a"]
+    if any(0 < v < FORMATS["fp16"].min_normal for v in values):
+        return "!<"
+    return "!>" if any(v > FORMATS["fp16"].max for v in values) else ""
