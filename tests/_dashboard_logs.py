@@ -43,6 +43,14 @@ class Blocks(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class UpdateRatios(pl.Callback):
+    """Logs ``update_ratio/<parameter>`` as the update/weight-ratio feature names it, so the
+    dashboard's side panel has something to show (value: the step number, recognisable)."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        trainer.logger.experiment.add_scalar("update_ratio/blocks.0.0.weight", 0.001 * (trainer.global_step), trainer.global_step - 1)
+
+
 def write_logs(root: Path) -> Path:
     """Train ``Blocks`` for ``STEPS`` steps, every step tracked (and one validation batch); the log dir."""
     torch.manual_seed(0)
@@ -53,7 +61,7 @@ def write_logs(root: Path) -> Path:
         max_steps=STEPS,
         accelerator="cpu",
         logger=pl.loggers.TensorBoardLogger(str(root), name="run"),
-        callbacks=[monitor],
+        callbacks=[monitor, UpdateRatios()],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,

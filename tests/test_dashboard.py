@@ -138,6 +138,7 @@ def test_profile_route_returns_the_logged_values_in_execution_order(run: Tuple[P
             for stat, tag in (("std", "scale"), ("absmax", "absmax"), ("below_normal_fp16", "below_normal_fp16")):
                 want = scalars.get(f"{tag}/{d}/{node['label']}", {}).get(2)
                 assert node[d].get(stat) == (pytest.approx(want) if want is not None else None)
+    assert body["ratios"] == {"blocks.0.0.weight": pytest.approx(scalars["update_ratio/blocks.0.0.weight"][2])}
     assert get(plugin, "/profile", run=run_name(run), step=99)["step"] == STEPS - 1  # nearest tracked step before
     assert "must be an integer" in get(plugin, "/profile", 400, run=run_name(run), step="x")["error"]
 

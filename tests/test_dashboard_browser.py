@@ -136,6 +136,25 @@ def test_plugin_listed_labels_in_order_and_slider(server: Tuple[str, Path], page
     changed = _profile(frame)
     assert changed != rows
     _check_profile(changed, scalars, 0)
+    assert float(frame.inner_text("table.ratios td:nth-child(2)")) == pytest.approx(scalars["update_ratio/blocks.0.0.weight"][0], rel=1e-3)
+    assert not errors
+
+
+def test_profile_hover_and_collapse(page: Tuple[Any, Any, List[str]]) -> None:
+    _, frame, errors = page
+    frame.click("button[data-view=profile]")
+    frame.wait_for_selector("svg.profile g.node")
+    node = frame.locator("svg.profile g.node[data-label='blocks.1.0/linear']")
+    node.hover()
+    tip = frame.inner_text(".tip")
+    assert "blocks.1.0/linear" in tip and "(activation)" in tip
+    assert all(name in tip for name in ("std", "absmax", "below_normal_fp16"))
+    before = len(_profile(frame))
+    frame.click("svg.profile text.group[data-group='blocks.1']")
+    frame.wait_for_function(f"document.querySelectorAll('svg.profile g.node').length < {before}")
+    assert not [r for r in _profile(frame) if r["label"].startswith("blocks.1.")]
+    frame.click("svg.profile text.group[data-group='blocks.1']")
+    frame.wait_for_function(f"document.querySelectorAll('svg.profile g.node').length === {before}")
     assert not errors
 
 
