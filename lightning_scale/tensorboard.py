@@ -126,6 +126,9 @@ class ScaleWriter:
         log2: also write ``scale_log2/`` (log2 std) and chart it in Custom Scalars.
         summary: write the ``scale_summary/`` counts and the ``scale_worst`` table.
         top_k: rows of the ``scale_worst`` table.
+
+    Raises:
+        ValueError: ``top_k`` is not a positive integer.
     """
 
     def __init__(
@@ -141,6 +144,8 @@ class ScaleWriter:
         summary: bool = True,
         top_k: int = 10,
     ) -> None:
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k <= 0:
+            raise ValueError(f"`top_k` must be a positive integer, got {top_k!r}")
         self.loggers = list(loggers)
         self.statistics = list(statistics)
         self.histograms = histograms

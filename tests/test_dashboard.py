@@ -115,6 +115,13 @@ def test_headroom_closed_forms() -> None:
         headroom.headroom(1.0, 1.0, "fp8")
 
 
+def test_writer_rejects_a_bad_top_k() -> None:
+    from lightning_scale.tensorboard import ScaleWriter
+
+    with pytest.raises(ValueError, match="`top_k` must be a positive integer, got 0"):
+        ScaleWriter([], ["std"], top_k=0)
+
+
 def test_module_groups() -> None:
     assert [module_group(l) for l in ["x", "model.blocks.3.attn/view", "head.weight", "head/linear"]] == ["(top)", "model.blocks.3", "head", "head"]
 
