@@ -13,13 +13,13 @@ from lightning_scale.recorder import BACKWARD, FORWARD
 __all__ = ["scale_figure"]
 
 # FP16 and E5M2 share their smallest normal (2^-14) and nearly their max: different line
-# styles keep both visible; each band is labelled at its edges instead of a legend.
+# styles keep both visible.
 _FORMAT_STYLE = {"fp16": ("tab:green", "--"), "bf16": ("tab:gray", "-"), "e4m3": ("tab:red", "-."), "e5m2": ("tab:purple", ":")}
 
 
 def scale_figure(labels: Sequence[str], records: Tensor, title: str = "") -> Any:
     """A matplotlib figure: every node top to bottom, log2 of its forward and backward std,
-    with the FP16, BF16, FP8 E4M3 and E5M2 normal ranges marked (lines labelled at the top)."""
+    with the edges of the FP16, FP8 E4M3 and E5M2 normal ranges marked (in the legend)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -35,17 +35,19 @@ def scale_figure(labels: Sequence[str], records: Tensor, title: str = "") -> Any
         ax.scatter(xs, ys, s=18, color=colour, label=name, zorder=3)
     for fmt, (colour, style) in _FORMAT_STYLE.items():
         f = stats.FORMATS[fmt]
-        for edge in (math.log2(f.min_normal), math.log2(f.max)):
+        lo, hi = math.log2(f.min_normal), math.log2(f.max)
+        label = f"{fmt} normal range 2^{lo:.0f}..2^{hi:.1f}"
+        for edge in (lo, hi):
             if -40 < edge < 40:  # bf16's edges (2^-126, 2^128) would squash everything else
-                ax.axvline(edge, color=colour, lw=1, ls=style, zorder=2)
-                ax.text(edge, -0.8, fmt, color=colour, fontsize=8, ha="center", va="bottom", rotation=90)
+                ax.axvline(edge, color=colour, lw=1.2, ls=style, zorder=2, label=label)
+                label = None
     ax.set_yticks(ys)
     ax.set_yticklabels(labels, fontsize=8)
-    ax.set_ylim(n - 0.5, -1.5)
+    ax.set_ylim(n - 0.5, -0.5)
     ax.set_xlabel("log2(std)")
     ax.xaxis.set_tick_params(labeltop=True)
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="lower left", framealpha=0.9)
     ax.set_title(title or "Scale of every node (forward, backward)", fontsize=10)
     # Fixed margins (tight_layout measures every label: slow for hundreds of nodes).
     height = fig.get_figheight()
