@@ -22,12 +22,13 @@ from _dashboard_logs import STEPS, logged, logged_labels, write_logs
 
 from lightning_scale.dashboard import metadata
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# The system browser (Playwright's own download cannot work offline); overridable for other layouts.
+CHROMIUM = os.environ.get("LIGHTNING_SCALE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
 FP16_MIN, FP16_MAX = 2.0**-14, 65504.0
 
 if not os.path.exists(CHROMIUM):
-    pytest.skip("chromium is not installed (`apt-get install -y chromium`; `make venv` and .ci/run install it)", allow_module_level=True)
+    pytest.skip(f"no Chromium at {CHROMIUM} (`apt-get install -y chromium` as root; `make venv` and .ci/run do it where they can)", allow_module_level=True)
 sync_api = pytest.importorskip("playwright.sync_api", reason='playwright is not installed (pip install -e ".[test]")')
 
 
