@@ -71,7 +71,7 @@ export function drawProfile(root, data) {
     y += ROW;
   }
   const height = y + 10;
-  root.innerHTML = `<div class="legend"><span class="fwd">● forward</span> <span class="bwd">● backward</span> ◆/■ parameter · | absmax · x: log2 std · step ${data.step}</div>
+  root.innerHTML = `<div class="legend"><span class="fwd">● forward</span> <span class="bwd">● backward</span> ◆/■ parameter · | absmax · x: log2 std · step ${data.step}${lo > FORMATS.bf16.min && hi < FORMATS.bf16.max ? ' · bf16 normal range 2^-126..2^128 spans the whole axis' : ''}</div>
     <svg class="profile" width="${LABEL_W + PLOT_W + 20}" height="${height}">${axis(x, lo, hi, height)}${formatMarks(x, lo, hi, height)}${body}</svg><div class="tip" hidden></div>`;
   const tip = root.querySelector('.tip');
   const svg = root.querySelector('svg');
