@@ -7,9 +7,16 @@ STAMP := $(VENV)/.installed
 # would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv test demo bench gpu-check lint clean
+.PHONY: venv browser test demo dashboard bench gpu-check lint clean
 
-venv: $(STAMP)
+venv: $(STAMP) browser
+
+# The dashboard's browser tests drive the system Chromium (Playwright's own download
+# cannot work offline). Installed with apt where we are root; else the tests skip and say why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) ; } \
+		|| echo "chromium not installed (needs root and apt): the browser tests will be skipped"
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,11 +25,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test,plot,cli,bench]"
 	touch $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 demo: $(STAMP)
 	$(BIN)/python -m lightning_scale.demo
+
+dashboard: $(STAMP)
+	$(BIN)/tensorboard --logdir lightning_logs --host 127.0.0.1
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py --out docs/benchmarks.md

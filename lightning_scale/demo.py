@@ -7,6 +7,7 @@ TensorBoard logs under ``lightning_logs/`` and prints how to open them.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Any, Optional, Sequence
 
@@ -70,9 +71,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     monitor = ScaleMonitor(every_n_steps=args.every, statistics=["std", "absmax"], track_validation=True)
     trainer = pl.Trainer(
         max_steps=args.steps,
+        # with max_steps alone the bar reads "Epoch 4/-2": give the epochs those steps span
+        max_epochs=math.ceil(args.steps / len(train)),
         accelerator="cpu",
         devices=1,
-        callbacks=[monitor],
+        callbacks=[monitor, _progress_bar()],
         default_root_dir=".",
         logger=pl.loggers.TensorBoardLogger(args.logdir, name="demo"),
         val_check_interval=100,
@@ -85,7 +88,26 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.figure:
         _save_figure(model, args.figure)
     print(f"\nScale logs written to {os.path.abspath(logdir)}")
-    print(f"Open them with:\n\n    .venv/bin/tensorboard --logdir {args.logdir}\n\nthen browse http://localhost:6006 (SCALARS: scale/, IMAGES: scale_plot, TEXT: scale_code).")
+    print(f"Open them with:\n\n    .venv/bin/tensorboard --logdir {args.logdir}\n")
+    print("then browse http://localhost:6006/#scales: the SCALES dashboard (profile at a step, heatmap,")
+    print("worst nodes, annotated code). Also: CUSTOM SCALARS (log2 std per node, by block),")
+    print("TEXT: scale_worst (nodes nearest the FP16 range edges) and scale_code.")
+
+
+def _progress_bar() -> pl.Callback:
+    """Lightning's default bar without ``v_num`` (the rich bar prints the version as ``0.000``)."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+    base = RichProgressBar if _RICH_AVAILABLE else TQDMProgressBar
+
+    class Bar(base):  # type: ignore[valid-type,misc]  # chosen at run time, as Lightning does
+        def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict:
+            items = super().get_metrics(trainer, pl_module)
+            items.pop("v_num", None)
+            return items
+
+    return Bar()
 
 
 def _save_figure(model: GPTModule, path: str) -> None:

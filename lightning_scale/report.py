@@ -19,23 +19,61 @@ from lightning_scale.recorder import BACKWARD, FORWARD
 __all__ = ["analyse_module", "annotate_code", "records_table", "table_to_csv", "table_to_json"]
 
 
-def annotate_code(code: str, scales: Mapping[str, ScalePair]) -> str:
-    """Append ``(-> fwd, <- bwd)`` to each line of fx-generated ``code`` that defines a node."""
+def annotate_code(code: str, scales: Mapping[str, ScalePair], labels: Optional[Mapping[str, str]] = None, flag: str = "fp16") -> str:
+    """Annotate each line of fx-generated ``code`` that defines a node with its scales.
+
+    Without ``labels``: ``(-> fwd, <- bwd)`` appended to the line (unit-scaling's format).
+    With ``labels`` (fx node name -> tag label): the scales in an aligned column on the
+    left, then a flag, the node's tag label and the code, so long lines never hide them::
+
+        (-> 1.02, <- 4.1e-06)   !<  blocks.0.attn.qkv/linear  linear = torch._C._nn.linear(...)
+
+    ``!<`` marks a std below ``flag``'s smallest normal, ``!>`` one above its max.
+
+    Raises:
+        ValueError: ``flag`` is not a format of ``stats.FORMATS``.
+    """
+    if flag not in stats.FORMATS:
+        raise ValueError(f"`flag` must be one of {sorted(stats.FORMATS)}, got {flag!r}")
+    rows = [_annotated_line(line, scales) for line in _code_lines(code)]
+    if labels is None:
+        return "\n".join(line + (sep + ", ".join(str(scales[n]) for n in names) if names else "") for line, sep, names in rows).strip()
+    return _aligned(rows, scales, labels, stats.FORMATS[flag])
+
+
+def _code_lines(code: str) -> List[str]:
     lines = []
     for line in code.splitlines():
-        if not line.strip() or line.startswith("torch.fx._symbolic_trace.wrap"):
-            continue
-        line = line.split(";")[0].rstrip()
-        words = line.strip().split(" ")
-        if words and words[0] in scales:
-            line = f"{line};  {scales[words[0]]}"
-        elif words and words[0] == "def":
-            args = re.findall(r"(\w+)(?=\s*[,:)=])", line.split("(", 1)[1])
-            found = [str(scales[a]) for a in args if a in scales]
-            if found:
-                line = f"{line}  {', '.join(found)}"
-        lines.append(line)
-    return "\n".join(lines).strip()
+        if line.strip() and not line.startswith("torch.fx._symbolic_trace.wrap"):
+            lines.append(line.split(";")[0].rstrip())  # drop fx's `;  x = None` frees
+    return lines
+
+
+def _annotated_line(line: str, scales: Mapping[str, ScalePair]) -> Tuple[str, str, List[str]]:
+    """(code, separator before the annotation, node names it defines that have scales)."""
+    words = line.strip().split(" ")
+    if words and words[0] in scales:
+        return line, ";  ", [words[0]]
+    if words and words[0] == "def":
+        return line, "  ", [a for a in re.findall(r"(\w+)(?=\s*[,:)=])", line.split("(", 1)[1]) if a in scales]
+    return line, "", []
+
+
+def _flag(pair: ScalePair, fmt: stats.FloatFormat) -> str:
+    values = [v for v in (pair.forward, pair.backward) if v is not None and math.isfinite(v)]
+    if any(0 < v < fmt.min_normal for v in values):
+        return "!<"
+    return "!>" if any(v > fmt.max for v in values) else ""
+
+
+def _aligned(rows: Sequence[Tuple[str, str, List[str]]], scales: Mapping[str, ScalePair], labels: Mapping[str, str], fmt: stats.FloatFormat) -> str:
+    cells = []
+    for line, _, names in rows:
+        pairs = [scales[n] for n in names]
+        flags = "".join(sorted({_flag(p, fmt) for p in pairs}))
+        cells.append((", ".join(map(str, pairs)), flags, ", ".join(labels.get(n, n) for n in names), line))
+    width = [max((len(c[i]) for c in cells), default=0) for i in range(3)]
+    return "\n".join(f"{a:<{width[0]}}  {b:<{width[1]}}  {c:<{width[2]}}  {d}".rstrip() for a, b, c, d in cells)
 
 
 def analyse_module(

@@ -1,47 +1,96 @@
-"""Writing pooled statistics: TensorBoard scalars, histograms, figure, text; other loggers.
+"""Writing pooled statistics: TensorBoard scalars, histograms, text, figure; other loggers.
 
-Tags: ``scale/fwd/<label>`` and ``scale/bwd/<label>`` hold the std; any other statistic
-``<name>/fwd/<label>``. ``scale_hist/fwd`` and ``scale_hist/bwd`` hold log2 of the std of
-every node at a step; ``values_log2/<dir>/<label>`` the histogram of log2|x| of chosen
-nodes' values.
+Tags, for each direction ``<dir>`` (``fwd``, ``bwd``) and node ``<label>``:
+
+- ``scale/<dir>/<label>``: the std; any other statistic ``<name>/<dir>/<label>``;
+- ``scale_log2/<dir>/<label>``: log2 of the std (gradients of ~1e-5 read as -17, not 0);
+- ``scale_summary/<dir>/below_normal_<fmt>`` and ``above_max_<fmt>``: how many nodes have
+  their std below the format's smallest normal, their absmax (or std) above its max;
+- ``scale_hist/<dir>``: histogram of log2 std over nodes; ``values_log2/<dir>/<label>``:
+  histogram of log2|x| of chosen nodes' values;
+- text ``scale_worst`` (the nodes nearest a format edge) and ``scale_code``;
+- ``scale_nodes``: the node list in execution order, for the ``scales`` dashboard.
+
+The writer may run off the training thread; it keeps no state shared between writers
+except the custom-scalars layout of a ``SummaryWriter``, guarded by a lock.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import weakref
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from lightning_scale import stats
+from lightning_scale.dashboard import headroom, layout, metadata
+from lightning_scale.figure import scale_figure
 from lightning_scale.recorder import BACKWARD, FORWARD
 
-__all__ = ["DIRECTIONS", "ScaleWriter", "scale_figure", "scalar_metrics"]
+__all__ = ["DIRECTIONS", "ScaleWriter", "scale_figure", "scalar_metrics", "summary_metrics", "worst_table"]
 
 DIRECTIONS = (("fwd", FORWARD), ("bwd", BACKWARD))
 
 # TensorBoard shows the last custom-scalars layout of a run, so each SummaryWriter gets
-# every prefix's charts at once: its categories so far, by title.
-_LAYOUTS: "weakref.WeakKeyDictionary[Any, Dict[str, Any]]" = weakref.WeakKeyDictionary()
+# every prefix's charts at once: its categories so far, by prefix.
+_LAYOUTS: "weakref.WeakKeyDictionary[Any, Dict[str, Dict[str, Any]]]" = weakref.WeakKeyDictionary()
+_LAYOUT_LOCK = threading.Lock()
 
 
 def _tag_stat(name: str) -> str:
     return "scale" if name == "std" else name
 
 
-def scalar_metrics(labels: Sequence[str], records: Tensor, names: Sequence[str]) -> Dict[str, float]:
-    """``{"scale/fwd/<label>": std, "<stat>/bwd/<label>": ...}`` for present records."""
+def scalar_metrics(labels: Sequence[str], records: Tensor, names: Sequence[str], log2: bool = False) -> Dict[str, float]:
+    """``{"scale/fwd/<label>": std, "<stat>/bwd/<label>": ...}`` for present records
+    (and ``scale_log2/<dir>/<label>`` for positive finite stds if ``log2``)."""
     out: Dict[str, float] = {}
     present = (records[..., 0] > 0).tolist()
-    for name in names:
-        values = stats.statistic(records, name).tolist()
+    for name in list(names) + (["scale_log2"] if log2 else []):
+        values = stats.statistic(records, "std" if name == "scale_log2" else name).tolist()
         for i, label in enumerate(labels):
             for tag, d in DIRECTIONS:
-                if present[i][d]:
-                    out[f"{_tag_stat(name)}/{tag}/{label}"] = values[i][d]
+                if not present[i][d]:
+                    continue
+                value = headroom.log2(values[i][d]) if name == "scale_log2" else values[i][d]
+                if not (name == "scale_log2" and math.isnan(value)):
+                    out[f"{_tag_stat(name)}/{tag}/{label}"] = value
     return out
+
+
+def _std_absmax(records: Tensor, d: int) -> Tuple[List[float], List[float]]:
+    present = records[:, d, 0] > 0
+    std = stats.statistic(records[present], "std")[:, d].tolist()
+    return std, stats.statistic(records[present], "absmax")[:, d].tolist()
+
+
+def summary_metrics(records: Tensor) -> Dict[str, float]:
+    """``{"scale_summary/<dir>/below_normal_<fmt>": count, ".../above_max_<fmt>": count}`` over nodes."""
+    out: Dict[str, float] = {}
+    for tag, d in DIRECTIONS:
+        std, absmax = _std_absmax(records, d)
+        for key, count in headroom.below_normal_counts(std, absmax).items():
+            out[f"scale_summary/{tag}/{key}"] = float(count)
+    return out
+
+
+def worst_table(labels: Sequence[str], records: Tensor, k: int = 10, fmt: str = "fp16") -> str:
+    """Markdown table of the ``k`` node directions with the least headroom to ``fmt``'s edges."""
+    rows = []
+    for tag, d in DIRECTIONS:
+        present = (records[:, d, 0] > 0).tolist()
+        std = stats.statistic(records, "std")[:, d].tolist()
+        absmax = stats.statistic(records, "absmax")[:, d].tolist()
+        for i, label in enumerate(labels):
+            if present[i]:
+                rows.append({"label": label, "dir": tag, "std": std[i], "absmax": absmax[i], **headroom.headroom(std[i], absmax[i], fmt)})
+    lines = [f"Nodes nearest the {fmt} range edges (octaves; negative = outside)", "", "| # | node | dir | log2 std | log2 absmax | below normal by | above max by | headroom |", "|---|---|---|---|---|---|---|---|"]
+    for n, r in enumerate(headroom.rank(rows, "headroom")[:k], 1):
+        lines.append(f"| {n} | `{r['label']}` | {r['dir']} | {headroom.log2(r['std']):.2f} | {headroom.log2(r['absmax']):.2f} | {-r['under']:.2f} | {-r['over']:.2f} | {r['headroom']:.2f} |")
+    return "\n".join(lines)
 
 
 def _add_scalars(writer: Any, metrics: Dict[str, float], step: int) -> None:
@@ -61,40 +110,6 @@ def _add_scalars(writer: Any, metrics: Dict[str, float], step: int) -> None:
     file_writer().add_summary(Summary(value=values), step)
 
 
-def scale_figure(labels: Sequence[str], records: Tensor, title: str = "") -> Any:
-    """A matplotlib figure: every node top to bottom, log2 of its forward and backward std,
-    with the FP16, FP8 E4M3 and E5M2 normal ranges marked."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    std = stats.statistic(records, "std")
-    present = records[..., 0] > 0
-    n = len(labels)
-    fig, ax = plt.subplots(figsize=(9, max(3.0, 0.16 * n + 1.2)))
-    ys = list(range(n))
-    for (tag, d), colour in zip(DIRECTIONS, ("tab:blue", "tab:orange")):
-        xs = [math.log2(v) if p and v > 0 and math.isfinite(v) else math.nan for v, p in zip(std[:, d].tolist(), present[:, d].tolist())]
-        ax.scatter(xs, ys, s=12, color=colour, label="forward" if tag == "fwd" else "backward", zorder=3)
-    for fmt, colour in (("fp16", "tab:green"), ("e4m3", "tab:red"), ("e5m2", "tab:purple")):
-        f = stats.FORMATS[fmt]
-        ax.axvspan(math.log2(f.min_normal), math.log2(f.max), color=colour, alpha=0.07, zorder=1)
-        ax.axvline(math.log2(f.max), color=colour, lw=0.8, ls="--", label=f"{fmt} max / min normal", zorder=2)
-        ax.axvline(math.log2(f.min_normal), color=colour, lw=0.8, ls="--", zorder=2)
-    ax.set_yticks(ys)
-    ax.set_yticklabels(labels, fontsize=6)
-    ax.invert_yaxis()
-    ax.set_xlabel("log2(std)")
-    ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
-    ax.set_title(title or "Scale of every node (forward, backward)")
-    # Fixed margins (tight_layout measures every label: slow for hundreds of nodes).
-    height = fig.get_figheight()
-    fig.subplots_adjust(left=0.3, right=0.98, top=1 - 0.5 / height, bottom=0.6 / height)
-    return fig
-
-
 class ScaleWriter:
     """Writes one tracked step's pooled records to the trainer's loggers.
 
@@ -107,30 +122,52 @@ class ScaleWriter:
         prefix: prepended to every tag (e.g. ``"val_"`` for validation tracking).
         figure_every: draw the figure on the first write and every n-th after it
             (drawing a few hundred nodes takes matplotlib about a second).
+        parameters: labels of nodes that are parameters or buffers (the dashboard marks them).
+        log2: also write ``scale_log2/`` (log2 std) and chart it in Custom Scalars.
+        summary: write the ``scale_summary/`` counts and the ``scale_worst`` table.
+        top_k: rows of the ``scale_worst`` table.
+
+    Raises:
+        ValueError: ``top_k`` is not a positive integer.
     """
 
-    def __init__(self, loggers: Sequence[Any], statistics: Sequence[str], histograms: bool = True, figure: bool = True, prefix: str = "", figure_every: int = 1) -> None:
+    def __init__(
+        self,
+        loggers: Sequence[Any],
+        statistics: Sequence[str],
+        histograms: bool = True,
+        figure: bool = True,
+        prefix: str = "",
+        figure_every: int = 1,
+        parameters: Collection[str] = (),
+        log2: bool = True,
+        summary: bool = True,
+        top_k: int = 10,
+    ) -> None:
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k <= 0:
+            raise ValueError(f"`top_k` must be a positive integer, got {top_k!r}")
         self.loggers = list(loggers)
         self.statistics = list(statistics)
         self.histograms = histograms
         self.figure = figure
         self.prefix = prefix
         self.figure_every = figure_every
+        self.parameters = frozenset(parameters)
+        self.log2, self.summary, self.top_k = log2, summary, top_k
         self._writes = 0
+        self._nodes: Optional[Tuple[str, ...]] = None
+        self._layout_key: Optional[Tuple[Tuple[str, ...], ...]] = None
 
     def _tensorboards(self) -> List[Any]:
-        out = []
-        for logger in self.loggers:
-            exp = getattr(logger, "experiment", None)
-            if exp is not None and hasattr(exp, "add_histogram_raw"):
-                out.append(exp)
-        return out
+        return [logger.experiment for logger in self.loggers if self._tensorboards_of(logger)]
 
     def write(self, step: int, labels: Sequence[str], records: Tensor, code: Optional[str] = None, spread: Optional[Tensor] = None) -> None:
-        """Write scalars, histograms, figure and annotated code for ``step``."""
-        metrics = scalar_metrics(labels, records, self.statistics)
+        """Write scalars, histograms, figure and text for ``step`` (``labels`` in execution order)."""
+        metrics = scalar_metrics(labels, records, self.statistics, self.log2)
         if spread is not None:
             metrics.update(self._spread(labels, spread))
+        if self.summary:
+            metrics.update(summary_metrics(records))
         metrics = {self.prefix + k: v for k, v in metrics.items()}
         for logger in self.loggers:
             if self._tensorboards_of(logger):
@@ -140,6 +177,7 @@ class ScaleWriter:
         draw = self._writes % self.figure_every == 0
         self._writes += 1
         for writer in self._tensorboards():
+            self._write_nodes(writer, step, labels)
             self._write_extras(writer, step, labels, records, code, draw)
 
     def _tensorboards_of(self, logger: Any) -> bool:
@@ -158,8 +196,16 @@ class ScaleWriter:
                     out[f"scale_rank_max/{tag}/{label}"] = hi[i][d]
         return out
 
+    def _write_nodes(self, writer: Any, step: int, labels: Sequence[str]) -> None:
+        """The node list, once per run and again when it changes (for the dashboard)."""
+        file_writer = getattr(writer, "_get_file_writer", None)
+        if file_writer is None or tuple(labels) == self._nodes:
+            return
+        self._nodes = tuple(labels)
+        file_writer().add_summary(metadata.nodes_summary(self.prefix + metadata.TAG, labels, self.parameters), step)
+
     def _write_extras(self, writer: Any, step: int, labels: Sequence[str], records: Tensor, code: Optional[str], draw: bool) -> None:
-        self._write_layout(writer, labels)
+        self._write_layout(writer, labels, records)
         if self.histograms:
             std = stats.statistic(records, "std")
             for tag, d in DIRECTIONS:
@@ -173,18 +219,26 @@ class ScaleWriter:
                 self.figure = False
             else:
                 writer.add_figure(f"{self.prefix}scale_plot", fig, step, close=True)
+        if self.summary and len(labels):
+            writer.add_text(f"{self.prefix}scale_worst", worst_table(labels, records, self.top_k), step)
         if code:
             writer.add_text(f"{self.prefix}scale_code", "    " + code.replace("\n", "\n    "), step)
 
-    def _write_layout(self, writer: Any, labels: Sequence[str]) -> None:
-        from tensorboard.plugins.custom_scalar import layout_pb2  # noqa: F401 - presence check
-
-        title = f"{self.prefix}scale (fwd and bwd per node)"
-        layout = _LAYOUTS.setdefault(writer, {})
-        if title in layout:
+    def _write_layout(self, writer: Any, labels: Sequence[str], records: Tensor) -> None:
+        """Custom Scalars charts of the tags written (rewritten only when those change)."""
+        present = (records[..., 0] > 0).tolist()
+        written = {tag: tuple(l for i, l in enumerate(labels) if present[i][d]) for tag, d in DIRECTIONS}
+        key = (tuple(labels), *written.values())
+        if key == self._layout_key:
             return
-        layout[title] = {label: ["Multiline", [f"{self.prefix}scale/fwd/{label}", f"{self.prefix}scale/bwd/{label}"]] for label in labels}
-        writer.add_custom_scalars(dict(layout))
+        self._layout_key = key
+        name = "scale_log2" if self.log2 else "scale"
+        categories = layout.custom_scalar_layout(self.prefix, labels, written, stat=name)
+        with _LAYOUT_LOCK:
+            per_prefix = _LAYOUTS.setdefault(writer, {})
+            per_prefix[self.prefix] = categories
+            merged = {title: charts for prefix in sorted(per_prefix) for title, charts in per_prefix[prefix].items()}
+        writer.add_custom_scalars(merged)
 
     def write_value_histograms(self, step: int, histograms: Dict[str, Tensor]) -> None:
         """Histograms of log2|x| (``{"fwd/<label>": counts over exponent bins}``)."""
@@ -214,5 +268,3 @@ def _add_log2_histogram(writer: Any, tag: str, counts: Tensor, step: int) -> Non
         bucket_counts=c.tolist(),
         global_step=step,
     )
-
-

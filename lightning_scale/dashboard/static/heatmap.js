@@ -1,0 +1,84 @@
+// Heatmap: nodes (rows, execution order) x tracked steps (columns), colour = log2 std,
+// forward and backward side by side. The colour scale changes hue at the format edges;
+// clicking a cell draws that node's series over steps.
+import { get, FORMATS, esc, fmt } from './api.js';
+
+// Hue bands split at the edges that matter: FP16/E5M2 smallest normal (-14), E4M3's (-6),
+// E4M3's max (~8.8), FP16's max (~16).
+const BANDS = [
+  [-Infinity, FORMATS.fp16.min, [183, 28, 28], [255, 138, 128]],
+  [FORMATS.fp16.min, FORMATS.e4m3.min, [255, 193, 7], [255, 236, 179]],
+  [FORMATS.e4m3.min, FORMATS.e4m3.max, [13, 71, 161], [144, 202, 249]],
+  [FORMATS.e4m3.max, FORMATS.fp16.max, [106, 27, 154], [206, 147, 216]],
+  [FORMATS.fp16.max, Infinity, [62, 39, 35], [141, 110, 99]],
+];
+
+export function colour(v) {
+  if (v === null || v === undefined) return '#eeeeee';
+  for (const [lo, hi, a, b] of BANDS) {
+    if (v < hi) {
+      const l = Number.isFinite(lo) ? lo : hi - 10, h = Number.isFinite(hi) ? hi : lo + 10;
+      const t = Math.min(1, Math.max(0, (v - l) / (h - l)));
+      return `rgb(${a.map((c, i) => Math.round(c + (b[i] - c) * t)).join(',')})`;
+    }
+  }
+  return '#000';
+}
+
+function legend() {
+  const stops = [];
+  for (let v = -24; v <= 20; v += 0.5) stops.push(`<rect x="${(v + 24) * 8}" y="0" width="4" height="12" fill="${colour(v)}"/>`);
+  const marks = [[FORMATS.fp16.min, 'fp16/e5m2 min'], [FORMATS.e4m3.min, 'e4m3 min'], [FORMATS.e4m3.max, 'e4m3 max'], [FORMATS.fp16.max, 'fp16 max']];
+  const ticks = marks.map(([v, t], i) => `<line x1="${(v + 24) * 8}" x2="${(v + 24) * 8}" y1="0" y2="${16 + (i % 2) * 10}" stroke="#000"/><text class="tick" x="${(v + 24) * 8 + 2}" y="${24 + (i % 2) * 10}">${t} (${fmt(v, 1)})</text>`).join('');
+  return `<svg class="colourbar" width="400" height="40">${stops.join('')}${ticks}</svg> log2 std`;
+}
+
+function panel(title, d, data, cw, ch, labelW) {
+  let cells = '';
+  data[d].forEach((row, i) => row.forEach((v, j) => {
+    cells += `<rect class="cell" data-dir="${d}" data-row="${i}" data-col="${j}" data-v="${v ?? ''}" x="${labelW + j * cw}" y="${20 + i * ch}" width="${cw - 1}" height="${Math.max(ch - 1, 1)}" fill="${colour(v)}"/>`;
+  }));
+  const labels = ch >= 8 ? data.labels.map((l, i) => `<text class="row-label" x="${labelW - 4}" y="${20 + i * ch + ch - 2}">${esc(l)}</text>`).join('') : '';
+  const stepLabels = data.steps.map((s, j) => (j % Math.ceil(data.steps.length / 10) === 0 ? `<text class="tick" x="${labelW + j * cw}" y="14">${s}</text>` : '')).join('');
+  return `<div class="hm-panel"><h4>${title}</h4><svg class="heatmap" data-dir="${d}" width="${labelW + data.steps.length * cw + 10}" height="${30 + data.labels.length * ch}">${stepLabels}${labels}${cells}</svg></div>`;
+}
+
+export function drawSeries(root, s) {
+  const W = 520, H = 180, L = 40;
+  const lines = Object.entries(s.series).filter(([k]) => k.startsWith('std/'));
+  const vals = lines.flatMap(([, v]) => v.filter((x) => x > 0).map(Math.log2));
+  const lo = Math.min(...vals, -1), hi = Math.max(...vals, 1);
+  const n = Math.max(s.steps.length - 1, 1);
+  const x = (j) => L + (j / n) * (W - L - 10), y = (v) => H - 20 - ((v - lo) / (hi - lo || 1)) * (H - 40);
+  const paths = lines.map(([k, v]) => {
+    const pts = v.map((u, j) => (u > 0 ? `${x(j)},${y(Math.log2(u))}` : null)).filter(Boolean);
+    return `<polyline class="series ${k.endsWith('fwd') ? 'fwd' : 'bwd'}" points="${pts.join(' ')}"/>`;
+  }).join('');
+  const rows = Object.entries(s.series).map(([k, v]) => `<tr><td>${esc(k)}</td>${v.map((u) => `<td>${u === null ? '–' : Number(u).toPrecision(3)}</td>`).join('')}</tr>`).join('');
+  root.innerHTML = `<h4>${esc(s.label)} over steps (log2 std: <span class="fwd">fwd</span>, <span class="bwd">bwd</span>)</h4>
+    <svg class="series-chart" width="${W}" height="${H}"><text class="tick" x="2" y="${y(hi)}">${fmt(hi, 1)}</text><text class="tick" x="2" y="${y(lo)}">${fmt(lo, 1)}</text>${paths}</svg>
+    <table class="series-table"><tr><th>statistic</th>${s.steps.map((st) => `<th>${st}</th>`).join('')}</tr>${rows}</table>`;
+}
+
+export function drawHeatmap(root, data, query) {
+  const n = data.labels.length;
+  const ch = n > 400 ? 3 : n > 150 ? 6 : 12;
+  const cw = Math.max(6, Math.min(28, Math.floor(360 / Math.max(data.steps.length, 1))));
+  const labelW = ch >= 8 ? 260 : 10;
+  root.innerHTML = `<div class="legend">${legend()}</div><div class="hm">${panel('forward', 'fwd', data, cw, ch, labelW)}${panel('backward', 'bwd', data, cw, ch, labelW)}</div><div class="series-box"></div><div class="tip" hidden></div>`;
+  const tip = root.querySelector('.tip');
+  root.querySelector('.hm').addEventListener('mousemove', (e) => {
+    const c = e.target.closest('rect.cell');
+    if (!c) { tip.hidden = true; return; }
+    tip.textContent = `${data.labels[+c.dataset.row]} · ${c.dataset.dir} · step ${data.steps[+c.dataset.col]} · log2 std ${fmt(c.dataset.v === '' ? null : +c.dataset.v)}`;
+    tip.hidden = false;
+    tip.style.left = `${e.pageX + 12}px`;
+    tip.style.top = `${e.pageY + 12}px`;
+  });
+  root.querySelector('.hm').addEventListener('click', async (e) => {
+    const c = e.target.closest('rect.cell');
+    if (!c) return;
+    const s = await get('series', { ...query, label: data.labels[+c.dataset.row] });
+    drawSeries(root.querySelector('.series-box'), s);
+  });
+}

@@ -1,0 +1,98 @@
+// Entry of the `scales` dashboard: toolbar (run, data, view, step) and one view at a time.
+// TensorBoard loads this module in an iframe and calls render().
+import { get, esc } from './api.js';
+import { drawProfile, drawRatios } from './profile.js';
+import { drawHeatmap } from './heatmap.js';
+import { drawWorst } from './worst.js';
+import { drawCode } from './code.js';
+
+const VIEWS = ['profile', 'heatmap', 'worst', 'code'];
+const TITLES = { profile: 'Profile', heatmap: 'Heatmap', worst: 'Worst nodes', code: 'Code' };
+const state = { run: null, prefix: '', view: 'profile', step: null, steps: [], by: 'fp16', regex: '' };
+
+function shell() {
+  const css = document.createElement('link');
+  css.rel = 'stylesheet';
+  css.href = new URL('./style.css', import.meta.url).toString();
+  document.head.appendChild(css);
+  document.body.innerHTML = `<div class="toolbar">
+      <label>Run <select id="run"></select></label>
+      <label>Data <select id="prefix"></select></label>
+      <span class="tabs">${VIEWS.map((v) => `<button class="tab" data-view="${v}">${TITLES[v]}</button>`).join('')}</span>
+      <label class="step">Step <input id="step" type="range" min="0" max="0" value="0"><output id="step-value"></output></label>
+      <span id="worst-controls" hidden><label>Rank by <select id="by">${['fp16', 'bf16', 'e4m3', 'e5m2', 'drift'].map((b) => `<option>${b}</option>`).join('')}</select></label>
+      <label>Filter <input id="regex" placeholder="regex, e.g. attn"></label></span>
+      <span id="status"></span>
+    </div><div class="main"><div id="view"></div><div id="side"></div></div>`;
+}
+
+const $ = (id) => document.getElementById(id);
+const query = () => ({ run: state.run, prefix: state.prefix });
+
+function setSteps(steps, step) {
+  state.steps = steps;
+  const slider = $('step');
+  slider.max = Math.max(steps.length - 1, 0);
+  const i = steps.indexOf(step);
+  slider.value = i >= 0 ? i : steps.length - 1;
+  state.step = steps[+slider.value] ?? null;
+  $('step-value').textContent = state.step ?? '–';
+}
+
+async function show() {
+  const view = $('view');
+  document.querySelectorAll('.tab').forEach((b) => b.classList.toggle('active', b.dataset.view === state.view));
+  $('worst-controls').hidden = state.view !== 'worst';
+  $('step').disabled = state.view === 'heatmap';
+  $('side').innerHTML = '';
+  $('status').textContent = 'loading…';
+  try {
+    if (state.view === 'profile') {
+      const data = await get('profile', { ...query(), step: state.step });
+      setSteps(data.steps, data.step);
+      drawProfile(view, data);
+      drawRatios($('side'), data.ratios);
+    } else if (state.view === 'heatmap') {
+      drawHeatmap(view, await get('heatmap', query()), query());
+    } else if (state.view === 'worst') {
+      const data = await get('worst', { ...query(), step: state.step, by: state.by, regex: state.regex });
+      setSteps(data.steps, data.step);
+      drawWorst(view, data);
+    } else {
+      const data = await get('code', { ...query(), step: state.step });
+      drawCode(view, data);
+    }
+    $('status').textContent = '';
+  } catch (e) {
+    view.innerHTML = `<p class="error">${esc(e.message)}</p>`;
+    $('status').textContent = '';
+  }
+}
+
+function fillPrefixes(runs) {
+  const prefixes = runs[state.run] || [];
+  $('prefix').innerHTML = prefixes.map((p) => `<option value="${esc(p)}">${p === '' ? 'training' : p === 'val_' ? 'validation (val_)' : esc(p)}</option>`).join('');
+  state.prefix = prefixes.includes('') ? '' : prefixes[0] ?? '';
+  $('prefix').value = state.prefix;
+}
+
+export async function render() {
+  shell();
+  const runs = await get('runs');
+  const names = Object.keys(runs);
+  if (!names.length) {
+    $('view').innerHTML = '<p class="note">No scales logged yet: add <code>ScaleMonitor()</code> to the Trainer\'s callbacks.</p>';
+    return;
+  }
+  $('run').innerHTML = names.map((r) => `<option>${esc(r)}</option>`).join('');
+  state.run = names[0];
+  fillPrefixes(runs);
+  $('run').addEventListener('change', () => { state.run = $('run').value; state.step = null; fillPrefixes(runs); show(); });
+  $('prefix').addEventListener('change', () => { state.prefix = $('prefix').value; state.step = null; show(); });
+  document.querySelectorAll('.tab').forEach((b) => b.addEventListener('click', () => { state.view = b.dataset.view; show(); }));
+  $('step').addEventListener('input', () => { state.step = state.steps[+$('step').value]; $('step-value').textContent = state.step; show(); });
+  $('by').addEventListener('change', () => { state.by = $('by').value; show(); });
+  let timer = null;
+  $('regex').addEventListener('input', () => { clearTimeout(timer); timer = setTimeout(() => { state.regex = $('regex').value; show(); }, 250); });
+  await show();
+}

@@ -1,0 +1,123 @@
+"""Per-step tables the dashboard's views draw: computed here, on the server, from ``RunData``.
+
+Every function returns plain JSON-ready structures; missing values are ``None``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Dict, List, Optional
+
+from lightning_scale.dashboard import headroom
+from lightning_scale.dashboard.data import DIRS, RunData
+from lightning_scale.dashboard.layout import module_group
+from lightning_scale.stats import FORMATS
+
+__all__ = ["code", "heatmap", "nearest_step", "profile", "series", "worst"]
+
+RANKINGS = (*FORMATS, "drift")
+
+
+def _clean(v: float) -> Optional[float]:
+    return None if v is None or not math.isfinite(v) else v
+
+
+def nearest_step(data: RunData, step: Optional[int]) -> Optional[int]:
+    """The tracked step at or before ``step`` (the last one if None; the first if before all)."""
+    if not data.steps:
+        return None
+    if step is None:
+        return data.steps[-1]
+    before = [s for s in data.steps if s <= step]
+    return before[-1] if before else data.steps[0]
+
+
+def profile(data: RunData, step: Optional[int]) -> Dict[str, Any]:
+    """Every node at ``step`` in execution order with every logged statistic, forward and backward."""
+    step = nearest_step(data, step)
+    nodes = []
+    for label in data.labels:
+        row: Dict[str, Any] = {"label": label, "param": label in data.parameters, "group": module_group(label)}
+        for d in DIRS:
+            row[d] = {stat: _clean(data.value(stat, d, label, step)) for stat in data.values if step is not None}
+            row[d] = {k: v for k, v in row[d].items() if v is not None}
+        nodes.append(row)
+    ratios = {p: _clean(s.get(step, math.nan)) for p, s in data.ratios.items()}
+    return {"step": step, "steps": data.steps, "stats": sorted(data.values), "nodes": nodes, "ratios": ratios}
+
+
+def heatmap(data: RunData) -> Dict[str, Any]:
+    """log2 std of every node (rows, execution order) at every tracked step (columns), both directions."""
+    out: Dict[str, Any] = {"labels": data.labels, "steps": data.steps, "params": sorted(data.parameters)}
+    for d in DIRS:
+        out[d] = [[_clean(headroom.log2(data.value("std", d, label, s))) for s in data.steps] for label in data.labels]
+    return out
+
+
+def series(data: RunData, label: str) -> Dict[str, Any]:
+    """Every statistic of one node over the tracked steps: ``{"<stat>/<dir>": [value per step]}``."""
+    out: Dict[str, List[Optional[float]]] = {}
+    for stat in sorted(data.values):
+        for d in DIRS:
+            if label in data.values[stat].get(d, {}):
+                out[f"{stat}/{d}"] = [_clean(data.value(stat, d, label, s)) for s in data.steps]
+    return {"label": label, "steps": data.steps, "series": out}
+
+
+def worst(data: RunData, step: Optional[int], by: str = "fp16", pattern: str = "", limit: int = 100) -> Dict[str, Any]:
+    """Node directions ranked by headroom to format ``by`` (least first) or by ``|drift|`` of log2 std
+    since the first tracked step (``by="drift"``, largest first), filtered by regex ``pattern``.
+
+    Raises:
+        ValueError: ``by`` is not a format or ``"drift"``, or ``pattern`` is not a regex.
+    """
+    if by not in RANKINGS:
+        raise ValueError(f"`by` must be one of {list(RANKINGS)}, got {by!r}")
+    try:
+        match = re.compile(pattern).search
+    except re.error as e:
+        raise ValueError(f"`regex` is not a valid regular expression: {e}") from e
+    step = nearest_step(data, step)
+    first = data.steps[0] if data.steps else None
+    fmt = by if by in FORMATS else "fp16"
+    rows = []
+    for label in data.labels:
+        if not match(label):
+            continue
+        for d in DIRS:
+            std = data.value("std", d, label, step) if step is not None else math.nan
+            if math.isnan(std):
+                continue
+            absmax = data.value("absmax", d, label, step)
+            room = headroom.headroom(std, absmax, fmt)
+            drift = headroom.log2(std) - headroom.log2(data.value("std", d, label, first))
+            fractions = {k: data.value(f"{k}_{fmt}", d, label, step) for k in ("underflow", "below_normal", "overflow")}
+            rows.append({"label": label, "dir": d, "param": label in data.parameters, "log2_std": headroom.log2(std), "log2_absmax": headroom.log2(absmax), **room, "drift": drift, "abs_drift": abs(drift), **fractions})
+    ranked = headroom.rank(rows, "abs_drift", descending=True) if by == "drift" else headroom.rank(rows, "headroom")
+    clean = [{k: (_clean(v) if isinstance(v, float) else v) for k, v in r.items()} for r in ranked[:limit]]
+    return {"step": step, "steps": data.steps, "by": by, "format": fmt, "total": len(rows), "rows": clean}
+
+
+def code(data: RunData, step: Optional[int]) -> Dict[str, Any]:
+    """The annotated code logged at ``step``: lines, each with its FP16 out-of-range flag (``!<``, ``!>`` or "")."""
+    steps = sorted(data.code)
+    if not steps:
+        return {"steps": [], "step": None, "lines": []}
+    step = max([s for s in steps if step is None or s <= step] or steps[:1])
+    lines = []
+    for line in data.code[step].split("\n"):
+        text = line[4:] if line.startswith("    ") else line  # written as a markdown code block
+        lines.append({"text": text, "flag": _flag(text)})
+    return {"steps": steps, "step": step, "lines": lines}
+
+
+_PAIR = re.compile(r"\(-> ([^,]+), <- ([^)]+)\)")
+
+
+def _flag(text: str) -> str:
+    """``!<`` if a std on the line is below FP16's smallest normal, ``!>`` above its max, else ""."""
+    values = [float(v) for pair in _PAIR.findall(text) for v in pair if v != "n/a"]
+    if any(0 < v < FORMATS["fp16"].min_normal for v in values):
+        return "!<"
+    return "!>" if any(v > FORMATS["fp16"].max for v in values) else ""
