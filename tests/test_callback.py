@@ -232,7 +232,7 @@ def test_logged_std_equals_float64_reference(tmp_path: Path) -> None:
 def test_extras_statistics_and_value_histograms(tmp_path: Path) -> None:
     torch.manual_seed(0)
     snap = Snapshot()
-    monitor = ScaleMonitor(every_n_steps=2, statistics=["std", "absmax", "underflow_e4m3"], value_histograms=r"^net\.0/linear$", rank_spread=True, figure_every=1)
+    monitor = ScaleMonitor(every_n_steps=2, statistics=["std", "absmax", "underflow_e4m3"], value_histograms=r"^net\.0/linear$", rank_spread=True, figure=True, figure_every=1)
     acc = events(fit(MLP(), tmp_path, [snap, monitor], max_steps=3))
     tags = acc.Tags()
     for tag, nodes in (("scale_hist/fwd", 8), ("scale_hist/bwd", 7)):  # the input has no gradient
@@ -265,7 +265,7 @@ def test_extras_statistics_and_value_histograms(tmp_path: Path) -> None:
 
 
 def test_figure_is_drawn_every_n_tracked_steps(tmp_path: Path) -> None:
-    acc = events(fit(MLP(), tmp_path, [ScaleMonitor(every_n_steps=1, figure_every=2)], max_steps=5))
+    acc = events(fit(MLP(), tmp_path, [ScaleMonitor(every_n_steps=1, figure=True, figure_every=2)], max_steps=5))
     assert [e.step for e in acc.Images("scale_plot")] == [0, 2, 4]
     assert [e.step for e in acc.Histograms("scale_hist/fwd")] == [0, 1, 2, 3, 4]
 
@@ -523,9 +523,9 @@ def test_untraceable_model_is_tracked_with_dynamo(tmp_path: Path) -> None:
 def test_include_exclude_prune_views(tmp_path: Path) -> None:
     cases = {
         "include": ({"include": r"fc1"}, {"fc1.weight", "fc1.bias", "fc1/linear"}),
-        "exclude": ({"exclude": r"\.(weight|bias)$|^x$"}, {"fc1/linear", "relu", "reshape", "flatten", "fc2/linear"}),
-        "prune": ({"prune_views": True, "include": r"/|relu|reshape|flatten"}, {"fc1/linear", "relu", "fc2/linear"}),
-        "view": ({"include": r"^reshape$"}, {"reshape"}),
+        "exclude": ({"exclude": r"\.(weight|bias)$|^x$", "prune_views": False}, {"fc1/linear", "relu", "reshape", "flatten", "fc2/linear"}),
+        "prune": ({"include": r"/|relu|reshape|flatten"}, {"fc1/linear", "relu", "fc2/linear"}),  # views pruned by default
+        "view": ({"include": r"^reshape$", "prune_views": False}, {"reshape"}),
     }
     for name, (kwargs, expected) in cases.items():
         torch.manual_seed(0)
@@ -533,7 +533,7 @@ def test_include_exclude_prune_views(tmp_path: Path) -> None:
         assert {t.split("/", 2)[2] for t in series} == expected, name
     # a view reports its input's statistics
     torch.manual_seed(0)
-    series = scalars(events(fit(Views(), tmp_path / "all", [ScaleMonitor(every_n_steps=2)])))
+    series = scalars(events(fit(Views(), tmp_path / "all", [ScaleMonitor(every_n_steps=2, prune_views=False)])))
     for direction in ("fwd", "bwd"):
         assert series[f"scale/{direction}/reshape"] == series[f"scale/{direction}/relu"]
 
@@ -566,6 +566,6 @@ def test_warns_when_nothing_is_recorded(tmp_path: Path) -> None:
 def test_max_tags_warns_and_caps(tmp_path: Path) -> None:
     torch.manual_seed(0)
     with pytest.warns(UserWarning, match=r"ScaleMonitor: 10 nodes have tensors; writing the first 3 \(raise `max_tags`"):
-        trainer = fit(Views(), tmp_path, [ScaleMonitor(every_n_steps=2, max_tags=3)])
+        trainer = fit(Views(), tmp_path, [ScaleMonitor(every_n_steps=2, max_tags=3, prune_views=False)])
     series = scalars(events(trainer))
     assert {t.split("/", 2)[2] for t in series} == {"x", "fc1.weight", "fc1.bias"}
