@@ -76,12 +76,13 @@ class Recorder:
         """Record ``x`` (forward) now and its gradient (backward) when it arrives."""
         slot = self.slot(key)
         prev = self._previous
-        if prev is not None and prev[0]() is x and prev[1] == x._version and prev[2] != slot:
+        version = -1 if x.is_inference() else x._version  # inference tensors have no counter
+        if prev is not None and prev[0]() is x and prev[1] == version >= 0 and prev[2] != slot:
             # The node returned its input itself (dropout with p=0, .contiguous(), .to()
             # to the same dtype): same values, same gradient. Reuse, do not recompute.
             self._same.setdefault(prev[2], []).append(slot)
             return
-        self._previous = (weakref.ref(x), x._version, slot)
+        self._previous = (weakref.ref(x), version, slot)
         self._add(slot, FORWARD, x)
         if not (x.requires_grad and torch.is_grad_enabled()):
             return
