@@ -128,7 +128,7 @@ def pool_step(
     payload[:_HEADER] = torch.tensor([n, fingerprint([*labels, "", *histogram_labels]), float(failed), h], dtype=torch.float64)
     payload[_HEADER : _HEADER + sizes[0]] = records.reshape(-1)
     start = _HEADER + rows * 2 * len(stats.FIELDS)
-    payload[start : start + sizes[1]] = hists.reshape(-1).to(payload.device)
+    payload[start : start + sizes[1]] = hists.reshape(-1)  # copied on the device
     if world_size() == 1:
         everyone = payload.cpu().unsqueeze(0)  # the step's one device-to-host transfer
     else:

@@ -174,7 +174,7 @@ class Recorder:
             for d in (FORWARD, BACKWARD):
                 h = self.histograms.get((key, d))
                 if h is not None:
-                    out[i, d] = h.to(out.device)
+                    out[i, d] = h  # the same device: a device-side copy
         return out
 
     def clear(self) -> None:

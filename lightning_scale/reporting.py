@@ -120,7 +120,7 @@ class Reporter:
             extra[0, FORWARD, 1] = data.loss_scale.to(records.device)
             records = torch.cat([records, extra])
         hist_labels = self.histogram_labels(data)
-        hists = rec.histogram_tensor(hist_labels).to(records.device) if hist_labels else None
+        hists = rec.histogram_tensor(hist_labels) if hist_labels else None
         dynamo = cap.mode != "fx"
         out = distributed.pool_step(
             records, labels, rows=max(records.shape[0], _DYNAMO_ROWS) if dynamo else None, replicated=replicated, failed=failed,
