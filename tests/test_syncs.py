@@ -220,7 +220,6 @@ def test_one_transfer_per_tracked_step_and_none_untracked(tmp_path: Path, monkey
     # and everything was written: every statistic group, spread, histograms, figure
     acc = EventAccumulator(str(tmp_path / "tracked"), size_guidance={"scalars": 0, "histograms": 0, "images": 0})
     acc.Reload()
-    tags = acc.Tags()
     for tag in ("scale/fwd/fc1/linear", "underflow_e4m3/bwd/fc2/linear", "scale_rank_max/fwd/fc1.weight", "nan/fwd/x", "scale_loss/loss_scale"):
         assert [e.step for e in acc.Scalars(tag)] == [0, 2, 4], tag
     assert [e.step for e in acc.Histograms("values_log2/bwd/fc1/linear")] == [0, 2, 4]
