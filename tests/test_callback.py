@@ -5,6 +5,7 @@ optimization, resume, validation, other loggers, argument errors, failures, dyna
 from __future__ import annotations
 
 import csv
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -569,3 +570,75 @@ def test_max_tags_warns_and_caps(tmp_path: Path) -> None:
         trainer = fit(Views(), tmp_path, [ScaleMonitor(every_n_steps=2, max_tags=3, prune_views=False)])
     series = scalars(events(trainer))
     assert {t.split("/", 2)[2] for t in series} == {"x", "fc1.weight", "fc1.bias"}
+
+
+# ---- anomaly warnings, per node -----------------------------------------------------------
+
+
+class CausalAttention(MLP):
+    """Single-head causal self-attention: a ``masked_fill(-inf)`` and an additive ``-inf``
+    mask, both absorbed by the softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(6, 18), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (B, 6) seen as (B, T=2, 3) twice over
+        q, k, v = self.qkv(x).reshape(x.shape[0], 3, 3, 2).unbind(1)  # (B, T=3, 2) each
+        scores = q @ k.transpose(1, 2)  # (B, T, T)
+        causal = torch.ones(3, 3, dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(causal, float("-inf"))
+        scores = scores + torch.zeros(3, 3).masked_fill(causal, float("-inf"))
+        h = (scores.softmax(-1) @ v).reshape(x.shape[0], 6)
+        return self.out(h)
+
+
+class Poison(MLP):
+    """NaN replaces the first block's output at the steps in ``first``, the second's at
+    the steps in ``second``; the loss ignores NaN, so nothing else turns NaN."""
+
+    def __init__(self, first: Tuple[int, ...], second: Tuple[int, ...]) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.first, self.second = first, second
+        self.register_buffer("p1", torch.tensor(False))
+        self.register_buffer("p2", torch.tensor(False))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.where(self.p1, torch.nan, self.fc1(x))
+        return torch.where(self.p2, torch.nan, self.fc2(h.relu()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        self.p1.fill_(self.global_step in self.first)
+        self.p2.fill_(self.global_step in self.second)
+        return F.mse_loss(self(batch[0]).nan_to_num(0.0), batch[1])
+
+
+def _anomalies(record: Any) -> List[str]:
+    return [str(w.message) for w in record if "pass at step" in str(w.message)]
+
+
+def test_causal_masks_are_counted_not_warned(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        acc = events(fit(CausalAttention(), tmp_path, [ScaleMonitor(every_n_steps=1, statistics=["std", "inf"])], max_steps=2))
+    assert not _anomalies(record)
+    series = scalars(acc, "inf/fwd/")
+    assert at(series, "inf/fwd/masked_fill", 0) == 8 * 3  # batch 8, 3 masked entries of each 3x3
+    assert at(series, "inf/fwd/add", 1) == 8 * 3
+    assert at(series, "inf/fwd/softmax", 0) == 0
+
+
+def test_nan_is_warned_per_node_where_it_first_appears(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(Poison(first=(3,), second=(1, 2)), tmp_path, [ScaleMonitor(every_n_steps=1)], max_steps=4)
+    found = _anomalies(record)
+    assert found[:2] == [
+        "ScaleMonitor: NaN in the forward pass at step 1, first at `where_1`",  # step 2: the same node, not again
+        "ScaleMonitor: NaN in the forward pass at step 3, first at `where`; also new at 2 more node(s)",  # relu, fc2
+    ], found
+    # at step 3 the NaN reaches fc2's weight gradient too (relu(NaN) is its input)
+    assert found[2:] == ["ScaleMonitor: NaN in the backward pass at step 3, first at `fc2.weight`"], found
