@@ -16,7 +16,7 @@ import workload  # noqa: F401 - first: puts the checkout's package on sys.path
 import render
 import run
 from timing import load_average
-from workload import MAIN, SIZES
+from workload import SIZES
 
 
 def main(argv: list) -> int:
