@@ -642,3 +642,44 @@ def test_nan_is_warned_per_node_where_it_first_appears(tmp_path: Path) -> None:
     ], found
     # at step 3 the NaN reaches fc2's weight gradient too (relu(NaN) is its input)
     assert found[2:] == ["ScaleMonitor: NaN in the backward pass at step 3, first at `fc2.weight`"], found
+
+
+class MaskThenOutput(nn.Module):
+    """A ``-inf`` mask absorbed by a softmax, then a head whose output is the model's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        scores = self.fc(x).masked_fill(torch.arange(3) > 0, float("-inf"))  # (B, 3), columns 1, 2 masked
+        return self.fc(scores.softmax(-1)) * 2.0
+
+
+def test_anomaly_rules_on_pooled_records() -> None:
+    from lightning_scale import stats
+    from lightning_scale.anomalies import AnomalyWatch, consumers_of
+    from lightning_scale.capture import capture
+
+    cap = capture(MaskThenOutput(), "fx")
+    labels = cap.node_labels
+    assert "\x00output" in consumers_of(cap)["mul"] and consumers_of(cap)["masked_fill"] == {"softmax"}
+    nan, inf = stats.FIELDS.index("nan"), stats.FIELDS.index("inf")
+
+    def records(**marks: Tuple[int, int, int]) -> Tensor:  # label -> (direction, field, count)
+        out = torch.zeros(len(labels), 2, len(stats.FIELDS), dtype=torch.float64)
+        out[..., 0] = 1.0
+        for label, (d, f, n) in marks.items():
+            out[labels.index(label), d, f] = n
+        return out
+
+    watch = AnomalyWatch()
+    assert watch.check(cap, labels, records(masked_fill=(0, inf, 2)), 0) == []  # absorbed
+    assert watch.check(cap, labels, records(masked_fill=(0, inf, 2), mul=(0, inf, 1)), 1) == [
+        "ScaleMonitor: Inf in the forward pass at step 1, first at `mul`"  # the model's output
+    ]
+    assert watch.check(cap, labels, records(softmax=(1, inf, 1)), 2) == ["ScaleMonitor: Inf in the backward pass at step 2, first at `softmax`"]
+    assert watch.check(cap, labels, records(softmax=(1, inf, 1), mul=(0, inf, 1)), 3) == []  # both seen before
+    assert watch.check(cap, labels, records(masked_fill=(0, inf, 2), softmax=(0, nan, 3)), 4, "val_") == [
+        "ScaleMonitor: Inf in the forward pass at step 4 (validation), first at `masked_fill`; also new at 1 more node(s)"
+    ]  # a consumer turned NaN: the mask is no longer benign
