@@ -288,7 +288,10 @@ class ScaleMonitor(Callback):
             self.reporter.warn_once("error", f"ScaleMonitor: {err} at step {active.step}{here}; nothing logged for it")
             return
         loggers = [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]
-        self.reporter.report(data, pooled, loss_scale, trainer.is_global_zero, loggers, trainer.accumulate_grad_batches)
+        try:
+            self.reporter.report(data, pooled, loss_scale, trainer.is_global_zero, loggers, trainer.accumulate_grad_batches)
+        except Exception as err:  # noqa: BLE001 - after the collective: a fault here stays here
+            self.reporter.warn_once("report", f"ScaleMonitor: reporting step {active.step} failed ({type(err).__name__}: {err}); training continues")
 
     def _selected(self, label: str, cap: Capture) -> bool:
         if self.include is not None and not self.include.search(label):
