@@ -287,7 +287,7 @@ class ScaleMonitor(Callback):
             here = f"; here: {error!r}" if error is not None else ""
             self.reporter.warn_once("error", f"ScaleMonitor: {err} at step {active.step}{here}; nothing logged for it")
             return
-        loggers = [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]
+        loggers = _writable_loggers(trainer) if trainer.is_global_zero else []
         try:
             self.reporter.report(data, pooled, loss_scale, trainer.is_global_zero, loggers, trainer.accumulate_grad_batches)
         except Exception as err:  # noqa: BLE001 - after the collective: a fault here stays here
@@ -362,6 +362,15 @@ def _resolve_submodule(root: nn.Module, path: str) -> nn.Module:
         near = difflib.get_close_matches(path, names, n=5, cutoff=0.3)
         hint = f"; nearest: {near}" if near else f"; submodules include {names[:8]}"
         raise ValueError(f"`submodule` {path!r} is not a submodule of {type(root).__name__}{hint}") from None
+
+
+def _writable_loggers(trainer: pl.Trainer) -> List[Any]:
+    """The loggers the writer thread may use, their experiments created here on the
+    training thread (a lazily created experiment must not be created from two threads)."""
+    loggers = [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]
+    for logger in loggers:
+        getattr(logger, "experiment", None)
+    return loggers
 
 
 def _replicated_labels(target: nn.Module) -> "set[str]":
