@@ -80,6 +80,7 @@ class Worker:
                     return
                 self._call(*job)
             finally:
+                job = None  # release the step's data before flush() returns, not at the next job
                 self._queue.task_done()
 
     def _call(self, what: str, fn: Callable[..., Any], args: Tuple[Any, ...]) -> None:

@@ -753,6 +753,9 @@ class Probe(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_step in self.at:
+            for cb in trainer.callbacks:  # the writer thread holds a step's host copy until written
+                if isinstance(cb, ScaleMonitor):
+                    cb.reporter.flush()
             self.seen[trainer.global_step] = (live_tensors(), param_hooks(pl_module))
 
 
