@@ -4,7 +4,8 @@ Writing a step (scalars, histograms, annotated code, the figure) takes milliseco
 second; none of it needs the training thread. Jobs run one at a time in the order they
 were submitted, from an unbounded queue, so no step's data is dropped or reordered.
 ``flush`` waits until every submitted job has run (fit end, exceptions, teardown). A job
-that raises is reported with ``warnings.warn`` and never reaches training.
+that raises is reported with ``warnings.warn`` (once per distinct error) and never
+reaches training.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import warnings
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Set, Tuple
 
 __all__ = ["Worker"]
 
@@ -35,6 +36,7 @@ class Worker:
     def __init__(self, name: str = "lightning-scale-writer") -> None:
         self.name = name
         self.errors = 0
+        self._seen: Set[Tuple[type, str]] = set()
         self._queue: "queue.Queue[_Job]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
@@ -88,4 +90,7 @@ class Worker:
             fn(*args)
         except Exception as err:  # noqa: BLE001 - writing must never reach training
             self.errors += 1
+            if (type(err), str(err)) in self._seen:  # a logger that keeps failing warns once
+                return
+            self._seen.add((type(err), str(err)))
             warnings.warn(f"ScaleMonitor: writing {what} failed ({type(err).__name__}: {err}); training continues", UserWarning, stacklevel=1)
