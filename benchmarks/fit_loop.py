@@ -31,7 +31,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from timing import Samples, Stopwatch
 from workload import Size, Workload  # puts the repository root on sys.path
 
-from lightning_scale import ScaleMonitor
+from lightning_scale import ScaleMonitor, stats
+
+ALL_STATISTICS = sorted(stats.STATISTICS)
 
 
 @contextmanager
@@ -164,7 +166,7 @@ def measure(size: Size, rounds: int = 5, steps: int = 30, skip: int = 5, budget_
 
 
 #: Kinds of kept step in ``TrackedFits.steps``.
-TRACKED_KINDS = ("plain", "untracked", "tracked", "after_tracked", "tracked_figure", "after_figure")
+TRACKED_KINDS = ("plain", "untracked", "tracked", "after_tracked", "tracked_figure", "after_figure", "tracked_all", "after_all")
 
 
 @dataclass
@@ -218,9 +220,10 @@ def measure_tracked(
             jobs = [
                 ("fit", whole_steps, lambda: None),
                 ("fit_default", whole_steps, lambda: ScaleMonitor()),
-                ("fit_tracked", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, figure_every=figure_every)),
+                ("fit_tracked", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, figure=True, figure_every=figure_every)),
+                ("fit_tracked_all", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, statistics=ALL_STATISTICS)),
             ]
-            for name, n, make in jobs[r % 3:] + jobs[: r % 3]:  # no place bias
+            for name, n, make in jobs[r % 4:] + jobs[: r % 4]:  # no place bias
                 gc.collect()
                 monitor = make()
                 timer = _fit(size, n, monitor, root)
@@ -234,28 +237,98 @@ def measure_tracked(
                     out.steps_by_kind["plain"].cpu.extend(kept.cpu)
                 elif name == "fit_tracked":
                     _sort_steps(out, timer, monitor)
+                elif name == "fit_tracked_all":
+                    _sort_steps(out, timer, monitor, figure=False)
             out.rounds = r + 1
     out.seconds = time.perf_counter() - start
     return out
 
 
-def _sort_steps(out: TrackedFits, timer: Any, monitor: Any) -> None:
+def _sort_steps(out: TrackedFits, timer: Any, monitor: Any, figure: bool = True) -> None:
     """Adds the kept step periods of a short tracked fit to ``out`` by kind: a tracked
-    step with or without the figure, the untracked step right after either (the step after
-    a figure pays part of its cost), or any other untracked step."""
+    step with or without the figure (``tracked_all`` for the fit with every statistic
+    group, ``figure=False``), the untracked step right after either (the step after a
+    figure pays part of its cost), or any other untracked step."""
     full = timer.periods(0)
     hooks = timer.hook_times()
     tracked_before = 0  # tracked steps of this fit before the current one
     previous = "untracked"
+    after = {"tracked": "after_tracked", "tracked_figure": "after_figure", "tracked_all": "after_all"}
     for i, step in enumerate(timer.global_steps[: len(full.wall)]):
         if monitor.schedule.is_tracked(step):
-            kind = "tracked_figure" if tracked_before % out.figure_every == 0 else "tracked"
+            kind = "tracked_all" if not figure else "tracked_figure" if tracked_before % out.figure_every == 0 else "tracked"
             tracked_before += 1
         else:
-            kind = {"tracked": "after_tracked", "tracked_figure": "after_figure"}.get(previous, "untracked")
+            kind = after.get(previous, "untracked")
         previous = kind
-        if step < out.skip:
-            continue
+        if step < out.skip or (kind == "untracked" and not figure):
+            continue  # untracked steps are taken from the std fit only
         out.steps_by_kind[kind].wall.append(full.wall[i])
         out.steps_by_kind[kind].cpu.append(full.cpu[i])
         out.hooks[kind].append(hooks[i])
+
+
+#: Where the time of a tracked step goes: (row, function, file suffix) read from cProfile.
+PROFILE_PARTS = (
+    ("recording in the forward (`observe`, its statistics included)", "observe", "lightning_scale/recorder.py"),
+    ("recording gradients (`Recorder._on_grad`, its statistics included)", "_on_grad", "lightning_scale/recorder.py"),
+    ("of which the statistics (`stats.record_of`), both directions", "record_of", "lightning_scale/stats.py"),
+    ("assembling the records (`Recorder.records`)", "records", "lightning_scale/recorder.py"),
+    ("pooling, the one transfer (`distributed.pool_step`)", "pool_step", "lightning_scale/distributed.py"),
+    ("checks and queueing on the training thread (`Reporter.report`)", "report", "lightning_scale/reporting.py"),
+    ("end of step in total (`ScaleMonitor._finish`)", "_finish", "lightning_scale/callback.py"),
+)
+
+
+@dataclass
+class Profile:
+    """Per tracked step, milliseconds of each ``PROFILE_PARTS`` row (cumulative, main
+    thread, under cProfile, which inflates Python-heavy parts), and of the writer thread."""
+
+    statistics: List[str]
+    tracked_steps: int
+    parts: Dict[str, float] = field(default_factory=dict)
+    writer_ms: float = float("nan")  # wall ms per tracked step in the background writer's jobs
+    step_ms: float = float("nan")  # wall ms of a tracked step under the profiler
+
+
+def profile_tracked(size: Size, statistics: List[str], steps: int = 12) -> Profile:
+    """A fit tracking every step from step 2 on, profiled with cProfile on the main thread."""
+    import cProfile
+    import pstats
+
+    from lightning_scale import worker
+
+    out = Profile(list(statistics), steps - 2)
+    spent: List[float] = []
+    call = worker.Worker._call
+
+    def timed(self: Any, *job: Any) -> None:
+        t0 = time.perf_counter()
+        call(self, *job)
+        spent.append(time.perf_counter() - t0)
+
+    worker.Worker._call = timed  # type: ignore[method-assign]
+    profiler = cProfile.Profile()
+    try:
+        with _rounds(1, None) as (root, _):
+            monitor = ScaleMonitor(every_n_steps=1, start_step=2, statistics=list(statistics))
+            profiler.enable()
+            timer = _fit(size, steps, monitor, root)
+            profiler.disable()
+    finally:
+        worker.Worker._call = call  # type: ignore[method-assign]
+    table = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    for row, name, suffix in PROFILE_PARTS:
+        # max: the module-level ``observe`` calls ``Recorder.observe`` (same file and name)
+        cum = max((v[3] for (file, _, func), v in table.items() if func == name and file.endswith(suffix)), default=0.0)
+        out.parts[row] = cum * 1e3 / out.tracked_steps
+    out.writer_ms = sum(spent[1:]) * 1e3 / max(1, len(spent) - 1)  # step 2's job includes first-use imports
+    out.step_ms = statistics_median(timer.periods(3).wall) * 1e3
+    return out
+
+
+def statistics_median(values: List[float]) -> float:
+    import statistics as st
+
+    return st.median(values) if values else float("nan")

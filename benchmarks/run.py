@@ -98,8 +98,21 @@ def tracked_fit_times(res: render.Results, quick: bool) -> None:
         res.tracked_missing = f"the fit loop with `ScaleMonitor` failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
         return
     t = res.tracked
-    _log(f"tracked fit steps: {render.tracked_ratio(t, 'tracked'):.2f}x, with the figure {render.tracked_ratio(t, 'tracked_figure'):.2f}x; "
+    _log(f"tracked fit steps: std {render.tracked_ratio(t, 'tracked'):.2f}x CPU {render.tracked_ratio(t, 'tracked', clock='wall'):.2f}x wall, "
+         f"every group {render.tracked_ratio(t, 'tracked_all'):.2f}x CPU {render.tracked_ratio(t, 'tracked_all', clock='wall'):.2f}x wall, "
+         f"with the figure {render.tracked_ratio(t, 'tracked_figure'):.2f}x; "
          f"whole {t.whole_steps}-step fit with ScaleMonitor(): {render.whole_ratio(t):.3f}x CPU ({t.rounds} rounds, {t.seconds:.0f} s)")  # fmt: skip
+
+
+def tracked_profiles(res: render.Results, quick: bool) -> None:
+    try:
+        for statistics_ in (["std"], fit_loop.ALL_STATISTICS):
+            res.profiles.append(fit_loop.profile_tracked(MAIN, statistics_, steps=6 if quick else 12))
+    except Exception as err:  # noqa: BLE001 - a failing callback must not sink the suite
+        _log(f"profile failed: {type(err).__name__}: {err}")
+        return
+    for p in res.profiles:
+        _log(f"profile ({len(p.statistics)} statistics): " + ", ".join(f"{k.split(' (')[0]} {v:.2f} ms" for k, v in p.parts.items()) + f", writer {p.writer_ms:.2f} ms")
 
 
 def memory_peaks(res: render.Results, quick: bool) -> None:
@@ -119,6 +132,7 @@ def row_labels() -> Dict[str, str]:
     labels = {
         **VARIANTS,
         "fit_tracked": "tracked step in a Trainer fit, `ScaleMonitor(every_n_steps=5)`, no figure",
+        "fit_tracked_all": "tracked step in a Trainer fit, every statistic group, no figure",
         "fit_tracked_figure": "tracked step in a Trainer fit, `ScaleMonitor(every_n_steps=5)`, drawing the figure",
         render.UNTRACKED: "untracked step, `ScaleMonitor(every_n_steps=10**9)` installed",
     }
@@ -144,6 +158,7 @@ def main(argv: List[str]) -> int:
         gc.collect()
     fit_times(res, args.quick, time.perf_counter() - start)
     tracked_fit_times(res, args.quick)
+    tracked_profiles(res, args.quick)
     memory_peaks(res, args.quick)
     res.capture = capture_time.measure(Size(128, 12), fx_repeats=5, dynamo_repeats=2 if args.quick else 3)
     _log(f"capture: fx {res.capture.fx_median:.3f} s, dynamo {res.capture.dynamo_median:.2f} s")

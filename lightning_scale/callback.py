@@ -15,24 +15,21 @@ import re
 from typing import Any, Dict, List, Literal, Optional, Tuple
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_scale import distributed, stats
 from lightning_scale.capture import CAPTURE_MODES, Capture, capture
-from lightning_scale.interpreter import ScalePair
-from lightning_scale.recorder import BACKWARD, FORWARD, Recorder, recording
-from lightning_scale.report import annotate_code
+from lightning_scale.recorder import Recorder, recording
+from lightning_scale.reporting import Reporter, StepData
 from lightning_scale.schedule import Schedule
-from lightning_scale.tensorboard import ScaleWriter
 
 __all__ = ["ScaleMonitor"]
 
 _MISSING = object()
-_DYNAMO_ROWS = 4096  # fixed payload rows when ranks cannot agree on a node count beforehand
 
 
 class ScaleMonitor(Callback):
@@ -52,10 +49,12 @@ class ScaleMonitor(Callback):
             (default ``["std"]``, logged as ``scale/``).
         include: regex; log only nodes whose label matches it.
         exclude: regex; do not log nodes whose label matches it.
-        prune_views: do not log views/reshapes whose statistics equal their input's.
+        prune_views: do not log views/reshapes whose statistics equal their input's
+            (their records are their input's; on by default).
         max_tags: the most nodes whose scalars are written (beyond it, a warning once).
         histograms: write ``scale_hist/fwd`` and ``scale_hist/bwd``.
-        figure: write the per-node scale figure (needs matplotlib).
+        figure: also write the per-node scale figure (needs matplotlib; drawn on the
+            background writer; off by default: the dashboard shows the profile).
         figure_every: draw the figure on the first tracked step and then on every n-th
             tracked step (matplotlib takes about a second for a few hundred nodes).
         code: write the captured code annotated with scales as text.
@@ -88,10 +87,10 @@ class ScaleMonitor(Callback):
         statistics: Optional[List[str]] = None,
         include: Optional[str] = None,
         exclude: Optional[str] = None,
-        prune_views: bool = False,
+        prune_views: bool = True,
         max_tags: int = 1000,
         histograms: bool = True,
-        figure: bool = True,
+        figure: bool = False,
         figure_every: int = 10,
         code: bool = True,
         value_histograms: Optional[str] = None,
@@ -116,26 +115,24 @@ class ScaleMonitor(Callback):
         self.value_histograms = _compile("value_histograms", value_histograms)
         self.submodule = submodule
         self.capture_mode = capture
-        self.prune_views, self.max_tags = prune_views, max_tags
-        self.histograms, self.figure, self.code = histograms, figure, code
-        self.figure_every = figure_every
-        self.rank_spread, self.track_validation = rank_spread, track_validation
-        self.unscale_gradients = unscale_gradients
+        self.prune_views, self.track_validation = prune_views, track_validation
         self.leaf_modules = list(leaf_modules or [])
         self.groups = sorted({stats.STATISTICS[s] for s in self.statistics} | {"moments"})
         self.last_tracked_step = -1
         self._captures: Dict[Tuple[bool, ...], Capture] = {}
         self._active: Optional[_TrackedStep] = None
         self._disabled: Optional[str] = None
-        self._warned: Dict[str, bool] = {}
-        self._writers: Dict[str, ScaleWriter] = {}
+        self.reporter = Reporter(
+            self.statistics, histograms, figure, figure_every, code, rank_spread, max_tags, unscale_gradients, self.value_histograms, rank_zero_warn
+        )
 
     # ---- Lightning hooks ---------------------------------------------------------------
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         writes = stage == "fit" or (stage == "validate" and self.track_validation)
-        if writes and not trainer.loggers:
+        # Only rank zero writes: other ranks may have no logger, or a dummy one.
+        if writes and trainer.is_global_zero and not trainer.loggers:
             raise ValueError(
                 "`ScaleMonitor` needs a logger to write to, but the Trainer has none "
                 "(`Trainer(logger=False)`); pass `logger=True` (TensorBoard) or a logger instance"
@@ -187,12 +184,18 @@ class ScaleMonitor(Callback):
             self._finish(trainer, pl_module)
 
     @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.reporter.flush()
+
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._abort(pl_module)
+        self.reporter.flush()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._abort(pl_module)
+        self.reporter.flush()
 
     @override
     def state_dict(self) -> Dict[str, Any]:
@@ -204,7 +207,7 @@ class ScaleMonitor(Callback):
 
     def _start_run(self, target: nn.Module, stage: str) -> None:
         """Forget what belongs to the previous run: its loggers, its module's captures."""
-        self._writers.clear()
+        self.reporter.start_run()
         if stage == "fit":
             self.last_tracked_step = -1  # a resumed checkpoint restores it after setup
         if any(cap.module is not target for cap in self._captures.values()):
@@ -273,64 +276,22 @@ class ScaleMonitor(Callback):
             active.recorder.clear()
 
     def _report(self, trainer: pl.Trainer, active: "_TrackedStep") -> None:
-        rec, cap = active.recorder, active.capture
+        cap = active.capture
         labels = [l for l in cap.node_labels if self._selected(l, cap)]
-        try:
-            pooled, per_rank, loss_scale_value = self._pool(trainer, active, labels)
-        except distributed.RankFailedError as err:  # raised on every rank alike
-            here = f"; here: {rec.error!r}" if rec.error is not None else ""
-            self._warn_once("error", f"ScaleMonitor: {err} at step {active.step}{here}; nothing logged for it")
-            return
-        self._check_nonfinite(rec, pooled, labels, active.step)
-        if not trainer.is_global_zero:
-            return
-        pooled, per_rank = self._unscale(trainer, pooled, per_rank, loss_scale_value)
-        keep = [i for i in range(len(labels)) if bool((pooled[i, :, 0] > 0).any())]
-        if not keep:
-            self._warn_once(f"empty{active.prefix}", self._nothing_recorded(active, labels))
-            return
-        keep = self._cap(keep, labels)
-        out_labels = [labels[i] for i in keep]
-        writer = self._writer(trainer, active.prefix)
-        code = self._code(cap, labels, pooled) if self.code else None
-        writer.write(active.step, out_labels, pooled[keep], code, per_rank[:, keep] if self.rank_spread else None)
-        if loss_scale_value is not None:
-            for logger in trainer.loggers:
-                logger.log_metrics({f"{active.prefix}scale_loss/loss_scale": loss_scale_value}, step=active.step)
-        if rec.histograms:
-            hists = {f"{'fwd' if d == FORWARD else 'bwd'}/{k}": h.cpu() for (k, d), h in rec.histograms.items()}
-            writer.write_value_histograms(active.step, hists)
-
-    def _pool(self, trainer: pl.Trainer, active: "_TrackedStep", labels: List[str]) -> Tuple[Tensor, Tensor, Optional[float]]:
-        """Every rank sends its records, a failure flag and the loss scale in one collective,
-        also when its statistics failed, so no rank is left waiting."""
-        rec, cap = active.recorder, active.capture
-        failed = rec.error is not None
-        if failed:
-            records = torch.zeros(len(labels), 2, len(stats.FIELDS), dtype=torch.float64, device=trainer.strategy.root_device)
-        else:
-            records = rec.records(labels, cap.aliases)
-        if active.loss_scale is not None:  # an extra row, so it travels in the same transfer
-            extra = torch.zeros(1, 2, len(stats.FIELDS), dtype=torch.float64, device=records.device)
-            extra[0, FORWARD, 0] = 1.0
-            extra[0, FORWARD, 1] = active.loss_scale.to(records.device)
-            records = torch.cat([records, extra])
-        rows = records.shape[0] if cap.mode == "fx" else max(records.shape[0], _DYNAMO_ROWS)
+        data = StepData(active.step, active.prefix, cap, active.recorder, labels, self.submodule or "", active.loss_scale)
         replicated = _replicated_labels(self._target(trainer.lightning_module))
-        pooled, per_rank = distributed.pool(records, labels, rows, replicated, failed)
-        if active.loss_scale is None:
-            return pooled, per_rank, None
-        return pooled[:-1], per_rank[:, :-1], float(pooled[-1, FORWARD, 1])
-
-    def _nothing_recorded(self, active: "_TrackedStep", labels: List[str]) -> str:
-        where = f"step {active.step}" + (" (validation)" if active.prefix else "")
-        if not labels:
-            return f"ScaleMonitor: no node selected at {where}: `include` / `exclude` / `prune_views` leave none of {len(active.capture.node_labels)} nodes"
-        target = self.submodule or type(active.capture.module).__name__
-        return (
-            f"ScaleMonitor: nothing recorded at {where}: the captured forward of `{target}` did not run "
-            "(call the module, e.g. `self(x)`, in the step; with capture='dynamo' the compile cache may be full)"
-        )
+        try:
+            pooled, loss_scale = self.reporter.pool(data, trainer.strategy.root_device, replicated)
+        except distributed.RankFailedError as err:  # raised on every rank alike
+            error = active.recorder.error
+            here = f"; here: {error!r}" if error is not None else ""
+            self.reporter.warn_once("error", f"ScaleMonitor: {err} at step {active.step}{here}; nothing logged for it")
+            return
+        loggers = _writable_loggers(trainer) if trainer.is_global_zero else []
+        try:
+            self.reporter.report(data, pooled, loss_scale, trainer.is_global_zero, loggers, trainer.accumulate_grad_batches)
+        except Exception as err:  # noqa: BLE001 - after the collective: a fault here stays here
+            self.reporter.warn_once("report", f"ScaleMonitor: reporting step {active.step} failed ({type(err).__name__}: {err}); training continues")
 
     def _selected(self, label: str, cap: Capture) -> bool:
         if self.include is not None and not self.include.search(label):
@@ -338,56 +299,6 @@ class ScaleMonitor(Callback):
         if self.exclude is not None and self.exclude.search(label):
             return False
         return not (self.prune_views and label in cap.aliases)
-
-    def _cap(self, keep: List[int], labels: List[str]) -> List[int]:
-        if len(keep) <= self.max_tags:
-            return keep
-        self._warn_once(
-            "max_tags",
-            f"ScaleMonitor: {len(keep)} nodes have tensors; writing the first {self.max_tags} "
-            "(raise `max_tags`, or narrow with `include` / `exclude` / `prune_views`)",
-        )
-        return keep[: self.max_tags]
-
-    def _unscale(self, trainer: pl.Trainer, pooled: Tensor, per_rank: Tensor, loss_scale: Optional[float]) -> Tuple[Tensor, Tensor]:
-        if not self.unscale_gradients:
-            return pooled, per_rank
-        factor = trainer.accumulate_grad_batches / (loss_scale or 1.0)
-        return _scale_backward(pooled, factor), _scale_backward(per_rank, factor)
-
-    def _check_nonfinite(self, rec: Recorder, pooled: Tensor, labels: List[str], step: int) -> None:
-        for name, d in (("forward", FORWARD), ("backward", BACKWARD)):
-            bad = pooled[:, d, stats.FIELDS.index("nan")] + pooled[:, d, stats.FIELDS.index("inf")]
-            if self._warned.get(f"nonfinite_{name}") or not bool((bad > 0).any()):
-                continue
-            first = rec.first_nonfinite(d)
-            if first is None:  # on another rank: name the first in graph order
-                first = labels[int(torch.nonzero(bad > 0)[0])]
-            self._warn_once(f"nonfinite_{name}", f"ScaleMonitor: non-finite values in the {name} pass at step {step}; first produced by `{first}`")
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if not self._warned.get(key):
-            self._warned[key] = True
-            rank_zero_warn(message)
-
-    def _writer(self, trainer: pl.Trainer, prefix: str) -> ScaleWriter:
-        if prefix not in self._writers:
-            self._writers[prefix] = ScaleWriter(trainer.loggers, self.statistics, self.histograms, self.figure, prefix, self.figure_every)
-        return self._writers[prefix]
-
-    def _code(self, cap: Capture, labels: List[str], pooled: Tensor) -> str:
-        index = {l: i for i, l in enumerate(labels)}
-        std = stats.statistic(pooled, "std").tolist()
-        present = (pooled[..., 0] > 0).tolist()
-        texts = []
-        for gm, names in zip(cap.graphs, cap.labels):
-            scales = {}
-            for name, label in names.items():
-                i = index.get(label)
-                if i is not None:
-                    scales[name] = ScalePair(std[i][0] if present[i][0] else None, std[i][1] if present[i][1] else None)
-            texts.append(annotate_code(gm.code, scales))
-        return "\n\n".join(texts)
 
 
 class _TrackedStep:
@@ -421,14 +332,6 @@ def _recording(fn: Any, rec: Recorder) -> Any:
     return tracked_forward
 
 
-def _scale_backward(records: Tensor, factor: float) -> Tensor:
-    out = records.clone()
-    bwd = out[..., BACKWARD, :]
-    for name, power in (("mean", 1), ("m2", 2), ("absmax", 1), ("min_nonzero", 1)):
-        bwd[..., stats.FIELDS.index(name)] *= factor**power
-    return out
-
-
 class _Matching:
     """The labels a regex matches, as a container (``label in matching``)."""
 
@@ -459,6 +362,15 @@ def _resolve_submodule(root: nn.Module, path: str) -> nn.Module:
         near = difflib.get_close_matches(path, names, n=5, cutoff=0.3)
         hint = f"; nearest: {near}" if near else f"; submodules include {names[:8]}"
         raise ValueError(f"`submodule` {path!r} is not a submodule of {type(root).__name__}{hint}") from None
+
+
+def _writable_loggers(trainer: pl.Trainer) -> List[Any]:
+    """The loggers the writer thread may use, their experiments created here on the
+    training thread (a lazily created experiment must not be created from two threads)."""
+    loggers = [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]
+    for logger in loggers:
+        getattr(logger, "experiment", None)
+    return loggers
 
 
 def _replicated_labels(target: nn.Module) -> "set[str]":

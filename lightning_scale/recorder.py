@@ -10,6 +10,7 @@ on the observed value keep working. Entries stay on the tensor's device until
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from contextlib import contextmanager
 from typing import Any, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -19,9 +20,13 @@ from torch import Tensor
 
 from lightning_scale import stats
 
-__all__ = ["FORWARD", "BACKWARD", "Recorder", "active", "observe", "recording"]
+__all__ = ["BACKWARD", "FORWARD", "HOST_READS_ENV", "Recorder", "active", "observe", "recording"]
 
 FORWARD, BACKWARD = 0, 1
+
+#: Environment switch read when a ``Recorder`` is created: ``0`` forces the device path
+#: (no intermediate host reads) on any device, ``1`` allows host reads everywhere.
+HOST_READS_ENV = "LIGHTNING_SCALE_HOST_READS"
 
 _ACTIVE: Optional["Recorder"] = None
 
@@ -32,12 +37,17 @@ class Recorder:
     Args:
         groups: statistic groups to compute (see ``stats.GROUPS``).
         host_reads: allow reading intermediate results on the host (fast on CPU; see
-            ``stats.record_of``). ``None`` decides per tensor by its device.
+            ``stats.record_of``). ``None`` decides per tensor by its device, unless the
+            environment variable ``LIGHTNING_SCALE_HOST_READS`` is ``0`` (device path
+            forced) or ``1`` (host reads everywhere).
+
+    Raises:
+        ValueError: ``LIGHTNING_SCALE_HOST_READS`` is set to something else.
     """
 
     def __init__(self, groups: Sequence[str] = ("moments", "range"), host_reads: Optional[bool] = None) -> None:
         self.groups = tuple(groups)
-        self.host_reads = host_reads
+        self.host_reads = _host_reads_from_env() if host_reads is None else host_reads
         self._slots: Dict[Hashable, int] = {}  # key -> slot
         self._keys: List[Hashable] = []  # slot -> key
         self._rows: List[Tuple[int, int, List[stats.Entry]]] = []
@@ -66,12 +76,13 @@ class Recorder:
         """Record ``x`` (forward) now and its gradient (backward) when it arrives."""
         slot = self.slot(key)
         prev = self._previous
-        if prev is not None and prev[0]() is x and prev[1] == x._version and prev[2] != slot:
+        version = -1 if x.is_inference() else x._version  # inference tensors have no counter
+        if prev is not None and prev[0]() is x and prev[1] == version >= 0 and prev[2] != slot:
             # The node returned its input itself (dropout with p=0, .contiguous(), .to()
             # to the same dtype): same values, same gradient. Reuse, do not recompute.
             self._same.setdefault(prev[2], []).append(slot)
             return
-        self._previous = (weakref.ref(x), x._version, slot)
+        self._previous = (weakref.ref(x), version, slot)
         self._add(slot, FORWARD, x)
         if not (x.requires_grad and torch.is_grad_enabled()):
             return
@@ -154,16 +165,17 @@ class Recorder:
             out.setdefault(source, []).append(key)
         return out
 
-    def first_nonfinite(self, direction: int) -> Optional[Hashable]:
-        """The first key, in arrival order, whose ``direction`` record counted NaN or Inf.
-
-        Reads the host-side entries only (CPU tensors, or after ``records()`` has been
-        read); returns None when no record counted any.
-        """
-        for slot, d, entry in self._rows:
-            if d == direction and float(entry[stats.FIELDS.index("nan")]) + float(entry[stats.FIELDS.index("inf")]) > 0:
-                return self._keys[slot]
-        return None
+    def histogram_tensor(self, keys: Sequence[Hashable]) -> Tensor:
+        """The log2 histograms of ``keys``: ``[len(keys), 2, bins]`` float64 counts on the
+        observed device, zero where a key's direction had none. Nothing is read to the host."""
+        bins = stats.LOG2_HI - stats.LOG2_LO
+        out = torch.zeros(len(keys), 2, bins, dtype=torch.float64, device=self.device)
+        for i, key in enumerate(keys):
+            for d in (FORWARD, BACKWARD):
+                h = self.histograms.get((key, d))
+                if h is not None:
+                    out[i, d] = h  # the same device: a device-side copy
+        return out
 
     def clear(self) -> None:
         """Forget this step's entries and remove its hooks (keys and their order are kept)."""
@@ -180,6 +192,15 @@ class Recorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _host_reads_from_env() -> Optional[bool]:
+    value = os.environ.get(HOST_READS_ENV, "").strip()
+    if value == "":
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"`{HOST_READS_ENV}` must be 0 (device path forced) or 1 (host reads allowed), got {value!r}")
+    return value == "1"
 
 
 def _sharing(key: Hashable, followers: Mapping[Hashable, List[Hashable]]) -> Iterator[Hashable]:

@@ -5,6 +5,7 @@ optimization, resume, validation, other loggers, argument errors, failures, dyna
 from __future__ import annotations
 
 import csv
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -232,7 +233,7 @@ def test_logged_std_equals_float64_reference(tmp_path: Path) -> None:
 def test_extras_statistics_and_value_histograms(tmp_path: Path) -> None:
     torch.manual_seed(0)
     snap = Snapshot()
-    monitor = ScaleMonitor(every_n_steps=2, statistics=["std", "absmax", "underflow_e4m3"], value_histograms=r"^net\.0/linear$", rank_spread=True, figure_every=1)
+    monitor = ScaleMonitor(every_n_steps=2, statistics=["std", "absmax", "underflow_e4m3"], value_histograms=r"^net\.0/linear$", rank_spread=True, figure=True, figure_every=1)
     acc = events(fit(MLP(), tmp_path, [snap, monitor], max_steps=3))
     tags = acc.Tags()
     for tag, nodes in (("scale_hist/fwd", 8), ("scale_hist/bwd", 7)):  # the input has no gradient
@@ -265,7 +266,7 @@ def test_extras_statistics_and_value_histograms(tmp_path: Path) -> None:
 
 
 def test_figure_is_drawn_every_n_tracked_steps(tmp_path: Path) -> None:
-    acc = events(fit(MLP(), tmp_path, [ScaleMonitor(every_n_steps=1, figure_every=2)], max_steps=5))
+    acc = events(fit(MLP(), tmp_path, [ScaleMonitor(every_n_steps=1, figure=True, figure_every=2)], max_steps=5))
     assert [e.step for e in acc.Images("scale_plot")] == [0, 2, 4]
     assert [e.step for e in acc.Histograms("scale_hist/fwd")] == [0, 1, 2, 3, 4]
 
@@ -523,9 +524,9 @@ def test_untraceable_model_is_tracked_with_dynamo(tmp_path: Path) -> None:
 def test_include_exclude_prune_views(tmp_path: Path) -> None:
     cases = {
         "include": ({"include": r"fc1"}, {"fc1.weight", "fc1.bias", "fc1/linear"}),
-        "exclude": ({"exclude": r"\.(weight|bias)$|^x$"}, {"fc1/linear", "relu", "reshape", "flatten", "fc2/linear"}),
-        "prune": ({"prune_views": True, "include": r"/|relu|reshape|flatten"}, {"fc1/linear", "relu", "fc2/linear"}),
-        "view": ({"include": r"^reshape$"}, {"reshape"}),
+        "exclude": ({"exclude": r"\.(weight|bias)$|^x$", "prune_views": False}, {"fc1/linear", "relu", "reshape", "flatten", "fc2/linear"}),
+        "prune": ({"include": r"/|relu|reshape|flatten"}, {"fc1/linear", "relu", "fc2/linear"}),  # views pruned by default
+        "view": ({"include": r"^reshape$", "prune_views": False}, {"reshape"}),
     }
     for name, (kwargs, expected) in cases.items():
         torch.manual_seed(0)
@@ -533,7 +534,7 @@ def test_include_exclude_prune_views(tmp_path: Path) -> None:
         assert {t.split("/", 2)[2] for t in series} == expected, name
     # a view reports its input's statistics
     torch.manual_seed(0)
-    series = scalars(events(fit(Views(), tmp_path / "all", [ScaleMonitor(every_n_steps=2)])))
+    series = scalars(events(fit(Views(), tmp_path / "all", [ScaleMonitor(every_n_steps=2, prune_views=False)])))
     for direction in ("fwd", "bwd"):
         assert series[f"scale/{direction}/reshape"] == series[f"scale/{direction}/relu"]
 
@@ -566,6 +567,119 @@ def test_warns_when_nothing_is_recorded(tmp_path: Path) -> None:
 def test_max_tags_warns_and_caps(tmp_path: Path) -> None:
     torch.manual_seed(0)
     with pytest.warns(UserWarning, match=r"ScaleMonitor: 10 nodes have tensors; writing the first 3 \(raise `max_tags`"):
-        trainer = fit(Views(), tmp_path, [ScaleMonitor(every_n_steps=2, max_tags=3)])
+        trainer = fit(Views(), tmp_path, [ScaleMonitor(every_n_steps=2, max_tags=3, prune_views=False)])
     series = scalars(events(trainer))
     assert {t.split("/", 2)[2] for t in series} == {"x", "fc1.weight", "fc1.bias"}
+
+
+# ---- anomaly warnings, per node -----------------------------------------------------------
+
+
+class CausalAttention(MLP):
+    """Single-head causal self-attention: a ``masked_fill(-inf)`` and an additive ``-inf``
+    mask, both absorbed by the softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(6, 18), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (B, 6) seen as (B, T=2, 3) twice over
+        q, k, v = self.qkv(x).reshape(x.shape[0], 3, 3, 2).unbind(1)  # (B, T=3, 2) each
+        scores = q @ k.transpose(1, 2)  # (B, T, T)
+        causal = torch.ones(3, 3, dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(causal, float("-inf"))
+        scores = scores + torch.zeros(3, 3).masked_fill(causal, float("-inf"))
+        h = (scores.softmax(-1) @ v).reshape(x.shape[0], 6)
+        return self.out(h)
+
+
+class Poison(MLP):
+    """NaN replaces the first block's output at the steps in ``first``, the second's at
+    the steps in ``second``; the loss ignores NaN, so nothing else turns NaN."""
+
+    def __init__(self, first: Tuple[int, ...], second: Tuple[int, ...]) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.first, self.second = first, second
+        self.register_buffer("p1", torch.tensor(False))
+        self.register_buffer("p2", torch.tensor(False))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.where(self.p1, torch.nan, self.fc1(x))
+        return torch.where(self.p2, torch.nan, self.fc2(h.relu()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        self.p1.fill_(self.global_step in self.first)
+        self.p2.fill_(self.global_step in self.second)
+        return F.mse_loss(self(batch[0]).nan_to_num(0.0), batch[1])
+
+
+def _anomalies(record: Any) -> List[str]:
+    return [str(w.message) for w in record if "pass at step" in str(w.message)]
+
+
+def test_causal_masks_are_counted_not_warned(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        acc = events(fit(CausalAttention(), tmp_path, [ScaleMonitor(every_n_steps=1, statistics=["std", "inf"])], max_steps=2))
+    assert not _anomalies(record)
+    series = scalars(acc, "inf/fwd/")
+    assert at(series, "inf/fwd/masked_fill", 0) == 8 * 3  # batch 8, 3 masked entries of each 3x3
+    assert at(series, "inf/fwd/add", 1) == 8 * 3
+    assert at(series, "inf/fwd/softmax", 0) == 0
+
+
+def test_nan_is_warned_per_node_where_it_first_appears(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fit(Poison(first=(3,), second=(1, 2)), tmp_path, [ScaleMonitor(every_n_steps=1)], max_steps=4)
+    found = _anomalies(record)
+    assert found[:2] == [
+        "ScaleMonitor: NaN in the forward pass at step 1, first at `where_1`",  # step 2: the same node, not again
+        "ScaleMonitor: NaN in the forward pass at step 3, first at `where`; also new at 2 more node(s)",  # relu, fc2
+    ], found
+    # at step 3 the NaN reaches fc2's weight gradient too (relu(NaN) is its input)
+    assert found[2:] == ["ScaleMonitor: NaN in the backward pass at step 3, first at `fc2.weight`"], found
+
+
+class MaskThenOutput(nn.Module):
+    """A ``-inf`` mask absorbed by a softmax, then a head whose output is the model's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        scores = self.fc(x).masked_fill(torch.arange(3) > 0, float("-inf"))  # (B, 3), columns 1, 2 masked
+        return self.fc(scores.softmax(-1)) * 2.0
+
+
+def test_anomaly_rules_on_pooled_records() -> None:
+    from lightning_scale import stats
+    from lightning_scale.anomalies import AnomalyWatch, consumers_of
+    from lightning_scale.capture import capture
+
+    cap = capture(MaskThenOutput(), "fx")
+    labels = cap.node_labels
+    assert "\x00output" in consumers_of(cap)["mul"] and consumers_of(cap)["masked_fill"] == {"softmax"}
+    nan, inf = stats.FIELDS.index("nan"), stats.FIELDS.index("inf")
+
+    def records(**marks: Tuple[int, int, int]) -> Tensor:  # label -> (direction, field, count)
+        out = torch.zeros(len(labels), 2, len(stats.FIELDS), dtype=torch.float64)
+        out[..., 0] = 1.0
+        for label, (d, f, n) in marks.items():
+            out[labels.index(label), d, f] = n
+        return out
+
+    watch = AnomalyWatch()
+    assert watch.check(cap, labels, records(masked_fill=(0, inf, 2)), 0) == []  # absorbed
+    assert watch.check(cap, labels, records(masked_fill=(0, inf, 2), mul=(0, inf, 1)), 1) == [
+        "ScaleMonitor: Inf in the forward pass at step 1, first at `mul`"  # the model's output
+    ]
+    assert watch.check(cap, labels, records(softmax=(1, inf, 1)), 2) == ["ScaleMonitor: Inf in the backward pass at step 2, first at `softmax`"]
+    assert watch.check(cap, labels, records(softmax=(1, inf, 1), mul=(0, inf, 1)), 3) == []  # both seen before
+    assert watch.check(cap, labels, records(masked_fill=(0, inf, 2), softmax=(0, nan, 3)), 4, "val_") == [
+        "ScaleMonitor: Inf in the forward pass at step 4 (validation), first at `masked_fill`; also new at 1 more node(s)"
+    ]  # a consumer turned NaN: the mask is no longer benign

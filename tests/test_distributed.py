@@ -221,6 +221,10 @@ def _records(fwd: List[Tensor], bwd: List[Tensor]) -> Tensor:
     return stats.assemble(rows).view(len(fwd), 2, len(stats.FIELDS))
 
 
+def _histograms(fwd: List[Tensor], bwd: List[Tensor]) -> Tensor:
+    return torch.stack([torch.stack([stats.log2_histogram(f), stats.log2_histogram(b)]) for f, b in zip(fwd, bwd)])
+
+
 def _outcome(fn: Callable[[], Tuple[Tensor, Tensor]]) -> object:
     try:
         return fn()
@@ -247,6 +251,7 @@ def _pool_worker(rank: int, port: int, out: str) -> None:
         "count": _outcome(lambda: distributed.pool(records[: 3 - rank], labels[: 3 - rank], rows=3)),
         "failed": _outcome(lambda: distributed.pool(records, labels, failed=rank == 1)),
         "after": _outcome(lambda: distributed.pool(records, labels)),
+        "hist": distributed.pool_step(records, labels, replicated={"w"}, histograms=_histograms(fwd, bwd), histogram_labels=labels),
     }
     torch.save(result, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
@@ -313,6 +318,21 @@ def test_pool_raises_a_ranks_failure_on_every_rank_and_recovers(pooled: List[dic
             raise pooled[rank]["failed"]  # type: ignore[misc]
         after, _ = pooled[rank]["after"]
         assert after.shape == pooled[rank]["records"].shape
+
+
+def test_pool_sums_value_histograms_over_ranks_in_the_same_collective(pooled: List[dict]) -> None:
+    for rank in (0, 1):
+        out = pooled[rank]["hist"]
+        torch.testing.assert_close(out.records, pooled[rank]["agree"][0], rtol=0, atol=0, equal_nan=True)
+        for i in range(2):  # the histogram of both ranks' values together
+            for d, key in ((FORWARD, "fwd"), (BACKWARD, "bwd")):
+                both = torch.cat([pooled[r][key][i].flatten() for r in (0, 1)])
+                assert torch.equal(out.histograms[i, d], stats.log2_histogram(both)), (i, key)
+        weight = pooled[0]["fwd"][2]  # replicated: counted once; its gradients differ: summed
+        assert torch.equal(out.histograms[2, FORWARD], stats.log2_histogram(weight))
+        both_grads = torch.cat([pooled[r]["bwd"][2] for r in (0, 1)])
+        assert torch.equal(out.histograms[2, BACKWARD], stats.log2_histogram(both_grads))
+        assert out.histograms[0, FORWARD].sum() == 5 + 8  # every value of both ranks counted
 
 
 def test_pool_in_one_process() -> None:

@@ -1,0 +1,240 @@
+"""Reporting a tracked step: pool it, check it, write it off the training thread.
+
+``Reporter.pool`` sends a step's records, value histograms, failure flag and loss scale
+in one collective (one device-to-host transfer). ``Reporter.report`` then decides, on the
+training thread, what little must be decided there (anomaly warnings, which nodes to
+write, the ``max_tags`` cap; all on the pooled host copy) and hands the rest (unscaling,
+annotated code, scalars, histograms, figure, text) to a ``Worker``. Nothing here imports
+Lightning: the callback passes loggers, the rank and the accumulation factor in.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, fx
+
+from lightning_scale import distributed, stats
+from lightning_scale.anomalies import AnomalyWatch
+from lightning_scale.capture import Capture
+from lightning_scale.interpreter import ScalePair
+from lightning_scale.recorder import BACKWARD, FORWARD, Recorder
+from lightning_scale.report import annotate_code
+from lightning_scale.tensorboard import ScaleWriter
+from lightning_scale.worker import Worker
+
+__all__ = ["Reporter", "StepData", "scale_backward"]
+
+_DYNAMO_ROWS = 4096  # fixed payload rows when ranks cannot agree on a node count beforehand
+_DYNAMO_HIST_ROWS = 64  # the same for value histograms (290 bins each way: keep it small)
+
+
+@dataclass
+class StepData:
+    """What one tracked step recorded, as the callback hands it over."""
+
+    step: int
+    prefix: str
+    capture: Capture
+    recorder: Recorder
+    labels: List[str]
+    target: str = ""  # how the user names the captured module (``submodule`` or its class)
+    loss_scale: Optional[Tensor] = None
+
+
+@dataclass
+class _Written:
+    """One step's pooled host data, on its way to the worker."""
+
+    step: int
+    prefix: str
+    labels: List[str]
+    records: Tensor
+    per_rank: Optional[Tensor]
+    histograms: Dict[str, Tensor]
+    loss_scale: Optional[float]
+    code: Optional[List[Tuple[fx.GraphModule, Dict[str, str]]]]
+
+
+class Reporter:
+    """Pools, checks and writes tracked steps; the writing runs on a background worker.
+
+    Args:
+        statistics: statistic names written as scalars.
+        histograms, figure, figure_every, code, rank_spread, max_tags, unscale_gradients,
+            value_histograms: as ``ScaleMonitor``'s arguments of the same names.
+        warn: how to warn (the callback passes Lightning's ``rank_zero_warn``).
+    """
+
+    def __init__(
+        self,
+        statistics: Sequence[str],
+        histograms: bool,
+        figure: bool,
+        figure_every: int,
+        code: bool,
+        rank_spread: bool,
+        max_tags: int,
+        unscale_gradients: bool,
+        value_histograms: Optional["re.Pattern[str]"],
+        warn: Callable[[str], None],
+    ) -> None:
+        self.statistics = list(statistics)
+        self.histograms, self.figure, self.figure_every, self.code = histograms, figure, figure_every, code
+        self.rank_spread, self.max_tags, self.unscale_gradients = rank_spread, max_tags, unscale_gradients
+        self.value_histograms = value_histograms
+        self.warn = warn
+        self.worker = Worker()
+        self.anomalies = AnomalyWatch()
+        self._warned: Dict[str, bool] = {}
+        self._writers: Dict[str, ScaleWriter] = {}
+
+    def start_run(self) -> None:
+        """A new fit/validate: finish the previous run's writing, forget its loggers."""
+        self.worker.flush()
+        self._writers.clear()
+
+    def flush(self) -> None:
+        """Block until every submitted step is written."""
+        self.worker.flush()
+
+    # ---- on the training thread ----------------------------------------------------------
+
+    def pool(self, data: StepData, device: torch.device, replicated: Collection[str]) -> Tuple[distributed.Pooled, Optional[float]]:
+        """Every rank sends its records, histograms, a failure flag and the loss scale in
+        one collective, also when its statistics failed, so no rank is left waiting.
+
+        Raises:
+            distributed.RankFailedError: a rank's statistics failed (on every rank alike).
+        """
+        rec, cap, labels = data.recorder, data.capture, data.labels
+        failed = rec.error is not None
+        width = len(stats.FIELDS)
+        records = torch.zeros(len(labels), 2, width, dtype=torch.float64, device=device) if failed else rec.records(labels, cap.aliases)
+        if data.loss_scale is not None:  # an extra row, so it travels in the same transfer
+            extra = torch.zeros(1, 2, width, dtype=torch.float64, device=records.device)
+            extra[0, FORWARD, 0] = 1.0
+            extra[0, FORWARD, 1] = data.loss_scale.to(records.device)
+            records = torch.cat([records, extra])
+        hist_labels = self.histogram_labels(data)
+        hists = rec.histogram_tensor(hist_labels) if hist_labels else None
+        dynamo = cap.mode != "fx"
+        out = distributed.pool_step(
+            records, labels, rows=max(records.shape[0], _DYNAMO_ROWS) if dynamo else None, replicated=replicated, failed=failed,
+            histograms=hists, histogram_labels=hist_labels, histogram_rows=_DYNAMO_HIST_ROWS if dynamo else None,
+        )  # fmt: skip
+        if data.loss_scale is None:
+            return out, None
+        scale = float(out.records[-1, FORWARD, 1])
+        return distributed.Pooled(out.records[:-1], out.per_rank[:, :-1], out.histograms), scale
+
+    def histogram_labels(self, data: StepData) -> List[str]:
+        """The selected labels whose value histograms are pooled (capped under dynamo)."""
+        if self.value_histograms is None:
+            return []
+        chosen = [l for l in data.labels if self.value_histograms.search(l)]
+        if data.capture.mode != "fx" and len(chosen) > _DYNAMO_HIST_ROWS:
+            self.warn_once("hist_rows", f"ScaleMonitor: `value_histograms` matches {len(chosen)} nodes; with dynamo capture the first {_DYNAMO_HIST_ROWS} are written")
+            chosen = chosen[:_DYNAMO_HIST_ROWS]
+        return chosen
+
+    def report(self, data: StepData, pooled: distributed.Pooled, loss_scale: Optional[float], is_zero: bool, loggers: Sequence[Any], accumulate: int) -> None:
+        """Warn about anomalies; on rank zero, choose what to write and queue the writing."""
+        for message in self.anomalies.check(data.capture, data.labels, pooled.records, data.step, data.prefix):
+            self.warn(message)
+        if not is_zero:
+            return
+        labels = data.labels
+        keep = torch.nonzero((pooled.records[:, :, 0] > 0).any(1)).flatten().tolist()
+        if not keep:
+            self.warn_once(f"empty{data.prefix}", _nothing_recorded(data))
+            return
+        keep = self._cap(keep)
+        if not loggers:
+            return
+        records, per_rank = _unscaled(pooled, self.unscale_gradients, accumulate / (loss_scale or 1.0))
+        hist_labels = self.histogram_labels(data)
+        job = _Written(
+            data.step, data.prefix, [labels[i] for i in keep], records[keep], per_rank[:, keep] if self.rank_spread else None,
+            {f"{'fwd' if d == FORWARD else 'bwd'}/{l}": pooled.histograms[i, d] for i, l in enumerate(hist_labels) for d in (FORWARD, BACKWARD)},
+            loss_scale, list(zip(data.capture.graphs, data.capture.labels)) if self.code else None,
+        )  # fmt: skip
+        writer = self._writer(loggers, data.prefix)
+        self.worker.submit(f"step {data.step}", _write, writer, job, list(loggers), {l: i for i, l in enumerate(labels)}, records)
+
+    def warn_once(self, key: str, message: str) -> None:
+        """Warn ``message`` the first time ``key`` is seen."""
+        if not self._warned.get(key):
+            self._warned[key] = True
+            self.warn(message)
+
+    def _cap(self, keep: List[int]) -> List[int]:
+        if len(keep) <= self.max_tags:
+            return keep
+        self.warn_once(
+            "max_tags",
+            f"ScaleMonitor: {len(keep)} nodes have tensors; writing the first {self.max_tags} "
+            "(raise `max_tags`, or narrow with `include` / `exclude` / `prune_views`)",
+        )
+        return keep[: self.max_tags]
+
+    def _writer(self, loggers: Sequence[Any], prefix: str) -> ScaleWriter:
+        if prefix not in self._writers:
+            self._writers[prefix] = ScaleWriter(loggers, self.statistics, self.histograms, self.figure, prefix, self.figure_every)
+        return self._writers[prefix]
+
+
+# ---- on the worker ------------------------------------------------------------------------
+
+
+def _write(writer: ScaleWriter, job: _Written, loggers: List[Any], index: Dict[str, int], all_records: Tensor) -> None:
+    code = _code(job.code, index, all_records) if job.code is not None else None
+    writer.write(job.step, job.labels, job.records, code, job.per_rank)
+    if job.loss_scale is not None:
+        for logger in loggers:
+            logger.log_metrics({f"{job.prefix}scale_loss/loss_scale": job.loss_scale}, step=job.step)
+    if job.histograms:
+        writer.write_value_histograms(job.step, job.histograms)
+
+
+def _code(graphs: List[Tuple[fx.GraphModule, Dict[str, str]]], index: Dict[str, int], records: Tensor) -> str:
+    std = stats.statistic(records, "std").tolist()
+    present = (records[..., 0] > 0).tolist()
+    texts = []
+    for gm, names in graphs:
+        scales = {}
+        for name, label in names.items():
+            i = index.get(label)
+            if i is not None:
+                scales[name] = ScalePair(std[i][0] if present[i][0] else None, std[i][1] if present[i][1] else None)
+        texts.append(annotate_code(gm.code, scales))
+    return "\n\n".join(texts)
+
+
+def _unscaled(pooled: distributed.Pooled, unscale: bool, factor: float) -> Tuple[Tensor, Tensor]:
+    if not unscale:
+        return pooled.records, pooled.per_rank
+    return scale_backward(pooled.records, factor), scale_backward(pooled.per_rank, factor)
+
+
+def scale_backward(records: Tensor, factor: float) -> Tensor:
+    """``records`` with every backward statistic multiplied by ``factor`` (a copy)."""
+    out = records.clone()
+    bwd = out[..., BACKWARD, :]
+    for name, power in (("mean", 1), ("m2", 2), ("absmax", 1), ("min_nonzero", 1)):
+        bwd[..., stats.FIELDS.index(name)] *= factor**power
+    return out
+
+
+def _nothing_recorded(data: StepData) -> str:
+    where = f"step {data.step}" + (" (validation)" if data.prefix else "")
+    if not data.labels:
+        return f"ScaleMonitor: no node selected at {where}: `include` / `exclude` / `prune_views` leave none of {len(data.capture.node_labels)} nodes"
+    target = data.target or type(data.capture.module).__name__
+    return (
+        f"ScaleMonitor: nothing recorded at {where}: the captured forward of `{target}` did not run "
+        "(call the module, e.g. `self(x)`, in the step; with capture='dynamo' the compile cache may be full)"
+    )
