@@ -53,9 +53,7 @@ FORMATS: Dict[str, FloatFormat] = {
 #: The FP8 dtypes of the ``fp8`` what-if group: E4M3 for forward values, E5M2 for gradients.
 FP8_DTYPES: Dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
-_FORMAT_FIELDS = [
-    f"{kind}_{fmt}" for fmt in FORMATS for kind in ("underflow", "below_normal", "overflow")
-]
+_FORMAT_FIELDS = [f"{kind}_{fmt}" for fmt in FORMATS for kind in ("underflow", "below_normal", "overflow")]
 _FP8_FIELDS = [f"fp8_{fmt}_{kind}" for fmt in FP8_DTYPES for kind in ("sq_err", "sq", "flushed")]
 FIELDS: Tuple[str, ...] = (
     "count", "mean", "m2", "absmax", "nan", "inf", "zeros", "min_nonzero", *_FORMAT_FIELDS, *_FP8_FIELDS,
@@ -129,7 +127,7 @@ def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Opt
             out[_ABSMAX] = absmax
     if "formats" in groups:
         counts = _format_counts_host(x, out[_NAN]) if host_reads else _format_counts_device(x, out[_NAN])  # type: ignore[arg-type]
-        out[_ZEROS : _FP80] = counts
+        out[_ZEROS:_FP80] = counts
     if "fp8" in groups:
         fp8 = _fp8_fields(x, _host_sum if host_reads else _sum64)
         out[_FP80:] = [float(v) for v in fp8] if host_reads else fp8
@@ -183,14 +181,21 @@ def _host_moments(x: Tensor, out: List[Entry]) -> None:
 
 
 def _sum_of_squares(y: Tensor) -> float:
-    flat = y.reshape(-1)
-    m = flat.numel() // _ROW * _ROW
-    if m == 0:
-        return float(torch.linalg.vector_norm(flat)) ** 2
-    # Row norms (vectorised, short rows: accurate), their squares added in float64.
-    rows = torch.linalg.vector_norm(flat[:m].view(-1, _ROW), dim=1)
-    tail = float(torch.linalg.vector_norm(flat[m:])) ** 2 if m < flat.numel() else 0.0
-    return float(rows.double().square().sum()) + tail
+    n = y.numel()
+    if n % _ROW == 0 and y.is_contiguous():  # the common case: no copy, no tail
+        rows = y.view(-1, _ROW)
+    elif n < _ROW:
+        return float(torch.linalg.vector_norm(y)) ** 2
+    else:
+        flat = y.reshape(-1)
+        m = n // _ROW * _ROW
+        tail = float(torch.linalg.vector_norm(flat[m:])) ** 2 if m < n else 0.0
+        return _sum_of_squares(flat[:m]) + tail
+    # Norms of short rows (vectorised, accurate); a dot of the n / 512 norms adds them.
+    norms = torch.linalg.vector_norm(rows, dim=1)
+    if norms.numel() > 4096:  # a float32 dot stays within ~1e-7 up to here
+        norms = norms.double()
+    return float(torch.dot(norms, norms))
 
 
 def _device_moments(x: Tensor, out: List[Entry]) -> Tensor:
@@ -220,7 +225,7 @@ def _scaled_moments(x: Tensor, total_of: _Sum, own: bool) -> Tuple[Tensor, Tenso
     s2 = total_of(y.square_())
     m2 = (s2 - s1 * s1 / n).clamp(min=0)
     s64 = s.double()
-    return total / n / s64, m2 / (s64 * s64), absmax.double()
+    return total / n / s64, m2 / s64 / s64, absmax.double()  # (s64 * s64 can underflow)
 
 
 def _inverse_power_of_two(a: Tensor) -> Tensor:
@@ -318,7 +323,7 @@ def _format_counts_host(x: Tensor, nan: float) -> List[Entry]:
     bits = a.view(torch.int32)
     hist = torch.bincount((bits >> 23).flatten(), minlength=256).tolist()
     zeros = float(a.numel() - int(torch.count_nonzero(a)))
-    res: List[Entry] = [zeros, _min_nonzero_host(bits)]
+    res: List[Entry] = [zeros, float(a.amin()) if zeros == 0 and not nan else _min_nonzero_host(bits)]
     absmax = float(a.amax())  # NaN with NaN values: then every overflow is counted
     for fmt in FORMATS.values():
         for t in (fmt.min_subnormal, fmt.min_normal):
@@ -370,7 +375,8 @@ def _fp8_fields(x: Tensor, total_of: _Sum) -> List[Tensor]:
     nonzero = torch.count_nonzero(xf)
     out: List[Tensor] = []
     for name, dtype in FP8_DTYPES.items():
-        scale = torch.nan_to_num(FORMATS[name].max / amax, posinf=torch.finfo(acc).max)
+        # (a Python number / tensor would multiply by a rounded reciprocal)
+        scale = torch.nan_to_num(torch.full_like(amax, FORMATS[name].max) / amax, posinf=torch.finfo(acc).max)
         y = xf * scale
         q = y.to(dtype).to(acc)
         flushed = nonzero - torch.count_nonzero(q)
