@@ -221,7 +221,10 @@ def _scaled_moments(x: Tensor, total_of: _Sum, own: bool) -> Tuple[Tensor, Tenso
     total = total_of(y)  # float64: the scaled sum, inf/NaN with non-finite values
     shift = (total / n).to(acc)
     y.sub_(shift)
-    s1 = total - n * shift.double()  # = sum(y - shift) up to the rounding of y - shift
+    if total_of is _sum64:  # float64 total: sum(y - shift) follows, up to y - shift's rounding
+        s1 = total - n * shift.double()
+    else:  # a float32 total is too coarse for that: one more (cheap) pass
+        s1 = total_of(y)
     s2 = total_of(y.square_())
     m2 = (s2 - s1 * s1 / n).clamp(min=0)
     s64 = s.double()
