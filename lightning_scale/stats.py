@@ -293,7 +293,10 @@ def _format_counts_device(x: Tensor, nan: Tensor) -> List[Entry]:
     off the CPU, the same as float32 for ``histc`` (4); a zero mask (1).
     """
     acc = _acc_dtype(x)
-    a = x.abs() if x.dtype == acc else x.to(acc).abs_()
+    if x.dtype == acc and x.is_contiguous():
+        a = x.abs()
+    else:  # one contiguous copy (bucketize would copy a strided input once more)
+        a = torch.empty_like(x, dtype=acc, memory_format=torch.contiguous_format).copy_(x).abs_()
     a.nan_to_num_(nan=0.0, posinf=math.inf)  # NaN joins the zeros' bucket; subtracted below
     bounds, low, high = _bounds_on(acc, a.device)
     idx = torch.bucketize(a, bounds, right=True, out_int32=True).view(-1)

@@ -244,3 +244,32 @@ def test_format_counts_need_at_most_20_bytes_per_element() -> None:
     # every allocation counted once, frees ignored: an upper bound of the peak
     allocated = sum(e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0)
     assert 8 <= allocated / x.numel() <= 20  # |x| and bucket indices at least
+
+
+# ---------------------------------------------------------------------------------------
+# The device path at the dispatcher: no host read, no data-dependent shape
+
+# ops that read a value to the host or size their output by the data
+HOST_SYNC_OPS = {"_local_scalar_dense", "bincount", "nonzero", "masked_select", "unique", "_unique2", "item", "is_nonzero", "equal", "allclose"}
+
+
+def test_device_path_dispatches_no_host_read_or_data_dependent_op() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(4)
+    xs = [sample(dt, 600, 3.0, 0, ["zero", "subnormal", "huge", "inf", "nan"], seed=5) for dt in DTYPES]
+    xs.append(torch.randn(3, 700, generator=g).t())  # non-contiguous
+    with Ops() as ops:
+        rows = [stats.record_of(x, ("moments", "range", "formats", "fp8"), host_reads=False) for x in xs]
+        stats.merge_rows(stats.assemble(rows))
+    assert {"bucketize", "sum"} <= ops.names  # the mode saw the work
+    assert not ops.names & HOST_SYNC_OPS, ops.names & HOST_SYNC_OPS
