@@ -334,9 +334,13 @@ def _format_counts_host(x: Tensor, nan: float) -> List[Entry]:
     # when the histogram or the maximum says they can be nonzero.
     bits = a.view(torch.int32)
     hist = torch.bincount((bits >> 23).flatten(), minlength=256).tolist()
-    zeros = float(a.numel() - int(torch.count_nonzero(a)))
+    # zeros sit in exponent bucket 0 (with the subnormals): usually empty, then no count
+    zeros = float(a.numel() - int(torch.count_nonzero(a))) if hist[0] else 0.0
     res: List[Entry] = [zeros, float(a.amin()) if zeros == 0 and not nan else _min_nonzero_host(bits)]
-    absmax = float(a.amax())  # NaN with NaN values: then every overflow is counted
+    top = max(e for e, c in enumerate(hist) if c)  # every |x| < 2**(top - 126)
+    smallest_max = min(f.max for f in FORMATS.values())
+    # NaN in amax (NaN values): then every overflow is counted, which ignores NaN
+    absmax = float(a.amax()) if 2.0 ** (top - 126) > smallest_max else 0.0
     for fmt in FORMATS.values():
         for t in (fmt.min_subnormal, fmt.min_normal):
             res.append(_count_below_host(bits, hist, t, zeros))

@@ -273,3 +273,11 @@ def test_device_path_dispatches_no_host_read_or_data_dependent_op() -> None:
         stats.merge_rows(stats.assemble(rows))
     assert {"bucketize", "sum"} <= ops.names  # the mode saw the work
     assert not ops.names & HOST_SYNC_OPS, ops.names & HOST_SYNC_OPS
+
+
+@pytest.mark.parametrize("host_reads", [True, False], ids=["host_reads", "device_only"])
+def test_mean_with_infinities_is_torch_mean(host_reads: bool) -> None:
+    for values, mean in (([math.inf, 1.0, 2.0], math.inf), ([1.0, -math.inf], -math.inf), ([math.inf, -math.inf, 1.0], math.nan)):
+        got = fields(torch.tensor(values), host_reads)
+        assert got["mean"] == mean or (math.isnan(mean) and math.isnan(got["mean"])), values
+        assert math.isnan(got["m2"]) and got["inf"] == sum(math.isinf(v) for v in values)
