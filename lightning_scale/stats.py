@@ -309,9 +309,10 @@ def _format_counts_device(x: Tensor, nan: Tensor) -> List[Entry]:
     cum = _histogram(idx, bounds.numel() + 1).cumsum(0)  # cum[k] = #{|x| < bounds[k]}
     del idx
     min_nonzero = a.masked_fill_(a == 0, math.inf).amin()
-    below = cum[low] - cum[0]  # (8,) nonzero values under each threshold
-    over = cum[-1] - cum[high]  # (4,)
-    fields = torch.cat([below.view(4, 2), over.view(4, 1)], dim=1).view(-1)
+    below = cum[low] - cum[0]  # (2 * formats,) nonzero values under each threshold
+    over = cum[-1] - cum[high]  # (formats,)
+    k = len(FORMATS)
+    fields = torch.cat([below.view(k, 2), over.view(k, 1)], dim=1).view(-1)  # FIELDS order
     return [cum[0] - nan, min_nonzero, *fields.unbind()]
 
 
