@@ -397,11 +397,12 @@ def _fp8_fields(x: Tensor, total_of: _Sum) -> List[Tensor]:
         y = xf * scale
         q = y.to(dtype).to(acc)
         flushed = nonzero - torch.count_nonzero(q)
-        # q - y is exact (Sterbenz, or q = 0); squares of float32 values are exact in float64
-        sq_err = total_of(q.sub_(y).double().square_())
-        sq = total_of(y.double().square_())
-        inv2 = scale.double().reciprocal().square()
-        out += [sq_err * inv2, sq * inv2, flushed.double()]
+        # q - y is exact (Sterbenz, or q = 0). Back in x's units before squaring, in
+        # float64: squares of tiny scaled errors would be float64 subnormals.
+        inv = scale.double().reciprocal()
+        sq_err = total_of(q.sub_(y).double().mul_(inv).square_())
+        sq = total_of(y.double().mul_(inv).square_())
+        out += [sq_err, sq, flushed.double()]
     return out
 
 

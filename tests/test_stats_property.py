@@ -151,7 +151,8 @@ def fp8_reference(x: Tensor, name: str) -> Dict[str, float]:
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xf = torch.nan_to_num(x.to(acc), nan=0.0, posinf=0.0, neginf=0.0)
     amax = xf.abs().max()
-    scale = torch.tensor(torch.finfo(FP8[name]).max, dtype=acc) / amax if amax > 0 else torch.tensor(1.0, dtype=acc)
+    # as documented: capped at the largest finite number (amax = 0, or a tiny amax)
+    scale = min(torch.tensor(torch.finfo(FP8[name]).max, dtype=acc) / amax, torch.tensor(torch.finfo(acc).max, dtype=acc))
     y = xf * scale
     q = y.to(FP8[name]).to(acc)
     s = float(scale)
