@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Collection, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Collection, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -21,6 +21,7 @@ from torch import Tensor
 __all__ = [
     "FIELDS",
     "FORMATS",
+    "FP8_DTYPES",
     "GROUPS",
     "STATISTICS",
     "assemble",
@@ -49,21 +50,25 @@ FORMATS: Dict[str, FloatFormat] = {
     "e5m2": FloatFormat(2.0**-16, 2.0**-14, 57344.0),
 }
 
-_FORMAT_FIELDS = [
-    f"{kind}_{fmt}" for fmt in FORMATS for kind in ("underflow", "below_normal", "overflow")
-]
+#: The FP8 dtypes of the ``fp8`` what-if group: E4M3 for forward values, E5M2 for gradients.
+FP8_DTYPES: Dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+_FORMAT_FIELDS = [f"{kind}_{fmt}" for fmt in FORMATS for kind in ("underflow", "below_normal", "overflow")]
+_FP8_FIELDS = [f"fp8_{fmt}_{kind}" for fmt in FP8_DTYPES for kind in ("sq_err", "sq", "flushed")]
 FIELDS: Tuple[str, ...] = (
-    "count", "mean", "m2", "absmax", "nan", "inf", "zeros", "min_nonzero", *_FORMAT_FIELDS,
+    "count", "mean", "m2", "absmax", "nan", "inf", "zeros", "min_nonzero", *_FORMAT_FIELDS, *_FP8_FIELDS,
 )  # fmt: skip
 _IX = {name: i for i, name in enumerate(FIELDS)}
 _COUNT, _MEAN, _M2, _ABSMAX, _NAN, _INF, _ZEROS, _MINNZ = range(8)
 _FMT0 = 8
+_FP80 = _FMT0 + len(_FORMAT_FIELDS)
 
 #: Which record fields each computation group fills.
 GROUPS: Dict[str, Tuple[str, ...]] = {
     "moments": ("count", "mean", "m2", "nan", "inf"),
     "range": ("absmax",),
     "formats": ("zeros", "min_nonzero", *_FORMAT_FIELDS),
+    "fp8": tuple(_FP8_FIELDS),
 }
 
 #: Statistic name -> the group that computes it. ``summarise`` derives each from a record.
@@ -78,21 +83,30 @@ STATISTICS: Dict[str, str] = {
     "zeros": "formats",
     "min_nonzero": "formats",
     **{name: "formats" for name in _FORMAT_FIELDS},
+    **{f"fp8_{fmt}_{kind}": "fp8" for fmt in FP8_DTYPES for kind in ("snr_db", "flushed")},
 }
 
 Entry = Union[float, Tensor]
 _NAN_ROW: List[Entry] = [math.nan] * len(FIELDS)
+_Sum = Callable[[Tensor], Tensor]
 
 
 def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Optional[bool] = None) -> List[Entry]:
     """Statistics of ``x`` as a list of ``len(FIELDS)`` entries (floats or 0-dim tensors).
 
     Args:
-        x: a floating-point tensor. Half types are reduced with float32 accumulation.
-        groups: which of ``GROUPS`` to compute; the others are NaN.
+        x: a floating-point tensor. Half types are reduced in float32, float64 in float64.
+        groups: which of ``GROUPS`` to compute; the others are NaN. "moments" is always
+            computed.
         host_reads: whether the computation may read intermediate results on the host to
             skip work (cheap only where the tensor lives in host memory). Defaults to
-            ``x.device.type == "cpu"``. Without host reads every entry stays on the device.
+            ``x.device.type == "cpu"``. With host reads every entry is a float; without,
+            every entry stays a 0-dim tensor on the device and nothing is read back.
+
+    Example:
+        >>> rec = assemble([record_of(torch.tensor([1.0, 2.0, 3.0]))])
+        >>> float(statistic(rec, "std")[0])
+        1.0
     """
     if host_reads is None:
         host_reads = x.device.type == "cpu"
@@ -105,12 +119,18 @@ def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Opt
         return out
     if host_reads:
         _host_moments(x, out)
+        if "range" in groups:
+            out[_ABSMAX] = _host_absmax(x)
     else:
-        _device_moments(x, out)
-    if "range" in groups:
-        (_host_range if host_reads else _device_range)(x, out)
+        absmax = _device_moments(x, out)
+        if "range" in groups:
+            out[_ABSMAX] = absmax
     if "formats" in groups:
-        _formats(x, out, host_reads)
+        counts = _format_counts_host(x, out[_NAN]) if host_reads else _format_counts_device(x, out[_NAN])  # type: ignore[arg-type]
+        out[_ZEROS:_FP80] = counts
+    if "fp8" in groups:
+        fp8 = _fp8_fields(x, _host_sum if host_reads else _sum64)
+        out[_FP80:] = [float(v) for v in fp8] if host_reads else fp8
     return out
 
 
@@ -118,100 +138,210 @@ def _acc_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _host_moments(x: Tensor, out: List[Entry]) -> None:
-    # Two cheap passes (sum, sum of squares); recompute about the mean when the one-pass
-    # formula would lose digits: it amplifies the ~1e-7 relative error of the sums by
-    # sumsq / m2, so recompute once |mean| exceeds about 10 std (m2 <= sumsq / 100).
-    n = x.numel()
-    if x.dtype not in _WIDE:
-        x = x.float()  # half types: accumulate in float32 (one copy, then the fast path)
-    total = x.sum().item()
-    sumsq = _sum_of_squares(x)
-    mean = total / n
-    m2 = sumsq - total * mean
-    finite = math.isfinite(total) and math.isfinite(sumsq)
-    if finite and m2 <= 0.01 * sumsq:
-        acc = _acc_dtype(x)
-        mean_t = x.mean(dtype=acc)
-        m2 = _sum_of_squares(x.to(acc) - mean_t)
-        mean = float(mean_t)
-    out[_MEAN], out[_M2] = mean, max(m2, 0.0) if finite else math.nan
-    out[_NAN], out[_INF] = (0.0, 0.0) if finite else _nonfinite_counts(x)
+def _sum64(t: Tensor) -> Tensor:
+    # float64 accumulation whatever the backend (CUDA reduces float32 in float32).
+    return t.sum(dtype=torch.float64)
 
+
+def _host_sum(t: Tensor) -> Tensor:
+    # torch's CPU cascade sum keeps ~1e-7 relative error at any size; 5x faster than float64.
+    return t.sum().double() if t.device.type == "cpu" else _sum64(t)
+
+
+# ---------------------------------------------------------------------------------------
+# Moments: count, mean, m2, nan, inf.
 
 _WIDE = (torch.float32, torch.float64)
-_ROW = 4096
-_DOT_MAX = 1 << 22  # BLAS dot keeps ~1e-7 relative error up to here (measured: 2e-6 at 4M)
-_NORM_MAX = 1 << 18  # one vector_norm keeps ~4e-6 up to here, then degrades (2e-4 at 4M)
+_ROW = 512  # row norms this short stay within ~1e-7 (measured; 4096-element rows: 2e-6)
+# Squares of values below ~sqrt(smallest normal) lose bits: below this mean square the
+# fast path hands over to the scaled one.
+_TINY = {torch.float32: 2.0**-100, torch.float64: 2.0**-900}
+# The one-pass formula m2 = sumsq - sum * mean amplifies the sums' ~1e-7 relative error
+# by sumsq / m2 = 1 + mean**2 / var: above 4 (|mean| > 1.7 std) take the scaled two-pass.
+_CONDITION = 4.0
 
 
-def _sum_of_squares(x: Tensor) -> float:
-    if x.dtype in _WIDE and x.is_contiguous() and x.numel() <= _DOT_MAX:
-        flat = x.view(-1)
-        return torch.dot(flat, flat).item()  # fastest, and accurate (SIMD partial sums)
-    acc = _acc_dtype(x)
-    if x.numel() <= _NORM_MAX:
-        return float(torch.linalg.vector_norm(x, dtype=acc)) ** 2
-    # Norms of 4096-element rows summed in float64 stay near 1e-6 at any size.
-    flat = x.reshape(-1)
-    m = flat.numel() // _ROW * _ROW
-    rows = torch.linalg.vector_norm(flat[:m].view(-1, _ROW), dim=1, dtype=acc)
-    tail = float(torch.linalg.vector_norm(flat[m:], dtype=acc)) ** 2 if m < flat.numel() else 0.0
-    return float(rows.double().square().sum()) + tail
+def _host_moments(x: Tensor, out: List[Entry]) -> None:
+    n = x.numel()
+    y = x if x.dtype in _WIDE else x.float()  # half types: one float32 copy, then fast
+    total = float(y.sum())
+    sumsq = _sum_of_squares(y)
+    if math.isfinite(total) and math.isfinite(sumsq):
+        m2 = sumsq - total * (total / n)
+        if sumsq >= n * _TINY[y.dtype] and _CONDITION * m2 >= sumsq:
+            out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, m2, 0.0, 0.0
+            return
+    else:
+        nan, inf = float(torch.isnan(x).sum()), float(torch.isinf(x).sum())
+        if nan or inf:  # as torch.mean: inf for [inf, 1, 2], NaN with a NaN or both infinities
+            out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, math.nan, nan, inf
+            return
+    mean, m2, _ = _scaled_moments(y, _host_sum, own=y is not x)
+    out[_MEAN], out[_M2], out[_NAN], out[_INF] = float(mean), float(m2), 0.0, 0.0
 
 
-def _device_moments(x: Tensor, out: List[Entry]) -> None:
-    # Welford-style single reduction on the device: accurate when |mean| >> std.
-    var, mean = torch.var_mean(x if x.dtype == _acc_dtype(x) else x.float(), correction=0)
-    out[_MEAN], out[_M2] = mean, var * x.numel()
+_DOT_MAX = 4096  # a BLAS dot x.x stays within ~2.5e-7 up to here (measured: 3e-5 at 512K)
+
+
+def _sum_of_squares(y: Tensor) -> float:
+    n = y.numel()
+    if n <= _DOT_MAX and y.is_contiguous():  # one kernel: small tensors are overhead-bound
+        flat = y.view(-1)
+        return float(torch.dot(flat, flat))
+    if n % _ROW == 0 and y.is_contiguous():  # the common case: no copy, no tail
+        rows = y.view(-1, _ROW)
+    elif n < _ROW:
+        return float(torch.linalg.vector_norm(y)) ** 2
+    else:
+        flat = y.reshape(-1)
+        m = n // _ROW * _ROW
+        tail = float(torch.linalg.vector_norm(flat[m:])) ** 2 if m < n else 0.0
+        return _sum_of_squares(flat[:m]) + tail
+    # Norms of short rows (vectorised, accurate); a dot of the n / 512 norms adds them.
+    norms = torch.linalg.vector_norm(rows, dim=1)
+    if norms.numel() > 4096:  # a float32 dot stays within ~1e-7 up to here
+        norms = norms.double()
+    return float(torch.dot(norms, norms))
+
+
+def _device_moments(x: Tensor, out: List[Entry]) -> Tensor:
+    out[_MEAN], out[_M2], absmax = _scaled_moments(x, _sum64, own=False)
     out[_NAN], out[_INF] = torch.isnan(x).sum(), torch.isinf(x).sum()
+    return absmax
 
 
-def _host_range(x: Tensor, out: List[Entry]) -> None:
+def _scaled_moments(x: Tensor, total_of: _Sum, own: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """(mean, m2, absmax) as float64 0-dim tensors, accurate for any finite ``x``.
+
+    Two passes on ``x * s``, with ``s`` the power of two that brings absmax to [1, 2)
+    (exact; squares neither overflow nor underflow), about the float64 mean of the first
+    pass (so no cancellation). Reads nothing to the host. ``own``: ``x`` may be
+    overwritten.
+    """
+    n = x.numel()
+    acc = _acc_dtype(x)
     lo, hi = torch.aminmax(x)
-    out[_ABSMAX] = max(abs(float(lo)), abs(float(hi)))
+    absmax = torch.maximum(lo.abs(), hi.abs()).to(acc)
+    s = _inverse_power_of_two(absmax)
+    y = x.mul_(s) if own else x.to(acc) * s if x.dtype == acc else x.to(acc).mul_(s)
+    total = total_of(y)  # float64: the scaled sum, inf/NaN with non-finite values
+    shift = (total / n).to(acc)
+    y.sub_(shift)
+    if total_of is _sum64:  # float64 total: sum(y - shift) follows, up to y - shift's rounding
+        s1 = total - n * shift.double()
+    else:  # a float32 total is too coarse for that: one more (cheap) pass
+        s1 = total_of(y)
+    s2 = total_of(y.square_())
+    m2 = (s2 - s1 * s1 / n).clamp(min=0)
+    s64 = s.double()
+    return total / n / s64, m2 / s64 / s64, absmax.double()  # (s64 * s64 can underflow)
 
 
-def _nonfinite_counts(x: Tensor) -> Tuple[float, float]:
-    return float(torch.isnan(x).sum()), float(torch.isinf(x).sum())
+def _inverse_power_of_two(a: Tensor) -> Tensor:
+    """2**-e with e the exponent of ``a`` (float32/float64 0-dim), from its bits: exact."""
+    if a.dtype == torch.float64:
+        itype, mant, bias = torch.int64, 52, 1023
+    else:
+        itype, mant, bias = torch.int32, 23, 127
+    e = ((a.view(itype) >> mant) & (2 * bias + 1)) - bias  # subnormal: -bias; inf/NaN: bias+1
+    e = e.clamp(1 - bias, bias - 1)  # keep 2**-e a normal number
+    return ((bias - e) << mant).view(a.dtype)
 
 
-def _device_range(x: Tensor, out: List[Entry]) -> None:
+# ---------------------------------------------------------------------------------------
+# Range and format counts.
+
+
+def _host_absmax(x: Tensor) -> float:
     lo, hi = torch.aminmax(x)
-    out[_ABSMAX] = torch.maximum(lo.abs(), hi.abs())
+    return max(abs(float(lo)), abs(float(hi)))
 
 
-def _formats(x: Tensor, out: List[Entry], host_reads: bool) -> None:
-    a = x.abs()
-    if a.dtype != torch.float64:
-        a = a.float()  # compare half types against the thresholds in float32, exactly
-    counts = _format_counts_host(a) if host_reads else _format_counts_device(a)
-    out[_ZEROS], out[_MINNZ] = counts[0], counts[1]
-    out[_FMT0 : _FMT0 + len(_FORMAT_FIELDS)] = counts[2:]
+def _format_bounds(dtype: torch.dtype) -> Tuple[List[float], List[int], List[int]]:
+    """Sorted boundaries for ``bucketize(|x|, right=True)``, and for each format field the
+    boundary index whose cumulative count answers it (underflow/below_normal: ``x < b``;
+    overflow: ``x >= next float above max``). The first boundary, the smallest positive
+    number of ``dtype``, puts exactly the zeros in bucket 0."""
+    if dtype == torch.float64:
+        tiny, above = 2.0**-1074, (lambda v: math.nextafter(v, math.inf))
+    else:
+        tiny = 2.0**-149
+        above = lambda v: float(torch.nextafter(torch.tensor(v), torch.tensor(math.inf)))  # noqa: E731
+    wanted = [tiny]
+    for f in FORMATS.values():
+        wanted += [f.min_subnormal, f.min_normal, above(f.max)]
+    bounds = sorted(wanted)
+    low = [bounds.index(t) for f in FORMATS.values() for t in (f.min_subnormal, f.min_normal)]
+    high = [bounds.index(above(f.max)) for f in FORMATS.values()]
+    return bounds, low, high
 
 
-def _format_counts_device(a: Tensor) -> List[Entry]:
-    zeros = a.numel() - torch.count_nonzero(a)
-    inf = torch.full((), math.inf, dtype=a.dtype, device=a.device)
-    res: List[Entry] = [zeros, torch.where(a > 0, a, inf).amin()]
-    for fmt in FORMATS.values():
-        for t in (fmt.min_subnormal, fmt.min_normal):
-            res.append((a < t).sum() - zeros)
-        res.append((a > fmt.max).sum())
-    return res
+_BOUNDS = {dt: _format_bounds(dt) for dt in (torch.float32, torch.float64)}
+_DEVICE_BOUNDS: Dict[Tuple[torch.dtype, torch.device], Tuple[Tensor, Tensor, Tensor]] = {}
 
 
-def _format_counts_host(a: Tensor) -> List[Entry]:
+def _bounds_on(dtype: torch.dtype, device: torch.device) -> Tuple[Tensor, Tensor, Tensor]:
+    key = (dtype, device)
+    if key not in _DEVICE_BOUNDS:
+        bounds, low, high = _BOUNDS[dtype]
+        _DEVICE_BOUNDS[key] = (
+            torch.tensor(bounds, dtype=dtype).to(device, non_blocking=True),
+            index_tensor(low, device),
+            index_tensor(high, device),
+        )
+    return _DEVICE_BOUNDS[key]
+
+
+def _format_counts_device(x: Tensor, nan: Tensor) -> List[Entry]:
+    """zeros, min_nonzero and the 12 format counts from one bucketize and one histogram.
+
+    Temporaries per element: |x| (4 bytes, 8 for float64), bucket indices (int32, 4) and,
+    off the CPU, the same as float32 for ``histc`` (4); a zero mask (1).
+    """
+    acc = _acc_dtype(x)
+    if x.dtype == acc and x.is_contiguous():
+        a = x.abs()
+    else:  # one contiguous copy (bucketize would copy a strided input once more)
+        a = torch.empty_like(x, dtype=acc, memory_format=torch.contiguous_format).copy_(x).abs_()
+    a.nan_to_num_(nan=0.0, posinf=math.inf)  # NaN joins the zeros' bucket; subtracted below
+    bounds, low, high = _bounds_on(acc, a.device)
+    idx = torch.bucketize(a, bounds, right=True, out_int32=True).view(-1)
+    cum = _histogram(idx, bounds.numel() + 1).cumsum(0)  # cum[k] = #{|x| < bounds[k]}
+    del idx
+    min_nonzero = a.masked_fill_(a == 0, math.inf).amin()
+    below = cum[low] - cum[0]  # (2 * formats,) nonzero values under each threshold
+    over = cum[-1] - cum[high]  # (formats,)
+    k = len(FORMATS)
+    fields = torch.cat([below.view(k, 2), over.view(k, 1)], dim=1).view(-1)  # FIELDS order
+    return [cum[0] - nan, min_nonzero, *fields.unbind()]
+
+
+def _histogram(idx: Tensor, bins: int) -> Tensor:
+    """Float64 counts of int32 bucket indices, without a host read."""
+    if idx.device.type == "cpu":  # CPU histc is slow (~20x index_add_)
+        ones = torch.ones((), dtype=torch.float64).expand(idx.numel())
+        return torch.zeros(bins, dtype=torch.float64).index_add_(0, idx, ones)
+    # histc keeps shared-memory bins on GPUs; its float32 counts are exact below 2**24.
+    parts = [torch.histc(chunk.float(), bins, 0, bins).double() for chunk in idx.split(1 << 24)]
+    return torch.stack(parts).sum(0)
+
+
+def _format_counts_host(x: Tensor, nan: float) -> List[Entry]:
+    a = x.abs() if x.dtype in _WIDE else x.float().abs_()
     if a.dtype != torch.float32:
-        return [float(v) for v in _format_counts_device(a)]
+        return [float(v) for v in _format_counts_device(a, torch.tensor(nan))]
     # float32 |x|: one exponent histogram answers every power-of-two threshold at or
     # above 2**-126; the rare cases below it and the overflow tails are counted only
     # when the histogram or the maximum says they can be nonzero.
     bits = a.view(torch.int32)
     hist = torch.bincount((bits >> 23).flatten(), minlength=256).tolist()
-    zeros = float(a.numel() - int(torch.count_nonzero(a)))
-    res: List[Entry] = [zeros, _min_nonzero_host(a, zeros)]
-    absmax = float(a.amax())
+    # zeros sit in exponent bucket 0 (with the subnormals): usually empty, then no count
+    zeros = float(a.numel() - int(torch.count_nonzero(a))) if hist[0] else 0.0
+    res: List[Entry] = [zeros, float(a.amin()) if zeros == 0 and not nan else _min_nonzero_host(bits)]
+    top = max(e for e, c in enumerate(hist) if c)  # every |x| < 2**(top - 126)
+    smallest_max = min(f.max for f in FORMATS.values())
+    # NaN in amax (NaN values): then every overflow is counted, which ignores NaN
+    absmax = float(a.amax()) if 2.0 ** (top - 126) > smallest_max else 0.0
     for fmt in FORMATS.values():
         for t in (fmt.min_subnormal, fmt.min_normal):
             res.append(_count_below_host(bits, hist, t, zeros))
@@ -229,12 +359,51 @@ def _count_below_host(bits: Tensor, hist: List[int], t: float, zeros: float) -> 
     return float(((bits > 0) & (bits < tb)).sum())
 
 
-def _min_nonzero_host(a: Tensor, zeros: float) -> float:
-    if zeros == a.numel():
+_INF_BITS = 0x7F800000
+
+
+def _min_nonzero_host(bits: Tensor) -> float:
+    # On the bits of |x| (ordered like the values), bits - 1 wraps zero to -1, which the
+    # mask turns into the largest int32: one pass finds the smallest nonzero, NaN (above
+    # inf) never wins over a number.
+    m = int(torch.sub(bits, 1).bitwise_and_(0x7FFFFFFF).amin())
+    if m >= _INF_BITS:  # only zeros, infinities or NaN
         return math.inf
-    if zeros == 0:
-        return float(a.amin())
-    return float(torch.where(a > 0, a, math.inf).amin())
+    return float(torch.tensor(m + 1, dtype=torch.int32).view(torch.float32))
+
+
+# ---------------------------------------------------------------------------------------
+# FP8 what-if: per-tensor amax scaling, cast, and the error it makes.
+
+
+def _fp8_fields(x: Tensor, total_of: _Sum) -> List[Tensor]:
+    """For E4M3 then E5M2: sum of squared error, sum of squares, nonzeros flushed to 0.
+
+    Quantisation as a per-tensor-scaled FP8 recipe does it: ``scale = max / amax`` (in
+    float32, float64 for float64 tensors; capped at the largest finite number),
+    ``q = fp8(x * scale)``. The error is ``(q - x * scale) / scale`` with ``x * scale``
+    the value the cast sees. Non-finite elements are left out (zero error, zero square,
+    not flushed): the ``nan``/``inf`` counts report them.
+    """
+    acc = _acc_dtype(x)
+    xf = torch.nan_to_num(x.to(acc), nan=0.0, posinf=0.0, neginf=0.0)
+    lo, hi = torch.aminmax(xf)
+    amax = torch.maximum(lo.abs(), hi.abs())
+    nonzero = torch.count_nonzero(xf)
+    out: List[Tensor] = []
+    for name, dtype in FP8_DTYPES.items():
+        # (a Python number / tensor would multiply by a rounded reciprocal)
+        scale = torch.nan_to_num(torch.full_like(amax, FORMATS[name].max) / amax, posinf=torch.finfo(acc).max)
+        y = xf * scale
+        q = y.to(dtype).to(acc)
+        flushed = nonzero - torch.count_nonzero(q)
+        # q - y is exact (Sterbenz, or q = 0). Back in x's units before squaring, in
+        # float64: squares of tiny scaled errors would be float64 subnormals.
+        inv = scale.double().reciprocal()
+        sq_err = total_of(q.sub_(y).double().mul_(inv).square_())
+        sq = total_of(y.double().mul_(inv).square_())
+        out += [sq_err, sq, flushed.double()]
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -318,8 +487,16 @@ def statistic(records: Tensor, name: str) -> Tensor:
         return ((records[..., _M2] + n * records[..., _MEAN] ** 2) / n.clamp(min=1)).sqrt()
     if name in ("count", "mean", "absmax", "nan", "inf", "min_nonzero"):
         return records[..., _IX[name]]
-    # zeros and format counts are reported as fractions of the element count
+    if name.endswith("_snr_db"):
+        return _snr_db(records, name[: -len("_snr_db")])
+    # zeros, format counts and fp8 flushed counts are reported as fractions of the count
     return records[..., _IX[name]] / n.clamp(min=1)
+
+
+def _snr_db(records: Tensor, prefix: str) -> Tensor:
+    # 10 log10(sum x^2 / sum err^2); no error at all (an exact or all-zero tensor): +inf.
+    err, sq = records[..., _IX[f"{prefix}_sq_err"]], records[..., _IX[f"{prefix}_sq"]]
+    return torch.where(err == 0, torch.full_like(err, math.inf), 10 * torch.log10(sq / err))
 
 
 def summarise(record: Tensor, names: Iterable[str] = STATISTICS) -> Dict[str, float]:

@@ -14,7 +14,9 @@ from torch import Tensor
 
 from lightning_scale import stats
 
-ALL_GROUPS = ("moments", "range", "formats")
+ALL_GROUPS = ("moments", "range", "formats", "fp8")
+# fp8 records merge as separately scaled parts (test_stats_property.py); these do not
+MERGEABLE = ("moments", "range", "formats")
 HOST_READS = pytest.mark.parametrize("host_reads", [True, False], ids=["host_reads", "device_only"])
 
 # Format ranges derived from torch.finfo, independently of stats.FORMATS:
@@ -227,8 +229,10 @@ def assert_same_record(got: Tensor, want: Tensor, rel: float = 1e-9) -> None:
     """Equal field by field: counts and extremes exactly, moments up to ``rel`` of scale."""
     ix = {name: i for i, name in enumerate(stats.FIELDS)}
     moments = [ix["mean"], ix["m2"]]
-    exact = [i for i in range(len(stats.FIELDS)) if i not in moments]
+    sums = [ix[f"fp8_{f}_{k}"] for f in stats.FP8_DTYPES for k in ("sq_err", "sq")]
+    exact = [i for i in range(len(stats.FIELDS)) if i not in moments + sums]
     torch.testing.assert_close(got[..., exact], want[..., exact], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got[..., sums], want[..., sums], rtol=rel, atol=0, equal_nan=True)
     scale = want[..., ix["m2"]].abs() + want[..., ix["count"]] * want[..., ix["mean"]] ** 2 + 1
     for i in moments:
         both_nan = got[..., i].isnan() & want[..., i].isnan()  # non-finite data: NaN on both
@@ -243,19 +247,19 @@ values = st.floats(-1e3, 1e3, allow_nan=False, width=64) | st.sampled_from([0.0,
 @given(st.lists(values, max_size=25), st.lists(values, max_size=25), st.booleans())
 def test_merge_equals_record_of_concatenation(a: List[float], b: List[float], host_reads: bool) -> None:
     ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    merged = stats.merge(record(ta, host_reads), record(tb, not host_reads))
-    assert_same_record(merged, record(torch.cat([ta, tb]), host_reads))
+    merged = stats.merge(record(ta, host_reads, MERGEABLE), record(tb, not host_reads, MERGEABLE))
+    assert_same_record(merged, record(torch.cat([ta, tb]), host_reads, MERGEABLE))
 
 
 @pytest.mark.parametrize("sizes", [[5, 0, 1, 17, 3], [0, 0], [1], [0, 8, 0], [2, 2, 2, 2, 2, 2, 2]])
 def test_merge_rows_equals_record_of_concatenation(sizes: List[int]) -> None:
     g = torch.Generator().manual_seed(6)
     parts = [torch.randn(n, generator=g, dtype=torch.float64) * 10 + 4 for n in sizes]
-    rows = stats.assemble([stats.record_of(p, ALL_GROUPS) for p in parts])
-    assert_same_record(stats.merge_rows(rows), record(torch.cat(parts), True))
+    rows = stats.assemble([stats.record_of(p, MERGEABLE) for p in parts])
+    assert_same_record(stats.merge_rows(rows), record(torch.cat(parts), True, MERGEABLE))
     # along another dim: [2, len(parts), FIELDS] -> [2, FIELDS]
     both = torch.stack([rows, rows.flip(0)])
-    want = record(torch.cat(parts), True).expand(2, -1)
+    want = record(torch.cat(parts), True, MERGEABLE).expand(2, -1)
     assert_same_record(stats.merge_rows(both, dim=1), want)
 
 
