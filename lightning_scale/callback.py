@@ -278,8 +278,8 @@ class ScaleMonitor(Callback):
     def _report(self, trainer: pl.Trainer, active: "_TrackedStep") -> None:
         cap = active.capture
         labels = [l for l in cap.node_labels if self._selected(l, cap)]
-        data = StepData(active.step, active.prefix, cap, active.recorder, labels, self.submodule or "", active.loss_scale)
         replicated = _replicated_labels(self._target(trainer.lightning_module))
+        data = StepData(active.step, active.prefix, cap, active.recorder, labels, self.submodule or "", active.loss_scale, replicated)
         try:
             pooled, loss_scale = self.reporter.pool(data, trainer.strategy.root_device, replicated)
         except distributed.RankFailedError as err:  # raised on every rank alike

@@ -43,6 +43,7 @@ class StepData:
     labels: List[str]
     target: str = ""  # how the user names the captured module (``submodule`` or its class)
     loss_scale: Optional[Tensor] = None
+    parameters: Collection[str] = ()  # labels of parameters and buffers (the dashboard marks them)
 
 
 @dataclass
@@ -162,7 +163,7 @@ class Reporter:
             {f"{'fwd' if d == FORWARD else 'bwd'}/{l}": pooled.histograms[i, d] for i, l in enumerate(hist_labels) for d in (FORWARD, BACKWARD)},
             loss_scale, list(zip(data.capture.graphs, data.capture.labels)) if self.code else None,
         )  # fmt: skip
-        writer = self._writer(loggers, data.prefix)
+        writer = self._writer(loggers, data.prefix, data.parameters)
         self.worker.submit(f"step {data.step}", _write, writer, job, list(loggers), {l: i for i, l in enumerate(labels)}, records)
 
     def warn_once(self, key: str, message: str) -> None:
@@ -181,9 +182,9 @@ class Reporter:
         )
         return keep[: self.max_tags]
 
-    def _writer(self, loggers: Sequence[Any], prefix: str) -> ScaleWriter:
+    def _writer(self, loggers: Sequence[Any], prefix: str, parameters: Collection[str]) -> ScaleWriter:
         if prefix not in self._writers:
-            self._writers[prefix] = ScaleWriter(loggers, self.statistics, self.histograms, self.figure, prefix, self.figure_every)
+            self._writers[prefix] = ScaleWriter(loggers, self.statistics, self.histograms, self.figure, prefix, self.figure_every, parameters=parameters)
         return self._writers[prefix]
 
 
@@ -210,7 +211,7 @@ def _code(graphs: List[Tuple[fx.GraphModule, Dict[str, str]]], index: Dict[str, 
             i = index.get(label)
             if i is not None:
                 scales[name] = ScalePair(std[i][0] if present[i][0] else None, std[i][1] if present[i][1] else None)
-        texts.append(annotate_code(gm.code, scales))
+        texts.append(annotate_code(gm.code, scales, labels=names))
     return "\n\n".join(texts)
 
 

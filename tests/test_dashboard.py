@@ -60,6 +60,9 @@ def test_node_list_is_in_execution_order(run: Tuple[Path, Any, Any]) -> None:
 
     executed = [label for label in capture(Blocks(), "auto").node_labels if label in set(logged_labels(scalars))]
     assert doc["labels"] == executed
+    # the callback tells the writer which labels are parameters and buffers
+    named = {n for n, _ in Blocks().named_parameters()} | {n for n, _ in Blocks().named_buffers()}
+    assert doc["parameters"] == [l for l in executed if l in named] and doc["parameters"]
     assert len(acc.Tensors(metadata.TAG)) == 1  # the node list did not change: written once
 
 

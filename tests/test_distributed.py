@@ -338,7 +338,8 @@ def test_pool_sums_value_histograms_over_ranks_in_the_same_collective(pooled: Li
 def test_pool_in_one_process() -> None:
     records = _records([torch.randn(4), torch.randn(3)], [torch.randn(4), torch.randn(3)])
     result, per_rank = distributed.pool(records, ["a", "b"], replicated={"a"})
-    assert torch.equal(result, records) and torch.equal(per_rank, records.unsqueeze(0))
+    torch.testing.assert_close(result, records, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(per_rank, records.unsqueeze(0), rtol=0, atol=0, equal_nan=True)
     with pytest.raises(ValueError, match=r"`rows` \(1\) must be at least the number of records \(2\)"):
         distributed.pool(records, ["a", "b"], rows=1)
     with pytest.raises(distributed.RankFailedError, match=r"statistics failed on rank\(s\) \[0\]"):

@@ -24,7 +24,8 @@ def nodes_summary(tag: str, labels: Sequence[str], parameters: Collection[str] =
     from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
     from tensorboard.util import tensor_util
 
-    doc = {"version": _VERSION, "labels": list(labels), "parameters": [l for l in labels if l in set(parameters)]}
+    params = set(parameters)
+    doc = {"version": _VERSION, "labels": list(labels), "parameters": [l for l in labels if l in params]}
     from tensorboard.compat.proto.summary_pb2 import DATA_CLASS_TENSOR
 
     # DATA_CLASS_TENSOR: TensorBoard's data providers serve it through `read_tensors`
