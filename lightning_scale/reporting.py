@@ -1,12 +1,13 @@
 """Reporting a tracked step: pool it, check it, write it off the training thread.
 
 ``Reporter.pool`` sends a step's records, value histograms, failure flag, loss scale and
-update rows (``lightning_scale.updates``) in one collective (one device-to-host transfer). ``Reporter.report`` then decides, on the
-training thread, what little must be decided there (anomaly warnings, which nodes to
-write, the ``max_tags`` cap; all on the pooled host copy) and hands the rest (unscaling,
-annotated code, scalars, histograms, figure, text, update ratios, anomaly events) to a
-``Worker``. Nothing here imports
-Lightning: the callback passes loggers, the rank and the accumulation factor in.
+update rows (``lightning_scale.updates``) in one collective (one device-to-host
+transfer). ``Reporter.report`` then decides, on the training thread, what little must be
+decided there (anomaly warnings, which nodes to write, the ``max_tags`` cap; all on the
+pooled host copy) and hands the rest (unscaling, annotated code, scalars, histograms,
+figure, text, update ratios) to a ``Worker``; ``Reporter.log_anomaly`` queues an anomaly
+event there too. Nothing here imports Lightning: the callback passes loggers, the rank
+and the accumulation factor in.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ class _Written:
     per_rank: Optional[Tensor]
     histograms: Dict[str, Tensor]
     loss_scale: Optional[float]
-    update_ratios: Dict[str, float]
+    updates: Optional[Tuple[List[str], Tensor]]  # parameter names, their pooled update rows
     code: Optional[List[Tuple[fx.GraphModule, Dict[str, str]]]]
 
 
@@ -186,7 +187,7 @@ class Reporter:
         job = _Written(
             data.step, data.prefix, [labels[i] for i in keep], records[keep], per_rank[:, keep] if self.rank_spread else None,
             {f"{'fwd' if d == FORWARD else 'bwd'}/{l}": pooled.histograms[i, d] for i, l in enumerate(hist_labels) for d in (FORWARD, BACKWARD)},
-            loss_scale, _update_ratios(data, step), list(zip(data.capture.graphs, data.capture.labels)) if self.code else None,
+            loss_scale, _updates(data, step), list(zip(data.capture.graphs, data.capture.labels)) if self.code else None,
         )  # fmt: skip
         writer = self._writer(loggers, data.prefix)
         self.worker.submit(f"step {data.step}", _write, writer, job, list(loggers), {l: i for i, l in enumerate(labels)}, records)
@@ -229,9 +230,10 @@ def _write(writer: ScaleWriter, job: _Written, loggers: List[Any], index: Dict[s
             logger.log_metrics({f"{job.prefix}scale_loss/loss_scale": job.loss_scale}, step=job.step)
     if job.histograms:
         writer.write_value_histograms(job.step, job.histograms)
-    if job.update_ratios:
+    if job.updates is not None:
+        ratios = updates.ratios(*job.updates, job.prefix)
         for logger in loggers:
-            logger.log_metrics(job.update_ratios, step=job.step)
+            logger.log_metrics(ratios, step=job.step)
 
 
 def _write_anomaly(loggers: List[Any], found: Anomaly) -> None:
@@ -242,10 +244,8 @@ def _write_anomaly(loggers: List[Any], found: Anomaly) -> None:
             add_text("anomaly/event", found.describe(), found.step)
 
 
-def _update_ratios(data: StepData, step: PooledStep) -> Dict[str, float]:
-    if data.updates is None or step.updates is None:
-        return {}
-    return updates.ratios(data.updates.names, step.updates, data.prefix)
+def _updates(data: StepData, step: PooledStep) -> Optional[Tuple[List[str], Tensor]]:
+    return None if data.updates is None or step.updates is None else (data.updates.names, step.updates)
 
 
 def _on(t: Tensor, device: torch.device) -> Tensor:
