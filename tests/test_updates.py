@@ -234,6 +234,35 @@ def test_ratios_with_gradient_accumulation_are_the_optimizer_step_ending_the_tra
     assert sorted(logged[scale_tag]) == [0, 2]  # op scales still logged at the tracked steps
 
 
+class MLPWithValidation(MLP):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y))
+
+
+def test_a_validation_run_inside_a_waiting_tracked_step_leaves_it_whole(tmp_path: Path) -> None:
+    # Lightning validates between micro-batches (every batch here): the tracked step 0
+    # waits for its optimizer step, so the validation run inside it is not tracked.
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(16, 6), torch.randn(16, 3))
+    reference = Reference()
+    monitor = ScaleMonitor(every_n_steps=None, steps=[0], histograms=False, figure=False, code=False, update_ratios=True, track_validation=True)
+    trainer = pl.Trainer(
+        max_steps=2, accumulate_grad_batches=2, val_check_interval=1, limit_val_batches=1, num_sanity_val_steps=0,
+        logger=TensorBoardLogger(str(tmp_path), name="logs", version=0), callbacks=[monitor, reference],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(MLPWithValidation(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
+    logdir = tmp_path / "logs" / "version_0"
+    logged = _logged(logdir)
+    _check(logged, reference, [0], NAMES)
+    assert sorted(logged[next(t for t in logged if t.startswith("scale/fwd/"))]) == [0]
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    val_steps = {e.step for t in acc.Tags()["scalars"] if t.startswith("val_scale/fwd/") for e in acc.Scalars(t)}
+    assert val_steps and 0 not in val_steps  # later validation runs are tracked
+
+
 # ---- two ranks over gloo ---------------------------------------------------------------
 
 
