@@ -15,6 +15,7 @@ import re
 from typing import Any, Dict, List, Literal, Optional, Tuple
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -22,10 +23,12 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_scale import distributed, stats
+from lightning_scale.anomaly import AnomalyDetector, check_arguments
 from lightning_scale.capture import CAPTURE_MODES, Capture, capture
 from lightning_scale.recorder import Recorder, recording
-from lightning_scale.reporting import Reporter, StepData
+from lightning_scale.reporting import Reporter, StepData, UpdateRows
 from lightning_scale.schedule import Schedule
+from lightning_scale.updates import UpdateTracker
 
 __all__ = ["ScaleMonitor"]
 
@@ -67,6 +70,15 @@ class ScaleMonitor(Callback):
             and multiply by ``accumulate_grad_batches``, so they show the gradients of the
             unscaled, unaccumulated loss.
         leaf_modules: qualified names of submodules to keep as leaves in an fx capture.
+        anomaly_steps: when a step's loss is non-finite, jumps above ``anomaly_factor`` x
+            its running median, or a GradScaler skips the step, track the next this many
+            steps whatever the schedule, after one step of latency (0: off). Logged as
+            ``anomaly/loss`` and the text ``anomaly/event``. See ``lightning_scale.anomaly``.
+        anomaly_factor: the spike threshold, a multiple of the running median loss (> 1).
+        update_ratios: on tracked steps, log ``update_ratio/<parameter>`` (RMS of the
+            optimizer step's update / RMS of the parameter before it) and
+            ``grad_std/<parameter>`` (std of the gradient the optimizer used). Holds a copy
+            of the parameters during a tracked step. See ``lightning_scale.updates``.
 
     Raises:
         ValueError: an argument outside what is allowed (the message names it).
@@ -98,6 +110,9 @@ class ScaleMonitor(Callback):
         track_validation: bool = False,
         unscale_gradients: bool = False,
         leaf_modules: Optional[List[str]] = None,
+        anomaly_steps: int = 0,
+        anomaly_factor: float = 10.0,
+        update_ratios: bool = False,
     ) -> None:
         self.schedule = Schedule(every_n_steps, steps, start_step, stop_step)
         if capture not in CAPTURE_MODES:
@@ -117,6 +132,13 @@ class ScaleMonitor(Callback):
         self.capture_mode = capture
         self.prune_views, self.track_validation = prune_views, track_validation
         self.leaf_modules = list(leaf_modules or [])
+        check_arguments(anomaly_steps, anomaly_factor)
+        self.anomaly_steps, self.anomaly_factor = anomaly_steps, float(anomaly_factor)
+        self.update_ratios = bool(update_ratios)
+        self._detector: Optional[AnomalyDetector] = None
+        self._updates = UpdateTracker()
+        self._scale_before: Optional[Tensor] = None
+        self._batch_step = -1
         self.groups = sorted({stats.STATISTICS[s] for s in self.statistics} | {"moments"})
         self.last_tracked_step = -1
         self._captures: Dict[Tuple[bool, ...], Capture] = {}
@@ -155,8 +177,9 @@ class ScaleMonitor(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        step = trainer.global_step
-        if self._disabled or step == self.last_tracked_step or not self.schedule.is_tracked(step):
+        step = self._batch_step = trainer.global_step
+        self._poll_anomaly(trainer, step)
+        if self._disabled or step == self.last_tracked_step or not self._is_tracked(step):
             return
         self._begin(pl_module, step, "")
 
@@ -169,12 +192,23 @@ class ScaleMonitor(Callback):
                 self._active.loss_scale = scale.detach().clone().double().reshape(())
 
     @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        self._remember_scale(trainer)
+        if self.update_ratios and trainer.global_step == self.last_tracked_step and not self._updates.pending:
+            self._updates.snapshot(self._target(pl_module).named_parameters(), trainer.global_step)
+
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._active is not None and self._active.prefix == "":
-            self._finish(trainer, pl_module)
+            self._active.uninstall()  # later micro-batches of the step run untouched
+            if not self._waits_for_optimizer_step(trainer):
+                self._finish(trainer, pl_module)
+        self._observe_anomaly(trainer, outputs)
 
     @override
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self._active is not None:  # a training step still waits for its optimizer step
+            return
         if self.track_validation and not self._disabled and not trainer.sanity_checking and batch_idx == 0 and dataloader_idx == 0:
             self._begin(pl_module, trainer.global_step, "val_")
 
@@ -190,6 +224,8 @@ class ScaleMonitor(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._abort(pl_module)
+        if self._detector is not None:
+            self._detector.reset()
         self.reporter.flush()
 
     @override
@@ -210,6 +246,7 @@ class ScaleMonitor(Callback):
         self.reporter.start_run()
         if stage == "fit":
             self.last_tracked_step = -1  # a resumed checkpoint restores it after setup
+            self._detector = AnomalyDetector(self.anomaly_steps, self.anomaly_factor) if self.anomaly_steps else None
         if any(cap.module is not target for cap in self._captures.values()):
             self._captures.clear()
             self._disabled = None
@@ -261,6 +298,8 @@ class ScaleMonitor(Callback):
             self.last_tracked_step = step
 
     def _abort(self, pl_module: pl.LightningModule) -> None:
+        self._updates.clear()
+        self._scale_before = None
         if self._active is not None:
             self._active.uninstall()
             self._active.recorder.clear()
@@ -279,9 +318,9 @@ class ScaleMonitor(Callback):
         cap = active.capture
         labels = [l for l in cap.node_labels if self._selected(l, cap)]
         replicated = _replicated_labels(self._target(trainer.lightning_module))
-        data = StepData(active.step, active.prefix, cap, active.recorder, labels, self.submodule or "", active.loss_scale, replicated)
+        data = StepData(active.step, active.prefix, cap, active.recorder, labels, self.submodule or "", active.loss_scale, self._update_rows(trainer, active), replicated)
         try:
-            pooled, loss_scale = self.reporter.pool(data, trainer.strategy.root_device, replicated)
+            pooled = self.reporter.pool(data, trainer.strategy.root_device, replicated)
         except distributed.RankFailedError as err:  # raised on every rank alike
             error = active.recorder.error
             here = f"; here: {error!r}" if error is not None else ""
@@ -289,7 +328,7 @@ class ScaleMonitor(Callback):
             return
         loggers = _writable_loggers(trainer) if trainer.is_global_zero else []
         try:
-            self.reporter.report(data, pooled, loss_scale, trainer.is_global_zero, loggers, trainer.accumulate_grad_batches)
+            self.reporter.report(data, pooled, trainer.is_global_zero, loggers, trainer.accumulate_grad_batches)
         except Exception as err:  # noqa: BLE001 - after the collective: a fault here stays here
             self.reporter.warn_once("report", f"ScaleMonitor: reporting step {active.step} failed ({type(err).__name__}: {err}); training continues")
 
@@ -299,6 +338,56 @@ class ScaleMonitor(Callback):
         if self.exclude is not None and self.exclude.search(label):
             return False
         return not (self.prune_views and label in cap.aliases)
+
+    # ---- anomaly-triggered tracking and update ratios (lightning_scale.anomaly, .updates)
+
+    def _is_tracked(self, step: int) -> bool:
+        return self.schedule.is_tracked(step) or (self._detector is not None and self._detector.tracks(step))
+
+    def _poll_anomaly(self, trainer: pl.Trainer, step: int) -> None:
+        """Judge the loss read one batch late; an anomaly extends what ``_is_tracked`` says."""
+        if self._detector is None:
+            return
+        try:
+            found = self._detector.poll(step)
+        except Exception as err:  # noqa: BLE001 - a monitor fault must not stop training
+            self._stop_detection(err)
+            return
+        if found is not None and trainer.is_global_zero:
+            rank_zero_info(f"ScaleMonitor: anomaly at {found.describe()}")
+            self.reporter.log_anomaly(_writable_loggers(trainer), found)
+
+    def _observe_anomaly(self, trainer: pl.Trainer, outputs: Any) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if self._detector is None or not isinstance(loss, Tensor):
+            return
+        after = getattr(getattr(trainer.precision_plugin, "scaler", None), "_scale", None) if self._scale_before is not None else None
+        try:
+            self._detector.observe(self._batch_step, loss, self._scale_before, after)
+        except Exception as err:  # noqa: BLE001 - a monitor fault must not stop training
+            self._stop_detection(err)
+        self._scale_before = None
+
+    def _remember_scale(self, trainer: pl.Trainer) -> None:
+        """The GradScaler's scale before its update (a device copy): it shrinks iff the step is skipped."""
+        scale = getattr(getattr(trainer.precision_plugin, "scaler", None), "_scale", None)
+        if self._detector is not None and isinstance(scale, Tensor):
+            self._scale_before = scale.detach().clone()
+
+    def _stop_detection(self, err: Exception) -> None:
+        self._detector = None
+        self.reporter.warn_once("anomaly", f"ScaleMonitor: anomaly detection failed ({type(err).__name__}: {err}); it is off for this fit")
+
+    def _waits_for_optimizer_step(self, trainer: pl.Trainer) -> bool:
+        """With accumulation, report after the optimizer step that ends the tracked step,
+        so its update rows travel with the records."""
+        assert self._active is not None
+        return self.update_ratios and trainer.global_step == self._active.step
+
+    def _update_rows(self, trainer: pl.Trainer, active: "_TrackedStep") -> Optional[UpdateRows]:
+        if active.prefix or not self._updates.pending or self._updates.step != active.step:
+            return None
+        return UpdateRows(*self._updates.rows(self._target(trainer.lightning_module).named_parameters()))
 
 
 class _TrackedStep:

@@ -1,24 +1,27 @@
 """Reporting a tracked step: pool it, check it, write it off the training thread.
 
-``Reporter.pool`` sends a step's records, value histograms, failure flag and loss scale
-in one collective (one device-to-host transfer). ``Reporter.report`` then decides, on the
-training thread, what little must be decided there (anomaly warnings, which nodes to
-write, the ``max_tags`` cap; all on the pooled host copy) and hands the rest (unscaling,
-annotated code, scalars, histograms, figure, text) to a ``Worker``. Nothing here imports
-Lightning: the callback passes loggers, the rank and the accumulation factor in.
+``Reporter.pool`` sends a step's records, value histograms, failure flag, loss scale and
+update rows (``lightning_scale.updates``) in one collective (one device-to-host
+transfer). ``Reporter.report`` then decides, on the training thread, what little must be
+decided there (anomaly warnings, which nodes to write, the ``max_tags`` cap; all on the
+pooled host copy) and hands the rest (unscaling, annotated code, scalars, histograms,
+figure, text, update ratios) to a ``Worker``; ``Reporter.log_anomaly`` queues an anomaly
+event there too. Nothing here imports Lightning: the callback passes loggers, the rank
+and the accumulation factor in.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, fx
 
-from lightning_scale import distributed, stats
+from lightning_scale import distributed, stats, updates
 from lightning_scale.anomalies import AnomalyWatch
+from lightning_scale.anomaly import Anomaly
 from lightning_scale.capture import Capture
 from lightning_scale.interpreter import ScalePair
 from lightning_scale.recorder import BACKWARD, FORWARD, Recorder
@@ -26,10 +29,18 @@ from lightning_scale.report import annotate_code
 from lightning_scale.tensorboard import ScaleWriter
 from lightning_scale.worker import Worker
 
-__all__ = ["Reporter", "StepData", "scale_backward"]
+__all__ = ["PooledStep", "Reporter", "StepData", "UpdateRows", "scale_backward"]
 
 _DYNAMO_ROWS = 4096  # fixed payload rows when ranks cannot agree on a node count beforehand
 _DYNAMO_HIST_ROWS = 64  # the same for value histograms (290 bins each way: keep it small)
+
+
+class UpdateRows(NamedTuple):
+    """One optimizer step's update rows (``updates.UpdateTracker.rows``), per parameter."""
+
+    names: List[str]
+    sharded: List[bool]
+    rows: Tensor  # [k, 2, FIELDS] float64, on the parameters' device
 
 
 @dataclass
@@ -43,7 +54,17 @@ class StepData:
     labels: List[str]
     target: str = ""  # how the user names the captured module (``submodule`` or its class)
     loss_scale: Optional[Tensor] = None
+    updates: Optional[UpdateRows] = None
     parameters: Collection[str] = ()  # labels of parameters and buffers (the dashboard marks them)
+
+
+@dataclass
+class PooledStep:
+    """One tracked step pooled over all ranks, on the host."""
+
+    pooled: distributed.Pooled  # the node records, histograms
+    loss_scale: Optional[float]
+    updates: Optional[Tensor]  # [k, 2, FIELDS] update rows pooled by ``updates.pool``
 
 
 @dataclass
@@ -57,6 +78,7 @@ class _Written:
     per_rank: Optional[Tensor]
     histograms: Dict[str, Tensor]
     loss_scale: Optional[float]
+    updates: Optional[Tuple[List[str], Tensor]]  # parameter names, their pooled update rows
     code: Optional[List[Tuple[fx.GraphModule, Dict[str, str]]]]
 
 
@@ -104,9 +126,9 @@ class Reporter:
 
     # ---- on the training thread ----------------------------------------------------------
 
-    def pool(self, data: StepData, device: torch.device, replicated: Collection[str]) -> Tuple[distributed.Pooled, Optional[float]]:
-        """Every rank sends its records, histograms, a failure flag and the loss scale in
-        one collective, also when its statistics failed, so no rank is left waiting.
+    def pool(self, data: StepData, device: torch.device, replicated: Collection[str]) -> PooledStep:
+        """Every rank sends its records, update rows, loss scale, histograms and a failure
+        flag in one collective, also when its statistics failed, so no rank is left waiting.
 
         Raises:
             distributed.RankFailedError: a rank's statistics failed (on every rank alike).
@@ -115,22 +137,26 @@ class Reporter:
         failed = rec.error is not None
         width = len(stats.FIELDS)
         records = torch.zeros(len(labels), 2, width, dtype=torch.float64, device=device) if failed else rec.records(labels, cap.aliases)
-        if data.loss_scale is not None:  # an extra row, so it travels in the same transfer
+        names = [] if data.updates is None else data.updates.names
+        if names:  # extra rows after the nodes': the same transfer
+            assert data.updates is not None
+            records = torch.cat([records, _on(data.updates.rows, records.device)])
+        if data.loss_scale is not None:  # one more row, last
             extra = torch.zeros(1, 2, width, dtype=torch.float64, device=records.device)
             extra[0, FORWARD, 0] = 1.0
-            extra[0, FORWARD, 1] = data.loss_scale.to(records.device)
+            extra[0, FORWARD, 1] = _on(data.loss_scale, records.device)
             records = torch.cat([records, extra])
         hist_labels = self.histogram_labels(data)
         hists = rec.histogram_tensor(hist_labels) if hist_labels else None
         dynamo = cap.mode != "fx"
         out = distributed.pool_step(
-            records, labels, rows=max(records.shape[0], _DYNAMO_ROWS) if dynamo else None, replicated=replicated, failed=failed,
-            histograms=hists, histogram_labels=hist_labels, histogram_rows=_DYNAMO_HIST_ROWS if dynamo else None,
+            records, [*labels, *names], rows=max(records.shape[0], _DYNAMO_ROWS) if dynamo else None, replicated=replicated,
+            failed=failed, histograms=hists, histogram_labels=hist_labels, histogram_rows=_DYNAMO_HIST_ROWS if dynamo else None,
         )  # fmt: skip
-        if data.loss_scale is None:
-            return out, None
-        scale = float(out.records[-1, FORWARD, 1])
-        return distributed.Pooled(out.records[:-1], out.per_rank[:, :-1], out.histograms), scale
+        n, k = len(labels), len(names)
+        scale = None if data.loss_scale is None else float(out.records[-1, FORWARD, 1])
+        pooled_updates = updates.pool(out.per_rank[:, n : n + k], data.updates.sharded) if data.updates is not None and k else None
+        return PooledStep(distributed.Pooled(out.records[:n], out.per_rank[:, :n], out.histograms), scale, pooled_updates)
 
     def histogram_labels(self, data: StepData) -> List[str]:
         """The selected labels whose value histograms are pooled (capped under dynamo)."""
@@ -142,8 +168,9 @@ class Reporter:
             chosen = chosen[:_DYNAMO_HIST_ROWS]
         return chosen
 
-    def report(self, data: StepData, pooled: distributed.Pooled, loss_scale: Optional[float], is_zero: bool, loggers: Sequence[Any], accumulate: int) -> None:
+    def report(self, data: StepData, step: PooledStep, is_zero: bool, loggers: Sequence[Any], accumulate: int) -> None:
         """Warn about anomalies; on rank zero, choose what to write and queue the writing."""
+        pooled, loss_scale = step.pooled, step.loss_scale
         for message in self.anomalies.check(data.capture, data.labels, pooled.records, data.step, data.prefix):
             self.warn(message)
         if not is_zero:
@@ -161,10 +188,15 @@ class Reporter:
         job = _Written(
             data.step, data.prefix, [labels[i] for i in keep], records[keep], per_rank[:, keep] if self.rank_spread else None,
             {f"{'fwd' if d == FORWARD else 'bwd'}/{l}": pooled.histograms[i, d] for i, l in enumerate(hist_labels) for d in (FORWARD, BACKWARD)},
-            loss_scale, list(zip(data.capture.graphs, data.capture.labels)) if self.code else None,
+            loss_scale, _updates(data, step), list(zip(data.capture.graphs, data.capture.labels)) if self.code else None,
         )  # fmt: skip
         writer = self._writer(loggers, data.prefix, data.parameters)
         self.worker.submit(f"step {data.step}", _write, writer, job, list(loggers), {l: i for i, l in enumerate(labels)}, records)
+
+    def log_anomaly(self, loggers: Sequence[Any], found: Anomaly) -> None:
+        """Queue the scalar ``anomaly/loss`` and the text ``anomaly/event`` at the anomalous step."""
+        if loggers:
+            self.worker.submit(f"anomaly at step {found.step}", _write_anomaly, list(loggers), found)
 
     def warn_once(self, key: str, message: str) -> None:
         """Warn ``message`` the first time ``key`` is seen."""
@@ -199,6 +231,27 @@ def _write(writer: ScaleWriter, job: _Written, loggers: List[Any], index: Dict[s
             logger.log_metrics({f"{job.prefix}scale_loss/loss_scale": job.loss_scale}, step=job.step)
     if job.histograms:
         writer.write_value_histograms(job.step, job.histograms)
+    if job.updates is not None:
+        ratios = updates.ratios(*job.updates, job.prefix)
+        for logger in loggers:
+            logger.log_metrics(ratios, step=job.step)
+
+
+def _write_anomaly(loggers: List[Any], found: Anomaly) -> None:
+    for logger in loggers:
+        logger.log_metrics({"anomaly/loss": found.loss}, step=found.step)
+        add_text = getattr(logger.experiment, "add_text", None)  # TensorBoard's SummaryWriter
+        if add_text is not None:
+            add_text("anomaly/event", found.describe(), found.step)
+
+
+def _updates(data: StepData, step: PooledStep) -> Optional[Tuple[List[str], Tensor]]:
+    return None if data.updates is None or step.updates is None else (data.updates.names, step.updates)
+
+
+def _on(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` on ``device``; no copy (and no call that moves data) when it is there already."""
+    return t if t.device == device else t.to(device)
 
 
 def _code(graphs: List[Tuple[fx.GraphModule, Dict[str, str]]], index: Dict[str, int], records: Tensor) -> str:

@@ -50,3 +50,24 @@ def test_gpu_statistics_match_float64() -> None:
         ref = x.double().cpu()
         assert float(stats.statistic(rec, "std")[0]) == pytest.approx(float(ref.std()), rel=1e-4)
         assert float(stats.statistic(rec, "absmax")[0]) == float(ref.abs().max())
+
+
+def test_anomaly_detection_never_syncs_on_steps_it_reads_in_time() -> None:
+    from lightning_scale.anomaly import AnomalyDetector
+
+    det = AnomalyDetector(steps=2)
+    losses = [torch.tensor(v, device="cuda") for v in [1.0] * 6 + [50.0] + [1.0] * 5]
+    scale = torch.tensor(2.0**16, device="cuda")
+    tracked = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any blocking device read raises
+    try:
+        for step, loss in enumerate(losses):
+            if step >= 2:
+                det._copying[2].synchronize()  # type: ignore[index]  # the test, not the detector, waits
+            det.poll(step)
+            tracked += [step] if det.tracks(step) else []
+            det.observe(step, loss * 1, scale, scale * 1)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert det.stalls == 0 and tracked == [8, 9]
