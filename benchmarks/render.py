@@ -111,7 +111,8 @@ def targets(res: Results) -> List[str]:
     if res.tracked is not None:
         for kind, limit, what in (("tracked", TRAINER_STD_MAX, "std"), ("tracked_all", TRAINER_ALL_MAX, EVERY_GROUP)):
             c, w = tracked_ratio(res.tracked, kind), tracked_ratio(res.tracked, kind, clock="wall")
-            a, aw = tracked_ratio(res.tracked, "after" + kind[len("tracked"):]), tracked_ratio(res.tracked, "after" + kind[len("tracked"):], clock="wall")
+            after = {"tracked": "after_tracked", "tracked_all": "after_all"}[kind]
+            a, aw = tracked_ratio(res.tracked, after), tracked_ratio(res.tracked, after, clock="wall")
             rows.append(f"| tracked step in a Trainer fit <= {limit}x a plain fit step ({what}, all the callback does) | "
                         f"CPU {c:.3f}x, wall {w:.3f}x; the step after: CPU {a:.3f}x, wall {aw:.3f}x | {_yes(c <= limit)} |")  # fmt: skip
         c, w = tracked_ratio(res.tracked, "tracked_fp8"), tracked_ratio(res.tracked, "tracked_fp8", clock="wall")

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Collection, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Collection, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -327,49 +328,35 @@ def _histogram(idx: Tensor, bins: int) -> Tensor:
 
 
 def _format_counts_host(x: Tensor, nan: float) -> List[Entry]:
-    a = x.abs() if x.dtype in _WIDE else x.float().abs_()
-    if a.dtype != torch.float32:
-        return [float(v) for v in _format_counts_device(a, torch.tensor(nan))]
-    # float32 |x|: one exponent histogram answers every power-of-two threshold at or
-    # above 2**-126; the rare cases below it and the overflow tails are counted only
-    # when the histogram or the maximum says they can be nonzero.
-    bits = a.view(torch.int32)
-    hist = torch.bincount((bits >> 23).flatten(), minlength=256).tolist()
-    # zeros sit in exponent bucket 0 (with the subnormals): usually empty, then no count
-    zeros = float(a.numel() - int(torch.count_nonzero(a))) if hist[0] else 0.0
-    res: List[Entry] = [zeros, float(a.amin()) if zeros == 0 and not nan else _min_nonzero_host(bits)]
-    top = max(e for e, c in enumerate(hist) if c)  # every |x| < 2**(top - 126)
-    smallest_max = min(f.max for f in FORMATS.values())
-    # NaN in amax (NaN values): then every overflow is counted, which ignores NaN
-    absmax = float(a.amax()) if 2.0 ** (top - 126) > smallest_max else 0.0
+    """As ``_format_counts_device``, for a tensor in host memory: numpy's vectorised
+    compare-and-count (~0.15 ns an element) per threshold, ~8x cheaper than a histogram
+    (``bincount``, ~1 ns an element). The extremes of |x| answer most thresholds without
+    a pass: none of |x| is below min |x|, all of it is below a bound above max |x|."""
+    at = (x if x.dtype in _WIDE else x.float()).abs()
+    a, wide = at.numpy(), at.numpy().dtype.type
+    mask = np.empty(a.shape, dtype=bool)  # one scratch buffer for every comparison
+
+    def count(op: Callable[..., Any], t: float) -> float:
+        return float(np.count_nonzero(op(a, wide(t), out=mask)))
+
+    n = float(a.size)
+    lo, hi = (math.nan, math.nan) if nan else map(float, torch.aminmax(at))  # one pass
+    zeros = count(np.equal, 0.0) if not lo > 0 else 0.0  # NaN lo: count
+    if nan or zeros:  # NaN never wins, zeros are left out; inf where nothing else
+        min_nonzero = float(np.min(a, where=np.greater(a, 0, out=mask), initial=math.inf))
+    else:
+        min_nonzero = lo
+    below: Dict[float, float] = {}
+    for t in _LOW_BOUNDS:  # nonzero values below t
+        below[t] = 0.0 if t <= lo else n - zeros if t > hi else count(np.less, t) - zeros
+    res: List[Entry] = [zeros, min_nonzero]
     for fmt in FORMATS.values():
-        for t in (fmt.min_subnormal, fmt.min_normal):
-            res.append(_count_below_host(bits, hist, t, zeros))
-        res.append(0.0 if absmax <= fmt.max else float((a > fmt.max).sum()))
+        res += [below[fmt.min_subnormal], below[fmt.min_normal], 0.0 if hi <= fmt.max else count(np.greater, fmt.max)]
     return res
 
 
-def _count_below_host(bits: Tensor, hist: List[int], t: float, zeros: float) -> float:
-    k = int(math.log2(t))
-    if k >= -126:
-        return float(sum(hist[: k + 127])) - zeros
-    if hist[0] == zeros:  # no float32 subnormals at all
-        return 0.0
-    tb = int(torch.tensor(t, dtype=torch.float32).view(torch.int32))
-    return float(((bits > 0) & (bits < tb)).sum())
-
-
-_INF_BITS = 0x7F800000
-
-
-def _min_nonzero_host(bits: Tensor) -> float:
-    # On the bits of |x| (ordered like the values), bits - 1 wraps zero to -1, which the
-    # mask turns into the largest int32: one pass finds the smallest nonzero, NaN (above
-    # inf) never wins over a number.
-    m = int(torch.sub(bits, 1).bitwise_and_(0x7FFFFFFF).amin())
-    if m >= _INF_BITS:  # only zeros, infinities or NaN
-        return math.inf
-    return float(torch.tensor(m + 1, dtype=torch.int32).view(torch.float32))
+#: The distinct lower thresholds of the format counts (smallest subnormals and normals).
+_LOW_BOUNDS = sorted({t for f in FORMATS.values() for t in (f.min_subnormal, f.min_normal)})
 
 
 # ---------------------------------------------------------------------------------------
