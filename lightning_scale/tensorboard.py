@@ -91,26 +91,31 @@ def _log2_or_nan(t: Tensor) -> Tensor:
     return torch.where(ok, torch.where(ok, t, torch.ones_like(t)).log2(), torch.full_like(t, math.nan))
 
 
-def _headrooms(std: Tensor, absmax: Tensor, fmt: str) -> Tuple[Tensor, Tensor, Tensor]:
-    """``headroom.headroom`` on whole tensors: (under, over, headroom)."""
-    f = stats.FORMATS[fmt]
-    top = _log2_or_nan(absmax)
-    top = torch.where(top.isnan(), _log2_or_nan(std), top)
-    under = _log2_or_nan(std) - math.log2(f.min_normal)
-    over = math.log2(f.max) - top
+def _log2_scales(std: Tensor, absmax: Tensor) -> Tuple[Tensor, Tensor]:
+    """log2 std, and log2 absmax where logged (else log2 std), as ``headroom.headroom``."""
+    log_std, top = _log2_or_nan(std), _log2_or_nan(absmax)
+    return log_std, torch.where(top.isnan(), log_std, top)
+
+
+def _headrooms(log_std: Tensor, top: Tensor, fmts: Sequence[str]) -> Tuple[Tensor, Tensor, Tensor]:
+    """``headroom.headroom`` on whole tensors, formats on a new last axis: (under, over, headroom)."""
+    low = torch.tensor([math.log2(stats.FORMATS[f].min_normal) for f in fmts], dtype=log_std.dtype)
+    high = torch.tensor([math.log2(stats.FORMATS[f].max) for f in fmts], dtype=log_std.dtype)
+    under, over = log_std.unsqueeze(-1) - low, high - top.unsqueeze(-1)
     return under, over, torch.minimum(under, over)  # NaN where either is
 
 
 def summary_metrics(records: Tensor) -> Dict[str, float]:
     """``{"scale_summary/<dir>/below_normal_<fmt>": count, ".../above_max_<fmt>": count}`` over nodes."""
+    fmts = headroom.FORMAT_NAMES
+    under, over, _ = _headrooms(*_log2_scales(stats.statistic(records, "std"), stats.statistic(records, "absmax")), fmts)
+    present = (records[..., 0] > 0).unsqueeze(-1)  # (nodes, 2, 1)
+    below, above = ((under < 0) & present).sum(0).tolist(), ((over < 0) & present).sum(0).tolist()  # (2, formats)
     out: Dict[str, float] = {}
-    std, absmax = stats.statistic(records, "std"), stats.statistic(records, "absmax")
     for tag, d in DIRECTIONS:
-        present = records[:, d, 0] > 0
-        for fmt in headroom.FORMAT_NAMES:
-            under, over, _ = _headrooms(std[present, d], absmax[present, d], fmt)
-            out[f"scale_summary/{tag}/below_normal_{fmt}"] = float((under < 0).sum())
-            out[f"scale_summary/{tag}/above_max_{fmt}"] = float((over < 0).sum())
+        for j, fmt in enumerate(fmts):
+            out[f"scale_summary/{tag}/below_normal_{fmt}"] = float(below[d][j])
+            out[f"scale_summary/{tag}/above_max_{fmt}"] = float(above[d][j])
     return out
 
 
@@ -118,7 +123,7 @@ def worst_table(labels: Sequence[str], records: Tensor, k: int = 10, fmt: str = 
     """Markdown table of the ``k`` node directions with the least headroom to ``fmt``'s edges."""
     std, absmax = stats.statistic(records, "std").T.reshape(-1), stats.statistic(records, "absmax").T.reshape(-1)
     present = (records[..., 0] > 0).T.reshape(-1)  # rows: every fwd node, then every bwd node
-    room = _headrooms(std, absmax, fmt)[2]
+    room = _headrooms(*_log2_scales(std, absmax), [fmt])[2][:, 0]
     # headroom.rank's order: smallest first, ties in row order, NaN last; absent rows out
     order = torch.sort(torch.where(room.isnan(), math.inf, room), stable=True).indices
     order = order[torch.sort(room[order].isnan().to(torch.uint8), stable=True).indices]
