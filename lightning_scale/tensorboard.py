@@ -32,7 +32,7 @@ from lightning_scale.dashboard import headroom, layout, metadata
 from lightning_scale.figure import scale_figure
 from lightning_scale.recorder import BACKWARD, FORWARD
 
-__all__ = ["DIRECTIONS", "ScaleWriter", "scale_figure", "scalar_metrics", "summary_metrics", "worst_table"]
+__all__ = ["DIRECTIONS", "ScaleWriter", "fast_record_checksums", "scale_figure", "scalar_metrics", "summary_metrics", "worst_table"]
 
 DIRECTIONS = (("fwd", FORWARD), ("bwd", BACKWARD))
 
@@ -181,6 +181,33 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+def fast_record_checksums() -> bool:
+    """Checksum TensorBoard's event records with google-crc32c's C code, where installed.
+
+    TensorBoard's writer checksums every record with a pure-Python CRC-32C, ~0.3 us a
+    byte: ~90 ms of CPU per step for ~6000 scalars, more than all the rest of writing.
+    The C implementation gives the same checksums (so the same files); it replaces the
+    one function for every TensorBoard writer in the process. Returns whether it is in use.
+    """
+    try:
+        import google_crc32c
+        from tensorboard.summary.writer import record_writer
+    except ImportError:
+        return False
+    if google_crc32c.implementation != "c":  # its pure-Python fallback is no faster
+        return False
+    record_writer.masked_crc32c = _masked_crc32c
+    return True
+
+
+def _masked_crc32c(data: bytes) -> int:
+    """TensorBoard's ``masked_crc32c`` (TFRecord framing) on google-crc32c."""
+    import google_crc32c
+
+    x = google_crc32c.value(bytes(data))
+    return (((x >> 15) | ((x << 17) & 0xFFFFFFFF)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
 class ScaleWriter:
     """Writes one tracked step's pooled records to the trainer's loggers.
 
@@ -229,6 +256,7 @@ class ScaleWriter:
         self._nodes: Optional[Tuple[str, ...]] = None
         self._layout_key: Optional[Tuple[Tuple[str, ...], ...]] = None
         self._tag_key: Optional[Tuple[Any, ...]] = None
+        fast_record_checksums()
         self._tag_list: Tuple[str, ...] = ()
 
     def _tensorboards(self) -> List[Any]:

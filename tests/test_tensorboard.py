@@ -70,3 +70,17 @@ def test_summary_bytes_are_protobufs_encoding() -> None:
     reference = Summary(value=[Summary.Value(tag=t, simple_value=v) for t, v in zip(tags, values)])
     assert ours == reference.SerializeToString()
     assert Summary.FromString(ours).value[1].simple_value == math.inf
+
+
+def test_fast_record_checksums_equal_tensorboards_own() -> None:
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+    from tensorboard.summary.writer import record_writer
+
+    from lightning_scale.tensorboard import _masked_crc32c, fast_record_checksums
+
+    torch.manual_seed(0)
+    for n in (0, 1, 12, 1000):
+        data = bytes(torch.randint(0, 256, (n,), dtype=torch.uint8).tolist())
+        assert _masked_crc32c(data) == masked_crc32c(data)
+    if fast_record_checksums():
+        assert record_writer.masked_crc32c is _masked_crc32c
