@@ -173,6 +173,10 @@ def _host_moments(x: Tensor, out: List[Entry]) -> None:
         if sumsq >= n * _TINY[y.dtype] and _CONDITION * m2 >= sumsq:
             out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, m2, 0.0, 0.0
             return
+        shifted = _shifted_moments(y, total / n, sumsq)
+        if shifted is not None:
+            out[_MEAN], out[_M2], out[_NAN], out[_INF] = *shifted, 0.0, 0.0
+            return
     else:
         nan, inf = float(torch.isnan(x).sum()), float(torch.isinf(x).sum())
         if nan or inf:  # as torch.mean: inf for [inf, 1, 2], NaN with a NaN or both infinities
@@ -180,6 +184,27 @@ def _host_moments(x: Tensor, out: List[Entry]) -> None:
             return
     mean, m2, _ = _scaled_moments(y, _host_sum, own=y is not x)
     out[_MEAN], out[_M2], out[_NAN], out[_INF] = float(mean), float(m2), 0.0, 0.0
+
+
+# Shifting by the mean squares y - c, down to ~2**-48 c: above this mean square that
+# stays a float32 (float64) normal number.
+_SHIFT_MIN = {torch.float32: 2.0**-40, torch.float64: 2.0**-800}
+
+
+def _shifted_moments(y: Tensor, mean: float, sumsq: float) -> Optional[Tuple[float, float]]:
+    """(mean, m2) of a mean-dominated ``y`` from ``z = y - c``, ``c`` the rough mean rounded
+    to ``y``'s dtype: ``c + sum(z) / n`` and ``sum(z**2) - sum(z)**2 / n``. Near c,
+    ``y - c`` is exact (Sterbenz), and the sum of squares is about m2 itself, so its
+    ~1e-7 relative error stays ~1e-7. Two passes and a copy instead of the scaled path's
+    seven. None where that does not hold (tiny values, or still ill-conditioned)."""
+    n = y.numel()
+    if not sumsq >= n * _SHIFT_MIN[y.dtype]:
+        return None
+    c = float(torch.tensor(mean, dtype=y.dtype))
+    z = y - c  # (a copy: the scaled path may still need y)
+    s1, s2 = float(z.sum()), _sum_of_squares(z)
+    m2 = s2 - s1 * (s1 / n)
+    return (c + s1 / n, m2) if math.isfinite(s2) and _CONDITION * m2 >= s2 else None
 
 
 _DOT_MAX = 4096  # a BLAS dot x.x stays within ~2.5e-7 up to here (measured: 3e-5 at 512K)
