@@ -275,13 +275,14 @@ def tracked_table(res: Results) -> List[str]:
     if t is None:
         return rows + [f"**Not measured**: {res.tracked_missing}.", ""]
     rows += [
-        f"`lightning.Trainer` on CPU, {MAIN.name}, with `ScaleMonitor(every_n_steps={t.every_n_steps}, figure_every={t.figure_every})`: "
-        f"every {_ordinal(t.every_n_steps)} step is tracked, and the figure is drawn on the first tracked step and on every "
-        f"{_ordinal(t.figure_every)} after it, so both kinds of tracked step occur. A tracked step's period (as above: from one "
+        f"`lightning.Trainer` on CPU, {MAIN.name}, fits with `ScaleMonitor(every_n_steps={t.every_n_steps})`: std without the figure; "
+        f"std with the figure drawn on the first tracked step and on every {_ordinal(t.figure_every)} after it (only those steps "
+        "and the steps after them are kept: the drawing on the writer thread spills into the next steps); every statistic group "
+        "(moments, range, formats); std and the opt-in `fp8` what-if. A tracked step's period (as above: from one "
         "`on_train_batch_start` to the next) holds the tracked forward and backward and everything the callback does "
         "at the end of the step: pooling the records, the TensorBoard scalars, histograms and annotated code text, and, "
         "on a figure step, the matplotlib figure. "
-        f"{t.rounds} rounds; each runs a {t.steps}-step fit with this monitor, a plain {t.whole_steps}-step fit, which the "
+        f"{t.rounds} rounds; each runs a {t.steps}-step fit with each monitor, a plain {t.whole_steps}-step fit, which the "
         f"ratios are to, and the {t.whole_steps}-step fit with `ScaleMonitor()` of the next section (the order rotates). "
         f"Steps 0-{t.skip - 1} of each fit are dropped (warm-up; step 0 is also the first tracked step, with matplotlib's import).",
         "",
