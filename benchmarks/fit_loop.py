@@ -33,7 +33,11 @@ from workload import Size, Workload  # puts the repository root on sys.path
 
 from lightning_scale import ScaleMonitor, stats
 
-ALL_STATISTICS = sorted(stats.STATISTICS)
+#: "Every statistic group" of issue 10's goal: moments, range and formats (std, absmax,
+#: zeros, min_nonzero, the format fractions); the opt-in ``fp8`` what-if is measured apart.
+EVERY_GROUP = sorted(name for name, group in stats.STATISTICS.items() if group != "fp8")
+#: std and the ``fp8`` what-if group.
+WITH_FP8 = ["std"] + sorted(name for name, group in stats.STATISTICS.items() if group == "fp8")
 
 
 @contextmanager
@@ -166,7 +170,7 @@ def measure(size: Size, rounds: int = 5, steps: int = 30, skip: int = 5, budget_
 
 
 #: Kinds of kept step in ``TrackedFits.steps``.
-TRACKED_KINDS = ("plain", "untracked", "tracked", "after_tracked", "tracked_figure", "after_figure", "tracked_all", "after_all")
+TRACKED_KINDS = ("plain", "untracked", "tracked", "after_tracked", "tracked_figure", "after_figure", "tracked_all", "after_all", "tracked_fp8", "after_fp8")
 
 
 @dataclass
@@ -198,13 +202,15 @@ def measure_tracked(
 ) -> TrackedFits:
     """Tracked steps in a Trainer fit, and the whole-fit cost of ``ScaleMonitor()``'s defaults.
 
-    Each round runs three fits, in an order that rotates from round to round:
+    Each round runs these fits, in an order that rotates from round to round:
     a plain fit of ``whole_steps`` steps; a fit of ``whole_steps`` steps with
     ``ScaleMonitor()`` (defaults: every 50th step tracked, a figure on the first tracked
-    step and every 10th after it); and a fit of ``steps`` steps with
-    ``ScaleMonitor(every_n_steps=every_n_steps, figure_every=figure_every)``. Of the
-    whole fits, ``trainer.fit()`` is timed (capture at fit start included); of the short
-    fit, every kept step period (``global_step >= skip``) is sorted by kind (see
+    step and every 10th after it); and four fits of ``steps`` steps tracking every
+    ``every_n_steps``-th step: std without the figure; std with the figure every
+    ``figure_every``-th tracked step (kept apart: the figure's drawing on the writer
+    thread spills into the next steps); every statistic group; std and the fp8 what-if.
+    Of the whole fits, ``trainer.fit()`` is timed (capture at fit start included); of the
+    short fits, every kept step period (``global_step >= skip``) is sorted by kind (see
     ``_sort_steps``) and compared with the kept step periods of the plain whole fit. The
     monitor's own hooks are timed per step.
 
@@ -220,10 +226,12 @@ def measure_tracked(
             jobs = [
                 ("fit", whole_steps, lambda: None),
                 ("fit_default", whole_steps, lambda: ScaleMonitor()),
-                ("fit_tracked", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, figure=True, figure_every=figure_every)),
-                ("fit_tracked_all", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, statistics=ALL_STATISTICS)),
+                ("fit_tracked", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, figure=False)),
+                ("fit_tracked_figure", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, figure=True, figure_every=figure_every)),
+                ("fit_tracked_all", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, statistics=EVERY_GROUP)),
+                ("fit_tracked_fp8", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, statistics=WITH_FP8)),
             ]
-            for name, n, make in jobs[r % 4:] + jobs[: r % 4]:  # no place bias
+            for name, n, make in jobs[r % len(jobs):] + jobs[: r % len(jobs)]:  # no place bias
                 gc.collect()
                 monitor = make()
                 timer = _fit(size, n, monitor, root)
@@ -235,34 +243,37 @@ def measure_tracked(
                     out.plain_by_round.append(kept)
                     out.steps_by_kind["plain"].wall.extend(kept.wall)
                     out.steps_by_kind["plain"].cpu.extend(kept.cpu)
-                elif name == "fit_tracked":
-                    _sort_steps(out, timer, monitor)
-                elif name == "fit_tracked_all":
-                    _sort_steps(out, timer, monitor, figure=False)
+                elif name.startswith("fit_tracked"):
+                    _sort_steps(out, timer, monitor, group=name[len("fit_"):])
             out.rounds = r + 1
     out.seconds = time.perf_counter() - start
     return out
 
 
-def _sort_steps(out: TrackedFits, timer: Any, monitor: Any, figure: bool = True) -> None:
-    """Adds the kept step periods of a short tracked fit to ``out`` by kind: a tracked
-    step with or without the figure (``tracked_all`` for the fit with every statistic
-    group, ``figure=False``), the untracked step right after either (the step after a
-    figure pays part of its cost), or any other untracked step."""
+def _sort_steps(out: TrackedFits, timer: Any, monitor: Any, group: str) -> None:
+    """Adds the kept step periods of a short tracked fit to ``out`` by kind: its tracked
+    steps as ``group`` (``tracked`` std only, ``tracked_all`` every statistic group,
+    ``tracked_fp8`` the fp8 what-if, ``tracked_figure`` the steps that draw the figure:
+    that fit's other tracked steps, and the steps after them, are left out), the untracked
+    step right after each (it pays for the writer thread), and, from the std fit, every
+    other untracked step."""
     full = timer.periods(0)
     hooks = timer.hook_times()
     tracked_before = 0  # tracked steps of this fit before the current one
-    previous = "untracked"
-    after = {"tracked": "after_tracked", "tracked_figure": "after_figure", "tracked_all": "after_all"}
+    previous: Optional[str] = "untracked"
     for i, step in enumerate(timer.global_steps[: len(full.wall)]):
+        kind: Optional[str]
         if monitor.schedule.is_tracked(step):
-            kind = "tracked_all" if not figure else "tracked_figure" if tracked_before % out.figure_every == 0 else "tracked"
+            figure = tracked_before % out.figure_every == 0
+            kind = group if group != "tracked_figure" or figure else None
             tracked_before += 1
+        elif previous is not None and previous.startswith("tracked"):
+            kind = "after" + previous[len("tracked"):] if previous != "tracked" else "after_tracked"
         else:
-            kind = after.get(previous, "untracked")
+            kind = "untracked" if group == "tracked" and previous is not None else None
         previous = kind
-        if step < out.skip or (kind == "untracked" and not figure):
-            continue  # untracked steps are taken from the std fit only
+        if step < out.skip or kind is None:
+            continue
         out.steps_by_kind[kind].wall.append(full.wall[i])
         out.steps_by_kind[kind].cpu.append(full.cpu[i])
         out.hooks[kind].append(hooks[i])

@@ -37,7 +37,7 @@ FIT_ROUNDS, FIT_STEPS, FIT_DEADLINE_S = 6, 30, 300.0  # fit rounds stop FIT_DEAD
 #: Tracked steps in a Trainer fit, and whole fits with ScaleMonitor()'s defaults: at most
 #: TRACKED_ROUNDS rounds (each ~30 s on an idle 2-core machine: a 45-step fit tracking every
 #: 5th step, two 200-step fits), no new round after TRACKED_BUDGET_S (at least two rounds).
-TRACKED_ROUNDS, TRACKED_STEPS, WHOLE_STEPS, TRACKED_BUDGET_S = 3, 45, 200, 75.0
+TRACKED_ROUNDS, TRACKED_STEPS, WHOLE_STEPS, TRACKED_BUDGET_S = 3, 45, 200, 90.0
 
 
 def _version(dist: str) -> str:
@@ -100,13 +100,15 @@ def tracked_fit_times(res: render.Results, quick: bool) -> None:
     t = res.tracked
     _log(f"tracked fit steps: std {render.tracked_ratio(t, 'tracked'):.2f}x CPU {render.tracked_ratio(t, 'tracked', clock='wall'):.2f}x wall, "
          f"every group {render.tracked_ratio(t, 'tracked_all'):.2f}x CPU {render.tracked_ratio(t, 'tracked_all', clock='wall'):.2f}x wall, "
+         f"after it {render.tracked_ratio(t, 'after_all'):.2f}x CPU, after std {render.tracked_ratio(t, 'after_tracked'):.2f}x CPU, "
+         f"fp8 {render.tracked_ratio(t, 'tracked_fp8'):.2f}x CPU, "
          f"with the figure {render.tracked_ratio(t, 'tracked_figure'):.2f}x; "
          f"whole {t.whole_steps}-step fit with ScaleMonitor(): {render.whole_ratio(t):.3f}x CPU ({t.rounds} rounds, {t.seconds:.0f} s)")  # fmt: skip
 
 
 def tracked_profiles(res: render.Results, quick: bool) -> None:
     try:
-        for statistics_ in (["std"], fit_loop.ALL_STATISTICS):
+        for statistics_ in (["std"], fit_loop.EVERY_GROUP):
             res.profiles.append(fit_loop.profile_tracked(MAIN, statistics_, steps=6 if quick else 12))
     except Exception as err:  # noqa: BLE001 - a failing callback must not sink the suite
         _log(f"profile failed: {type(err).__name__}: {err}")
@@ -132,7 +134,8 @@ def row_labels() -> Dict[str, str]:
     labels = {
         **VARIANTS,
         "fit_tracked": "tracked step in a Trainer fit, `ScaleMonitor(every_n_steps=5)`, no figure",
-        "fit_tracked_all": "tracked step in a Trainer fit, every statistic group, no figure",
+        "fit_tracked_all": "tracked step in a Trainer fit, every statistic group (moments, range, formats), no figure",
+        "fit_tracked_fp8": "tracked step in a Trainer fit, std and the `fp8` what-if, no figure",
         "fit_tracked_figure": "tracked step in a Trainer fit, `ScaleMonitor(every_n_steps=5)`, drawing the figure",
         render.UNTRACKED: "untracked step, `ScaleMonitor(every_n_steps=10**9)` installed",
     }

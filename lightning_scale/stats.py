@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Collection, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -119,15 +120,16 @@ def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Opt
         return out
     if host_reads:
         _host_moments(x, out)
-        if "range" in groups:
-            out[_ABSMAX] = _host_absmax(x)
+        if "formats" in groups:
+            out[_ZEROS:_FP80], absmax = _format_counts_host(x, out[_NAN])  # type: ignore[arg-type]
+        if "range" in groups:  # (without NaN, the formats' max |x| is the absmax)
+            out[_ABSMAX] = absmax if "formats" in groups and not out[_NAN] else _host_absmax(x)
     else:
         absmax = _device_moments(x, out)
         if "range" in groups:
             out[_ABSMAX] = absmax
-    if "formats" in groups:
-        counts = _format_counts_host(x, out[_NAN]) if host_reads else _format_counts_device(x, out[_NAN])  # type: ignore[arg-type]
-        out[_ZEROS:_FP80] = counts
+        if "formats" in groups:
+            out[_ZEROS:_FP80] = _format_counts_device(x, out[_NAN])  # type: ignore[arg-type]
     if "fp8" in groups:
         fp8 = _fp8_fields(x, _host_sum if host_reads else _sum64)
         out[_FP80:] = [float(v) for v in fp8] if host_reads else fp8
@@ -171,6 +173,10 @@ def _host_moments(x: Tensor, out: List[Entry]) -> None:
         if sumsq >= n * _TINY[y.dtype] and _CONDITION * m2 >= sumsq:
             out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, m2, 0.0, 0.0
             return
+        shifted = _shifted_moments(y, total / n, sumsq)
+        if shifted is not None:
+            out[_MEAN], out[_M2], out[_NAN], out[_INF] = *shifted, 0.0, 0.0
+            return
     else:
         nan, inf = float(torch.isnan(x).sum()), float(torch.isinf(x).sum())
         if nan or inf:  # as torch.mean: inf for [inf, 1, 2], NaN with a NaN or both infinities
@@ -178,6 +184,27 @@ def _host_moments(x: Tensor, out: List[Entry]) -> None:
             return
     mean, m2, _ = _scaled_moments(y, _host_sum, own=y is not x)
     out[_MEAN], out[_M2], out[_NAN], out[_INF] = float(mean), float(m2), 0.0, 0.0
+
+
+# Shifting by the mean squares y - c, down to ~2**-48 c: above this mean square that
+# stays a float32 (float64) normal number.
+_SHIFT_MIN = {torch.float32: 2.0**-40, torch.float64: 2.0**-800}
+
+
+def _shifted_moments(y: Tensor, mean: float, sumsq: float) -> Optional[Tuple[float, float]]:
+    """(mean, m2) of a mean-dominated ``y`` from ``z = y - c``, ``c`` the rough mean rounded
+    to ``y``'s dtype: ``c + sum(z) / n`` and ``sum(z**2) - sum(z)**2 / n``. Near c,
+    ``y - c`` is exact (Sterbenz), and the sum of squares is about m2 itself, so its
+    ~1e-7 relative error stays ~1e-7. Two passes and a copy instead of the scaled path's
+    seven. None where that does not hold (tiny values, or still ill-conditioned)."""
+    n = y.numel()
+    if not sumsq >= n * _SHIFT_MIN[y.dtype]:
+        return None
+    c = float(torch.tensor(mean, dtype=y.dtype))
+    z = y - c  # (a copy: the scaled path may still need y)
+    s1, s2 = float(z.sum()), _sum_of_squares(z)
+    m2 = s2 - s1 * (s1 / n)
+    return (c + s1 / n, m2) if math.isfinite(s2) and _CONDITION * m2 >= s2 else None
 
 
 _DOT_MAX = 4096  # a BLAS dot x.x stays within ~2.5e-7 up to here (measured: 3e-5 at 512K)
@@ -326,50 +353,39 @@ def _histogram(idx: Tensor, bins: int) -> Tensor:
     return torch.stack(parts).sum(0)
 
 
-def _format_counts_host(x: Tensor, nan: float) -> List[Entry]:
-    a = x.abs() if x.dtype in _WIDE else x.float().abs_()
-    if a.dtype != torch.float32:
-        return [float(v) for v in _format_counts_device(a, torch.tensor(nan))]
-    # float32 |x|: one exponent histogram answers every power-of-two threshold at or
-    # above 2**-126; the rare cases below it and the overflow tails are counted only
-    # when the histogram or the maximum says they can be nonzero.
-    bits = a.view(torch.int32)
-    hist = torch.bincount((bits >> 23).flatten(), minlength=256).tolist()
-    # zeros sit in exponent bucket 0 (with the subnormals): usually empty, then no count
-    zeros = float(a.numel() - int(torch.count_nonzero(a))) if hist[0] else 0.0
-    res: List[Entry] = [zeros, float(a.amin()) if zeros == 0 and not nan else _min_nonzero_host(bits)]
-    top = max(e for e, c in enumerate(hist) if c)  # every |x| < 2**(top - 126)
-    smallest_max = min(f.max for f in FORMATS.values())
-    # NaN in amax (NaN values): then every overflow is counted, which ignores NaN
-    absmax = float(a.amax()) if 2.0 ** (top - 126) > smallest_max else 0.0
+def _format_counts_host(x: Tensor, nan: float) -> Tuple[List[Entry], float]:
+    """As ``_format_counts_device``, for a tensor in host memory, and max |x| (NaN with NaN).
+
+    numpy's vectorised compare-and-count (~0.15 ns an element) per threshold is ~8x
+    cheaper than a histogram (``bincount``, ~1 ns an element). The extremes of |x| answer
+    most thresholds without a pass: none of |x| is below min |x|, all of it is below a
+    bound above max |x|. (Counting the smaller thresholds among the values below a larger
+    one only, after a boolean-index copy, was slower at 64K-256K elements.)
+    """
+    at = (x if x.dtype in _WIDE else x.float()).abs()
+    a = at.numpy().reshape(-1)  # (a view: abs returned a dense tensor)
+    wide, mask = a.dtype.type, np.empty(a.shape, dtype=bool)  # one scratch buffer for every comparison
+    lo, hi = (math.nan, math.nan) if nan else map(float, torch.aminmax(at))  # one pass
+    zeros = float(np.count_nonzero(np.equal(a, 0, out=mask))) if not lo > 0 else 0.0  # NaN lo: count
+    if nan or zeros:  # NaN never wins, zeros are left out; inf where nothing else
+        min_nonzero = float(np.min(a, where=np.greater(a, 0, out=mask), initial=math.inf))
+    else:
+        min_nonzero = lo
+    below: Dict[float, float] = {}
+    for t in _LOW_BOUNDS:  # nonzero values below t
+        if t <= lo or t > hi:
+            below[t] = 0.0 if t <= lo else a.size - zeros
+        else:
+            below[t] = float(np.count_nonzero(np.less(a, wide(t), out=mask))) - zeros
+    res: List[Entry] = [zeros, min_nonzero]
     for fmt in FORMATS.values():
-        for t in (fmt.min_subnormal, fmt.min_normal):
-            res.append(_count_below_host(bits, hist, t, zeros))
-        res.append(0.0 if absmax <= fmt.max else float((a > fmt.max).sum()))
-    return res
+        over = 0.0 if hi <= fmt.max else float(np.count_nonzero(np.greater(a, wide(fmt.max), out=mask)))
+        res += [below[fmt.min_subnormal], below[fmt.min_normal], over]
+    return res, hi
 
 
-def _count_below_host(bits: Tensor, hist: List[int], t: float, zeros: float) -> float:
-    k = int(math.log2(t))
-    if k >= -126:
-        return float(sum(hist[: k + 127])) - zeros
-    if hist[0] == zeros:  # no float32 subnormals at all
-        return 0.0
-    tb = int(torch.tensor(t, dtype=torch.float32).view(torch.int32))
-    return float(((bits > 0) & (bits < tb)).sum())
-
-
-_INF_BITS = 0x7F800000
-
-
-def _min_nonzero_host(bits: Tensor) -> float:
-    # On the bits of |x| (ordered like the values), bits - 1 wraps zero to -1, which the
-    # mask turns into the largest int32: one pass finds the smallest nonzero, NaN (above
-    # inf) never wins over a number.
-    m = int(torch.sub(bits, 1).bitwise_and_(0x7FFFFFFF).amin())
-    if m >= _INF_BITS:  # only zeros, infinities or NaN
-        return math.inf
-    return float(torch.tensor(m + 1, dtype=torch.int32).view(torch.float32))
+#: The distinct lower thresholds of the format counts (smallest subnormals and normals).
+_LOW_BOUNDS = sorted({t for f in FORMATS.values() for t in (f.min_subnormal, f.min_normal)})
 
 
 # ---------------------------------------------------------------------------------------
