@@ -255,7 +255,7 @@ def test_dynamo_records_across_graph_breaks_and_matches_eager() -> None:
     labels = cap.node_labels
     for label, t in {"fc1/linear": h, "relu": r, "fc2/linear": o, "mul": y}.items():
         fwd, bwd = std_of(records, labels, label)
-        assert fwd == pytest.approx(float(t.detach().std()), rel=1e-6), label
+        assert fwd == pytest.approx(float(t.detach().std()), rel=1e-5), label  # float32 reference
         assert bwd == pytest.approx(float(t.grad.std()), rel=1e-6, abs=1e-12), label
     fwd, bwd = std_of(records, labels, "fc1.weight")
     assert fwd == pytest.approx(float(model.fc1.weight.detach().std()), rel=1e-6)
@@ -390,6 +390,7 @@ def test_dynamo_tracks_every_input_shape_under_one_set_of_labels() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     cap = capture(model, "dynamo")
+    first: List[str] = []
     for batch in range(1, 13):
         x = torch.randn(batch, 4)
         rec = Recorder()
@@ -398,7 +399,8 @@ def test_dynamo_tracks_every_input_shape_under_one_set_of_labels() -> None:
         out.sum().backward()
         records = rec.records(cap.node_labels, cap.aliases)
         rec.clear()
-        assert len(cap.node_labels) == 8 and {"0/linear", "1/relu", "2/linear"} <= set(cap.node_labels)
+        first = first or list(cap.node_labels)
+        assert cap.node_labels == first and {"0/linear", "1/relu", "2/linear", "0", "1", "2"} <= set(first)
         hidden = model[0](x).detach().double()
         got = float(stats.statistic(records, "std")[cap.node_labels.index("0/linear"), FORWARD])
         assert got == pytest.approx(float(hidden.std()), rel=1e-5)
