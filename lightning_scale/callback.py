@@ -286,6 +286,12 @@ class ScaleMonitor(Callback):
             return
         pooled, per_rank = self._unscale(trainer, pooled, per_rank, loss_scale_value)
         keep = [i for i in range(len(labels)) if bool((pooled[i, :, 0] > 0).any())]
+        if not self._warned.get("coverage"):  # dynamo compiles lazily: known after the first tracked step
+            self._warned["coverage"] = True
+            report = cap.coverage([labels[i] for i in keep])
+            rank_zero_info(f"ScaleMonitor: {report.line()}")
+            if report.warning():
+                rank_zero_warn(report.warning())
         if not keep:
             self._warn_once(f"empty{active.prefix}", self._nothing_recorded(active, labels))
             return

@@ -340,15 +340,15 @@ class Capture:
     _labeller: frames.Labeller = field(default_factory=frames.Labeller)
     _tables: Dict[Tuple[int, Tuple[str, ...]], Dict[str, str]] = field(default_factory=dict)
     _module_paths: Optional[Dict[int, str]] = None
-    _tensor_names: Optional[Dict[int, str]] = None
+    _tensor_names: Optional[Dict[int, List[str]]] = None
     _breaks: List[str] = field(default_factory=list)
 
-    def _tensor_paths(self) -> Dict[int, str]:
+    def _tensor_paths(self) -> Dict[int, List[str]]:
         if self._tensor_names is None:
             named = [*self.module.named_parameters(remove_duplicate=False), *self.module.named_buffers(remove_duplicate=False)]
             self._tensor_names = {}
             for name, t in named:
-                self._tensor_names.setdefault(id(t), frames.strip_compiled(name))
+                self._tensor_names.setdefault(id(t), []).append(frames.strip_compiled(name))
         return self._tensor_names
 
     def _paths(self) -> Dict[int, str]:

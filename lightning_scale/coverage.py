@@ -95,7 +95,7 @@ def measure(
     """
     labels = set(recorded)
     prefixes = _prefixes(labels)
-    leaves = tuple(p for p in opaque if p in labels or f"{p}" in prefixes)
+    leaves = tuple(opaque)  # run in the graph; their outputs (or their items) are recorded
 
     def inside_leaf(path: str) -> bool:
         return any(path == p or path.startswith(p + ".") for p in leaves)

@@ -29,7 +29,7 @@ from lightning_scale import recorder
 __all__ = ["FrameGraph", "Labeller", "exact_checkpoint", "module_paths", "observe_node", "strip_compiled"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_ROOT = re.compile(r"^L\['([^']+)'\]")
+_ROOT = re.compile(r"^L\['([^']+)'\]((?:\[\d+\])*)")
 _TABLES: List[Dict[str, str]] = []  # node name -> label, for the graph now running
 _INTERNAL_INPUT = re.compile(r"^(stack\d*|___.*|nested_frame_values.*|args_\d+|.*_stack\d+.*)$")
 
@@ -114,11 +114,18 @@ def _site_path(stack_path: str) -> Tuple[Optional[str], str]:
     if m is None:
         return None, ""
     rest = stack_path[m.end() :]
+    root = _root_key(m.group(1) + "_" + "_".join(re.findall(r"\d+", m.group(2))))
     rest = re.sub(r"getattr\((.*), '([^']+)'\)", r"\1.\2", rest)
     rest = re.sub(r"\[(\d+)\]", r".\1", rest)
     rest = re.sub(r"\['([^']+)'\]", r".\1", rest)
     parts = [p for p in rest.split(".") if p and p not in _INTERNAL_ATTRS]
-    return m.group(1), strip_compiled(".".join(parts))
+    return root, strip_compiled(".".join(parts))
+
+
+def _root_key(name: str) -> str:
+    """One spelling of a frame local for stack paths and placeholder names:
+    ``L['___stack'][0][1]`` and ``L___stack_0_1_modules_...`` both give ``stack_0_1``."""
+    return re.sub(r"[^0-9A-Za-z]+", "_", name).strip("_")
 
 
 def _source(node: fx.Node) -> str:
@@ -136,7 +143,7 @@ def _placeholder_site(node: fx.Node) -> Optional[NodeSite]:
     m = _ATTR.match(target)
     if m:
         parts = re.split(r"_(?:modules|parameters|buffers)_", "_" + m.group(2))
-        return NodeSite(node.name, m.group(1), strip_compiled(".".join(p for p in parts if p)), "", "", True)
+        return NodeSite(node.name, _root_key(m.group(1)), strip_compiled(".".join(p for p in parts if p)), "", "", True)
     name = target[2:-1] if target[:2] in ("L_", "l_") and target.endswith("_") else target
     if _INTERNAL_INPUT.match(name):
         return None  # a graph-break resume input: recorded where it was produced
@@ -151,7 +158,9 @@ def node_sites(gm: fx.GraphModule, op_name: Callable[[fx.Node], str], prefix: st
         if node.op in ("output", "get_attr"):
             continue
         if node.op == "placeholder":
-            site = None if prefix else _placeholder_site(node)
+            value = node.meta.get("example_value", node.meta.get("grapharg"))
+            tensor = value is None or isinstance(value, torch.Tensor) or isinstance(getattr(value, "example", None), torch.Tensor)
+            site = None if prefix or not tensor else _placeholder_site(node)
             site = None if site is None or (resume and not site.is_attr) else site
         elif isinstance(node.meta.get("example_value"), torch.Tensor) or prefix:
             stack = node.meta.get("nn_module_stack") or {}
@@ -238,17 +247,19 @@ def scope_of(
             owner = paths[id(probe.f_locals[code.co_varnames[0]])]
             break
         probe = probe.f_back
-    local = frame.f_locals if frame is not None else {}
+    local = {_root_key(k): v for k, v in frame.f_locals.items()} if frame is not None else {}
     return (owner, *(anchored.get(r, paths.get(id(local.get(r)), owner)) for r in roots))
 
 
-def anchored_roots(anchors: Dict[str, Tuple[int, str]], args: Tuple[Any, ...], tensors: Dict[int, str]) -> Dict[str, str]:
-    """root local -> module path, from the full names of the parameters passed in."""
+def anchored_roots(anchors: Dict[str, Tuple[int, str]], args: Tuple[Any, ...], tensors: Dict[int, List[str]]) -> Dict[str, str]:
+    """root local -> module path, from the full names of the parameters passed in
+    (a tied weight has several: the one that ends with the graph's relative path)."""
     out = {}
     for root, (i, rel) in anchors.items():
-        full = tensors.get(id(args[i])) if i < len(args) else None
-        if full is not None and (full == rel or full.endswith("." + rel)):
-            out[root] = full[: len(full) - len(rel)].rstrip(".")
+        for full in tensors.get(id(args[i]), []) if i < len(args) else []:
+            if full == rel or full.endswith("." + rel):
+                out[root] = full[: len(full) - len(rel)].rstrip(".")
+                break
     return out
 
 
