@@ -143,6 +143,7 @@ def _placeholder_site(node: fx.Node) -> Optional[NodeSite]:
     m = _ATTR.match(target)
     if m:
         parts = re.split(r"_(?:modules|parameters|buffers)_", "_" + m.group(2))
+        parts = [re.sub(r"_+dict_*$", "", p) for p in parts]  # `__dict__` hops of the source
         return NodeSite(node.name, _root_key(m.group(1)), strip_compiled(".".join(p for p in parts if p)), "", "", True)
     name = target[2:-1] if target[:2] in ("L_", "l_") and target.endswith("_") else target
     if _INTERNAL_INPUT.match(name):
@@ -179,11 +180,10 @@ def module_outputs(
 ) -> List[Tuple[Optional[str], str, str]]:
     """(root, path, node) for each module call that ends inside ``gm``: its last node whose
     value leaves the module. Modules called more than once in the graph are left out."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    computing = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    order = {n: i for i, n in enumerate(computing)}
     spans: Dict[str, List[fx.Node]] = {}
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "output", "get_attr"):
-            continue
+    for node in computing:
         for path, _ in (node.meta.get("nn_module_stack") or {}).values():
             spans.setdefault(str(path), []).append(node)
     out = []

@@ -115,7 +115,7 @@ CASES: Dict[str, Tuple[Callable[[], nn.Module], Callable[[nn.Module, Tensor], Te
     "t5": (t5, t5_loss, ["encoder.block.0.layer.1.DenseReluDense.wi", "decoder.final_layer_norm", "lm_head"]),
     "llama": (llama, lm_loss, ["model.layers.0.mlp.down_proj", "model.layers.1.input_layernorm", "lm_head"]),
     "mixtral": (mixtral, lm_loss, ["model.layers.0.self_attn.q_proj", "lm_head"]),
-    "lightning-demo-transformer": (demo_transformer, demo_loss, ["embedding", "decoder"]),
+    "lightning-demo-transformer": (demo_transformer, demo_loss, ["transformer.encoder.layers.0.linear1", "decoder"]),
     "unit-scaling": (unit_scaled, unit_loss, ["fc1", "fc2", "head"]),
 }
 
