@@ -542,7 +542,7 @@ def _with_module_outputs(gm: fx.GraphModule, labels: Dict[str, str], aliases: Di
     for _, path, node in outputs:
         full = frames.strip_compiled(".".join(p for p in (scope, path) if p))
         source = labels.get(node)
-        if source is None or full in labels.values() or full in aliases:
+        if source is None or not full or full in labels.values() or full in aliases:
             continue
         aliases[full] = aliases.get(source, source)
         ends.setdefault(node, []).append(full)

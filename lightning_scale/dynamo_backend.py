@@ -76,7 +76,8 @@ def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
 
     bodies = frames.exact_checkpoints(gm, body_fn)
     sites = frames.node_sites(gm, _op, resume=frames.compiling_resume_frame())
-    outputs = frames.module_outputs(gm)
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    outputs = frames.module_outputs(gm, complete=not getattr(reason, "graph_break", True))
     for prefix, body in bodies:
         sites += frames.node_sites(body, _op, prefix)
         outputs += frames.module_outputs(body, prefix)
@@ -112,7 +113,7 @@ def _table(cap: "Capture", graph: frames.FrameGraph, scope: Tuple[str, ...]) -> 
     for root, path, node in graph.outputs:
         full = ".".join(p for p in (where.get(root, scope[0]) if root else scope[0], path) if p)
         source = table.get(node)
-        if source is None or full in cap._labeller or full in cap.aliases or any(full in t.values() for t in cap.labels):
+        if source is None or full in ("", scope[0]) or full in cap._labeller or full in cap.aliases or any(full in t.values() for t in cap.labels):
             continue
         aliases[full] = aliases.get(source, source)
         listed[MODULE_KEY + full] = full
@@ -128,12 +129,15 @@ def _table(cap: "Capture", graph: frames.FrameGraph, scope: Tuple[str, ...]) -> 
 
 
 @contextlib.contextmanager
-def opaque_compiled(root: nn.Module) -> Iterator[None]:
+def opaque_compiled(cap: "Capture") -> Iterator[None]:
     """Compiled submodules run their own compiled code, recorded at their output."""
-    paths = frames.module_paths(root)
+    paths = cap._paths()
     saved: List[Tuple[nn.Module, Any]] = []
-    for m in root.modules():
+    for m in cap.module.modules():
         if isinstance(m, torch._dynamo.eval_frame.OptimizedModule) and "forward" in m.__dict__:
+            if not any(paths[id(m)] in t.values() for t in cap.labels):
+                cap.graphs.append(fx.GraphModule(nn.Module(), fx.Graph()))  # no graph of its own
+                cap.labels.append({MODULE_KEY + paths[id(m)]: paths[id(m)]})
             saved.append((m, m.__dict__["forward"]))
             m.__dict__["forward"] = _recorded_at_output(m.__dict__["forward"], paths[id(m)])
     try:
@@ -161,7 +165,7 @@ def tracked_forward(cap: "Capture", compiled: Callable[..., Any]) -> Callable[..
     def run(*args: Any, **kwargs: Any) -> Any:
         before = set(breaks)
         try:
-            with opaque_compiled(cap.module), torch._dynamo.config.patch(**_CONFIG):
+            with opaque_compiled(cap), torch._dynamo.config.patch(**_CONFIG):
                 return compiled(*args, **kwargs)
         finally:  # graph-break reasons, for the coverage report
             cap._breaks.extend(str(k).splitlines()[0][:160] for k in breaks if k not in before)

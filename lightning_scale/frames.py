@@ -176,10 +176,15 @@ def node_sites(gm: fx.GraphModule, op_name: Callable[[fx.Node], str], prefix: st
 
 
 def module_outputs(
-    gm: fx.GraphModule, prefix: str = "", parse: Callable[[str], Tuple[Optional[str], str]] = _site_path
+    gm: fx.GraphModule,
+    prefix: str = "",
+    parse: Callable[[str], Tuple[Optional[str], str]] = _site_path,
+    complete: bool = True,
 ) -> List[Tuple[Optional[str], str, str]]:
     """(root, path, node) for each module call that ends inside ``gm``: its last node whose
-    value leaves the module. Modules called more than once in the graph are left out."""
+    value leaves the module. Modules called more than once in the graph are left out;
+    ``complete=False`` (the graph ends at a graph break) leaves out regions that only
+    reach the graph's output, since the module may continue in the next graph."""
     computing = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     order = {n: i for i, n in enumerate(computing)}
     spans: Dict[str, List[fx.Node]] = {}
@@ -193,10 +198,14 @@ def module_outputs(
             continue  # two calls, or interleaved: no single output
         last = nodes[-1]
         inside = set(nodes)
-        if not isinstance(last.meta.get("example_value"), torch.Tensor) or all(u in inside for u in last.users):
+        value = last.meta.get("example_value", None if parse is _site_path else last)  # fx: no example values
+        outside = [u for u in last.users if u not in inside]
+        if not isinstance(value, (torch.Tensor, fx.Node)) or not outside:
             continue
+        if not complete and all(u.op == "output" for u in outside):
+            continue  # the graph ends at a graph break: the module may go on in the next one
         root, path = parse(key)
-        if path:
+        if path or root:  # a module held in a frame local (``L['___stack0']``) has no path under it
             out.append((root, path, prefix + last.name))
     return out
 
