@@ -111,7 +111,15 @@ def measure(
         (strip_compiled(path), m) for path, m in root.named_modules() if path and not isinstance(m, _CONTAINERS) and "_orig_mod" not in path.split(".")[-1:]
     ]
     missing = [(path, m) for path, m in modules if not (_covered_path(path, labels, prefixes) or inside_leaf(path))]
-    return CoverageReport(elements, covered, len(modules), len(modules) - len(missing), _largest(missing, why, largest))
+    bare = [(path, m) for path, m in modules if (path, m) not in missing and _bare(path, m, labels, inside_leaf)]
+    named = _largest(missing, why, largest) + _largest(bare, lambda p: "its parameters have no records", largest)
+    return CoverageReport(elements, covered, len(modules), len(modules) - len(missing), sorted(named, key=lambda t: -t[1])[:largest])
+
+
+def _bare(path: str, m: nn.Module, labels: Set[str], inside_leaf: Callable[[str], bool]) -> bool:
+    """A called module none of whose own parameters has a record."""
+    own = [f"{path}.{n}" for n, _ in m.named_parameters(recurse=False)]
+    return bool(own) and not inside_leaf(path) and not any(n in labels for n in own)
 
 
 def _largest(missing: List[Tuple[str, nn.Module]], why: Callable[[str], str], n: int) -> List[Tuple[str, int, str]]:
