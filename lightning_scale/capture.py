@@ -22,7 +22,6 @@ import os
 import re
 import traceback
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from types import FunctionType, ModuleType
 from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Set, Tuple, Type, Union
@@ -30,7 +29,7 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Set, 
 import torch
 from torch import fx, nn
 
-from lightning_scale import coverage, frames, recorder
+from lightning_scale import coverage, frames
 from lightning_scale.dynamo_backend import MODULE_KEY, WeakBackend, tracked_forward
 from lightning_scale.interpreter import instrument
 from lightning_scale.module_state import guarded

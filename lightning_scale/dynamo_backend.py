@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 from torch import fx, nn

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType

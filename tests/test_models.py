@@ -205,7 +205,7 @@ def test_records_match_hooks_train_bit_identically_and_cover_the_model(name: str
         records = rec.records(cap.node_labels, cap.aliases)
         rec.clear()
         torch.manual_seed(step + 1)
-        expected = hook_reference(reference, paths, lambda: loss(reference, ids))
+        expected = hook_reference(reference, paths, lambda ids=ids: loss(reference, ids))  # type: ignore[misc]
         for (key, p), q in zip(model.named_parameters(), reference.parameters()):
             assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), key
         sgd_step(model)
