@@ -182,8 +182,8 @@ def module_outputs(
 ) -> List[Tuple[Optional[str], str, str]]:
     """(root, path, node) for each module call that ends inside ``gm``: its last node whose
     value leaves the module. Modules called more than once in the graph are left out;
-    ``complete=False`` (the graph ends at a graph break) leaves out regions that only
-    reach the graph's output, since the module may continue in the next graph."""
+    ``complete=False`` (the graph ends at a graph break) leaves out a region that ends the
+    graph and only reaches its output, since the module may continue in the next graph."""
     computing = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     order = {n: i for i, n in enumerate(computing)}
     spans: Dict[str, List[fx.Node]] = {}
@@ -201,8 +201,8 @@ def module_outputs(
         outside = [u for u in last.users if u not in inside]
         if not isinstance(value, (torch.Tensor, fx.Node)) or not outside:
             continue
-        if not complete and all(u.op == "output" for u in outside):
-            continue  # the graph ends at a graph break: the module may go on in the next one
+        if not complete and all(u.op == "output" for u in outside) and order[last] == len(computing) - 1:
+            continue  # the graph breaks right after it: the module may go on in the next graph
         root, path = parse(key)
         if path or root:  # a module held in a frame local (``L['___stack0']``) has no path under it
             out.append((root, path, prefix + last.name))

@@ -109,8 +109,10 @@ def unit_loss(model: nn.Module, ids: Tensor) -> Tensor:
 
 # name -> (builder, loss, modules whose output is checked against hooks)
 CASES: Dict[str, Tuple[Callable[[], nn.Module], Callable[[nn.Module, Tensor], Tensor], List[str]]] = {
-    "gpt2": (gpt2, lm_loss, ["transformer.h.0.mlp.c_fc", "transformer.h.1.ln_2", "lm_head"]),
-    "gpt2-checkpointing": (lambda: gpt2(True), lm_loss, ["transformer.h.0.mlp.c_fc", "transformer.h.1.ln_2", "lm_head"]),
+    # (GPT-2's loss starts with a graph break right after `lm_head`: its output keeps its
+    # op label `model.lm_head/linear` only, see docs/limitations.md)
+    "gpt2": (gpt2, lm_loss, ["transformer.h.0.mlp.c_fc", "transformer.h.1.ln_2", "transformer.ln_f"]),
+    "gpt2-checkpointing": (lambda: gpt2(True), lm_loss, ["transformer.h.0.mlp.c_fc", "transformer.h.1.ln_2", "transformer.ln_f"]),
     "bert": (bert, lm_loss, ["bert.encoder.layer.0.intermediate.dense", "bert.encoder.layer.1.output.LayerNorm"]),
     "t5": (t5, t5_loss, ["encoder.block.0.layer.1.DenseReluDense.wi", "decoder.final_layer_norm", "lm_head"]),
     "llama": (llama, lm_loss, ["model.layers.0.mlp.down_proj", "model.layers.1.input_layernorm", "lm_head"]),
