@@ -357,7 +357,13 @@ class Capture:
 
     @property
     def node_labels(self) -> List[str]:
-        """Every node label, graph by graph, in execution order."""
+        """Every node label, graph by graph, in execution order (module outputs left out)."""
+        return [label for labels in self.labels for key, label in labels.items() if not key.startswith(MODULE_KEY)]
+
+    @property
+    def tags(self) -> List[str]:
+        """``node_labels`` and, after each module's last node, the module's path: its
+        output (an alias, no extra cost), so ``model.fc1`` finds the layer's output."""
         return [label for labels in self.labels for label in labels.values()]
 
     def parts(self) -> List[Tuple[str, Callable[..., Any]]]:

@@ -29,6 +29,7 @@ __all__ = ["WeakBackend", "opaque_compiled", "tracked_forward"]
 
 _CONFIG = {k: True for k in ("nested_graph_breaks",) if hasattr(torch._dynamo.config, k)}
 MODULE_KEY = "<module>"  # label-dict key prefix of module outputs (no graph node of their own)
+COMPILED_KEY = "<compiled>"  # key prefix of compiled submodules' outputs (recorded, not a node)
 
 
 class WeakBackend:
@@ -88,9 +89,11 @@ def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
     graph = frames.FrameGraph(gm, sites, outputs, views)
     fn = instrument(gm, {k: k for k in names if "." not in k}, observer=frames.observe_node)
     roots, anchors = graph.roots(), graph.anchors()
+    weak = weakref.ref(cap)  # dynamo's code cache keeps this function for the process
 
     def run(*args: Any) -> Any:
-        if recorder.active() is None:
+        cap = weak()
+        if cap is None or recorder.active() is None:
             return fn(*args)
         known = frames.anchored_roots(anchors, args, cap._tensor_paths())
         scope = frames.scope_of(frames.calling_frame(sys._getframe(1)), roots, cap._paths(), known)
@@ -137,7 +140,7 @@ def opaque_compiled(cap: "Capture") -> Iterator[None]:
         if isinstance(m, torch._dynamo.eval_frame.OptimizedModule) and "forward" in m.__dict__:
             if not any(paths[id(m)] in t.values() for t in cap.labels):
                 cap.graphs.append(fx.GraphModule(nn.Module(), fx.Graph()))  # no graph of its own
-                cap.labels.append({MODULE_KEY + paths[id(m)]: paths[id(m)]})
+                cap.labels.append({COMPILED_KEY + paths[id(m)]: paths[id(m)]})  # a record of its own
             saved.append((m, m.__dict__["forward"]))
             m.__dict__["forward"] = _recorded_at_output(m.__dict__["forward"], paths[id(m)])
     try:

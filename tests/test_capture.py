@@ -89,6 +89,11 @@ def test_deep_tracer_recurses_into_every_submodule() -> None:
         "x", "inner.fc.weight", "inner.fc.bias", "inner.fc/linear", "inner/tanh", "inner.offset",
         "inner/add", "head.0.weight", "head.0.bias", "head.0/linear", "head.1/gelu",
     ]  # fmt: skip
+    # Module outputs follow their last node: aliases, never computed twice.
+    assert capture(model, "fx").tags == [
+        "x", "inner.fc.weight", "inner.fc.bias", "inner.fc/linear", "inner.fc", "inner/tanh", "inner.offset",
+        "inner/add", "inner", "head.0.weight", "head.0.bias", "head.0/linear", "head.0", "head.1/gelu", "head", "head.1",
+    ]  # fmt: skip
 
 
 def test_graph_module_shares_parameters_and_buffers() -> None:
@@ -448,7 +453,7 @@ def test_separately_compiled_blocks_keep_full_unique_labels() -> None:
     h0 = eager.blocks[0].fc(x)
     h1 = eager.blocks[1].fc(torch.tanh(h0) * 2.0)
     for i, h in enumerate((h0, h1)):
-        count = records[labels.index(f"blocks.{i}.fc/linear"), FORWARD, 0]
+        count = records[labels.index(f"blocks.{i}.fc/linear"), FORWARD, 0]  # (tags: module outputs too)
         assert int(count) == h.numel()  # not two blocks merged into one record
         assert std_of(records, labels, f"blocks.{i}.fc/linear")[0] == pytest.approx(float(h.detach().double().std()), rel=1e-6)
         assert int(records[labels.index(f"blocks.{i}.fc.weight"), FORWARD, 0]) == 64

@@ -204,7 +204,7 @@ def test_records_match_hooks_train_bit_identically_and_cover_the_model(name: str
         with recording(rec):
             out = cap.tracked()(ids)
         out.backward()
-        records = rec.records(cap.node_labels, cap.aliases)
+        records = rec.records(cap.tags, cap.aliases)
         rec.clear()
         torch.manual_seed(step + 1)
         expected = hook_reference(reference, paths, lambda ids=ids: loss(reference, ids))  # type: ignore[misc]
@@ -216,10 +216,10 @@ def test_records_match_hooks_train_bit_identically_and_cover_the_model(name: str
         assert torch.equal(a, b), key
     std = stats.statistic(records, "std")
     for path, (fwd, bwd) in expected.items():
-        i = cap.node_labels.index(f"model.{path}")
+        i = cap.tags.index(f"model.{path}")
         assert float(std[i, FORWARD]) == pytest.approx(fwd, rel=1e-5), path
         assert float(std[i, BACKWARD]) == pytest.approx(bwd, rel=1e-4), path
-    recorded = [label for label, row in zip(cap.node_labels, records) if bool((row[:, 0] > 0).any())]
+    recorded = [label for label, row in zip(cap.tags, records) if bool((row[:, 0] > 0).any())]
     report = cap.coverage(recorded)
     assert report.warning() is None, report.warning()
     assert min(report.parameter_fraction, report.module_fraction) >= 0.9
@@ -244,7 +244,7 @@ def test_unit_scaled_layer_outputs_sit_near_one() -> None:
     with recording(rec):
         out = cap.tracked()(torch.randn(64, 256))
     out.sum().backward()
-    std = stats.statistic(rec.records(cap.node_labels, cap.aliases), "std")[:, FORWARD]
+    std = stats.statistic(rec.records(cap.tags, cap.aliases), "std")[:, FORWARD]
     for path in ("0", "1"):
-        assert float(std[cap.node_labels.index(path)]) == pytest.approx(1.0, abs=0.1), path
-    assert float(std[cap.node_labels.index("0/linear")]) > 5  # the unscaled matmul, fan_in 256
+        assert float(std[cap.tags.index(path)]) == pytest.approx(1.0, abs=0.1), path
+    assert float(std[cap.tags.index("0/linear")]) > 5  # the unscaled matmul, fan_in 256

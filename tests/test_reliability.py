@@ -513,7 +513,7 @@ def test_model_neither_fx_nor_dynamo_can_capture_warns_once(tmp_path: Any, monke
         raise RuntimeError("graph cannot be labelled")
 
     # fx fails on the root's `if`; the dynamo backend then fails on every graph it gets
-    monkeypatch.setattr(importlib.import_module("lightning_scale.capture"), "label_graph", broken)
+    monkeypatch.setattr(importlib.import_module("lightning_scale.frames"), "node_sites", broken)
     run, monitor = train_both(tmp_path, lambda: BranchingRoot(Dropouts()), dense(8), figure=False)
     assert modes(monitor) == ["dynamo"]
     assert len(run.warnings) == 1 and "graph cannot be labelled" in run.warnings[0], run.warnings
@@ -847,11 +847,12 @@ def test_compiled_submodule_runs_as_compiled_on_tracked_steps(tmp_path: Any, mod
     run, monitor = train_both(tmp_path, lambda: Net(WithCompiledBlock()), dense(8), capture=mode, figure=False)
     assert run.warnings == []
     cap = next(iter(monitor._captures.values()))
-    assert not any("_orig_mod" in label for label in cap.node_labels)
+    assert not any("_orig_mod" in label for label in cap.tags)
     # (dynamo: the call is a graph break, and a module whose last op ends a graph at a
     # break may go on in the next graph: `net.fc` has only its op label there)
-    assert {"net.block", "net.head"} | ({"net.fc"} if mode == "fx" else set()) <= set(cap.node_labels)
-    assert any(tag.endswith("net.block") for tag in run.scalars())
+    assert {"net.block", "net.head"} | ({"net.fc"} if mode == "fx" else set()) <= set(cap.tags)
+    # Logged: its recorded output (dynamo) or its leaf node (fx).
+    assert any(tag.endswith(("net.block", "net.block/sequential")) for tag in run.scalars())
 
 
 class CheckpointedDropout(nn.Module):
