@@ -8,7 +8,11 @@ Three modes:
 * ``dynamo``: TorchDynamo with a custom ``torch.compile`` backend that hands each captured
   graph (one per graph break) to the instrumentation. No C compiler is involved. Covers
   models fx cannot trace at all (Hugging Face transformers, data-dependent control flow).
-* ``auto``: fx when it traces the model without unexpected fallbacks, dynamo otherwise.
+* ``auto``: fx when it traces the model without unexpected fallbacks and without writing
+  module attributes in ``forward``, dynamo otherwise (the reason is in ``Capture.reason``).
+
+Compiled submodules (``OptimizedModule``) are leaves in fx and opaque in dynamo: they run
+their own compiled code. ``Capture.coverage`` measures what a tracked step recorded.
 
 A ``Capture`` gives ``tracked(module)``: a function with ``module.forward``'s signature
 that runs the captured graphs, recording into the active ``Recorder``.
