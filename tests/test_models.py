@@ -3,7 +3,8 @@ warns about nothing, and records what independent float64 hooks measure.
 
 Each case trains twice for a few steps (with and without ``ScaleMonitor(every_n_steps=1)``)
 and compares every parameter and buffer bit for bit; then one tracked step outside the
-Trainer is checked against forward and tensor hooks on a reference copy.
+Trainer is checked against forward and tensor hooks on a reference copy. torchvision does
+not import against the CPU torch build and timm imports torchvision: neither is here.
 """
 
 from __future__ import annotations
