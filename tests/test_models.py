@@ -1,9 +1,10 @@
 """Real models, built from tiny configs: tracking never changes training, covers the model,
 warns about nothing, and records what independent float64 hooks measure.
 
-Each case trains twice for a few steps (with and without ``ScaleMonitor(every_n_steps=1)``)
-and compares every parameter and buffer bit for bit; then one tracked step outside the
-Trainer is checked against forward and tensor hooks on a reference copy. torchvision does
+Every case trains two steps tracked and two steps eagerly and compares gradients, parameters
+and buffers bit for bit, checks module outputs against forward and tensor hooks on the
+eager copy (float64) and the coverage report. One case per capture route also trains in a
+``Trainer`` with and without ``ScaleMonitor(every_n_steps=1)``, compared bit for bit. torchvision does
 not import against the CPU torch build and timm imports torchvision: neither is here.
 """
 

@@ -756,7 +756,9 @@ def test_no_memory_retained_over_200_tracked_steps(tmp_path: Any, mode: str) -> 
     monitor = ScaleMonitor(every_n_steps=1, capture=mode, figure=False, histograms=False, code=False)  # type: ignore[arg-type]
     probe = Probe(at=(2, 200))  # both after the 2nd batch of an epoch of 2
     fit(tmp_path, "leak", lambda: Net(Dropouts()), dense(8, n=8), [monitor, probe], steps=200)
-    assert probe.seen[2] == probe.seen[200], probe.seen
+    # Nothing accumulates: no more live tensors after 200 tracked steps than after 2 (fewer
+    # is possible when objects of earlier tests in the process are released meanwhile).
+    assert probe.seen[200][0] <= probe.seen[2][0], probe.seen
     assert probe.seen[200][1] == 0
 
 
