@@ -68,6 +68,8 @@ class Reporter:
         histograms, figure, figure_every, code, rank_spread, max_tags, unscale_gradients,
             value_histograms: as ``ScaleMonitor``'s arguments of the same names.
         warn: how to warn (the callback passes Lightning's ``rank_zero_warn``).
+        info: how to log a line (``rank_zero_info``): the coverage of the first tracked step.
+        coverage: report coverage (off when ``include`` / ``exclude`` select nodes).
     """
 
     def __init__(
@@ -82,12 +84,15 @@ class Reporter:
         unscale_gradients: bool,
         value_histograms: Optional["re.Pattern[str]"],
         warn: Callable[[str], None],
+        info: Callable[[str], None] = lambda message: None,
+        coverage: bool = True,
     ) -> None:
         self.statistics = list(statistics)
         self.histograms, self.figure, self.figure_every, self.code = histograms, figure, figure_every, code
         self.rank_spread, self.max_tags, self.unscale_gradients = rank_spread, max_tags, unscale_gradients
         self.value_histograms = value_histograms
-        self.warn = warn
+        self.warn, self.info = warn, info
+        self.report_coverage = coverage
         self.worker = Worker()
         self.anomalies = AnomalyWatch()
         self._warned: Dict[str, bool] = {}
@@ -153,6 +158,7 @@ class Reporter:
         if not keep:
             self.warn_once(f"empty{data.prefix}", _nothing_recorded(data))
             return
+        self._coverage(data, [labels[i] for i in keep])
         keep = self._cap(keep)
         if not loggers:
             return
@@ -165,6 +171,17 @@ class Reporter:
         )  # fmt: skip
         writer = self._writer(loggers, data.prefix, data.parameters)
         self.worker.submit(f"step {data.step}", _write, writer, job, list(loggers), {l: i for i, l in enumerate(labels)}, records)
+
+    def _coverage(self, data: StepData, recorded: List[str]) -> None:
+        """Once per run, after the first tracked training step (dynamo compiles lazily)."""
+        if data.prefix or not self.report_coverage or self._warned.get("coverage"):
+            return
+        self._warned["coverage"] = True
+        report = data.capture.coverage(recorded)
+        self.info(f"ScaleMonitor: {report.line()}")
+        warning = report.warning()
+        if warning:
+            self.warn(warning)
 
     def warn_once(self, key: str, message: str) -> None:
         """Warn ``message`` the first time ``key`` is seen."""
