@@ -145,7 +145,8 @@ class ScaleMonitor(Callback):
         self._active: Optional[_TrackedStep] = None
         self._disabled: Optional[str] = None
         self.reporter = Reporter(
-            self.statistics, histograms, figure, figure_every, code, rank_spread, max_tags, unscale_gradients, self.value_histograms, rank_zero_warn
+            self.statistics, histograms, figure, figure_every, code, rank_spread, max_tags, unscale_gradients, self.value_histograms, rank_zero_warn, rank_zero_info,
+            coverage=include is None and exclude is None,
         )
 
     # ---- Lightning hooks ---------------------------------------------------------------
@@ -316,7 +317,8 @@ class ScaleMonitor(Callback):
 
     def _report(self, trainer: pl.Trainer, active: "_TrackedStep") -> None:
         cap = active.capture
-        labels = [l for l in cap.node_labels if self._selected(l, cap)]
+        outputs = cap.module_outputs
+        labels = [l for l in cap.tags if self._selected(l, cap, outputs)]
         replicated = _replicated_labels(self._target(trainer.lightning_module))
         data = StepData(active.step, active.prefix, cap, active.recorder, labels, self.submodule or "", active.loss_scale, self._update_rows(trainer, active), replicated)
         try:
@@ -332,12 +334,13 @@ class ScaleMonitor(Callback):
         except Exception as err:  # noqa: BLE001 - after the collective: a fault here stays here
             self.reporter.warn_once("report", f"ScaleMonitor: reporting step {active.step} failed ({type(err).__name__}: {err}); training continues")
 
-    def _selected(self, label: str, cap: Capture) -> bool:
+    def _selected(self, label: str, cap: Capture, module_outputs: "set[str]") -> bool:
         if self.include is not None and not self.include.search(label):
             return False
         if self.exclude is not None and self.exclude.search(label):
             return False
-        return not (self.prune_views and label in cap.aliases)
+        # a module's output shares its last node's record, but is how a layer is found: kept
+        return not (self.prune_views and label in cap.aliases and label not in module_outputs)
 
     # ---- anomaly-triggered tracking and update ratios (lightning_scale.anomaly, .updates)
 

@@ -8,7 +8,11 @@ Three modes:
 * ``dynamo``: TorchDynamo with a custom ``torch.compile`` backend that hands each captured
   graph (one per graph break) to the instrumentation. No C compiler is involved. Covers
   models fx cannot trace at all (Hugging Face transformers, data-dependent control flow).
-* ``auto``: fx when it traces the model without unexpected fallbacks, dynamo otherwise.
+* ``auto``: fx when it traces the model without unexpected fallbacks and without writing
+  module attributes in ``forward``, dynamo otherwise (the reason is in ``Capture.reason``).
+
+Compiled submodules (``OptimizedModule``) are leaves in fx and opaque in dynamo: they run
+their own compiled code. ``Capture.coverage`` measures what a tracked step recorded.
 
 A ``Capture`` gives ``tracked(module)``: a function with ``module.forward``'s signature
 that runs the captured graphs, recording into the active ``Recorder``.
@@ -18,9 +22,10 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import re
+import traceback
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from types import FunctionType, ModuleType
 from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Set, Tuple, Type, Union
@@ -28,8 +33,10 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Set, 
 import torch
 from torch import fx, nn
 
-from lightning_scale import recorder
+from lightning_scale import coverage, frames
+from lightning_scale.dynamo_backend import MODULE_KEY, WeakBackend, tracked_forward
 from lightning_scale.interpreter import instrument
+from lightning_scale.module_state import guarded
 
 __all__ = ["CAPTURE_MODES", "Capture", "CaptureError", "DeepTracer", "capture", "label_graph"]
 
@@ -43,6 +50,8 @@ DEFAULT_LEAF_TYPES: Tuple[Type[nn.Module], ...] = (
     nn.MultiheadAttention,
     nn.TransformerEncoderLayer,
     nn.TransformerDecoderLayer,
+    # A compiled submodule runs as its user compiled it: a leaf, recorded at its output.
+    torch._dynamo.eval_frame.OptimizedModule,
 )
 
 
@@ -99,7 +108,12 @@ class DeepTracer(fx.Tracer):
                 self.leaves.append(name)
             return super().call_module(m, forward, args, kwargs)
         if not self.fallback:
-            return super().call_module(m, forward, args, kwargs)
+            try:
+                return super().call_module(m, forward, args, kwargs)
+            except Exception as err:
+                if not hasattr(err, "_lightning_scale_module"):
+                    err._lightning_scale_module = name  # type: ignore[attr-defined]  # innermost module, for the message
+                raise
         before = list(self.graph.nodes)[-1] if len(self.graph.nodes) else None
         stack = dict(self.module_stack)
         try:
@@ -108,7 +122,7 @@ class DeepTracer(fx.Tracer):
             self._rollback(before)
             self.module_stack.clear()
             self.module_stack.update(stack)
-            self.fallbacks[name] = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+            self.fallbacks[name] = failure_reason(err)
             self.leaves.append(name)
             return self.create_proxy("call_module", name, args, kwargs)
 
@@ -169,7 +183,9 @@ def _op_name(node: fx.Node, root: Optional[nn.Module]) -> str:
 
 
 def _module_type(m: nn.Module) -> type:
-    """The user's class: FSDP2's ``fully_shard`` swaps in a subclass ``FSDP<name>``."""
+    """The user's class: FSDP2's ``fully_shard`` swaps in a subclass ``FSDP<name>``;
+    ``torch.compile`` wraps the module in an ``OptimizedModule``."""
+    m = getattr(m, "_orig_mod", m) if isinstance(m, torch._dynamo.eval_frame.OptimizedModule) else m
     cls = type(m)
     if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2 and cls.__bases__[0].__name__ == "FSDPModule":
         return cls.__bases__[1]
@@ -321,15 +337,43 @@ class Capture:
     aliases: Dict[str, str] = field(default_factory=dict)
     reason: str = ""
     _taken: Dict[str, int] = field(default_factory=dict)
-    _by_signature: Dict[Tuple[str, ...], Dict[str, str]] = field(default_factory=dict)
     _fns: List[Callable[..., Any]] = field(default_factory=list)
     _unit_fns: List[Tuple[str, Callable[..., Any]]] = field(default_factory=list)
     _compiled: Optional[Callable[..., Any]] = None
+    _labeller: frames.Labeller = field(default_factory=frames.Labeller)
+    _tables: Dict[Tuple[int, Tuple[str, ...]], Dict[str, str]] = field(default_factory=dict)
+    _module_paths: Optional[Dict[int, str]] = None
+    _tensor_names: Optional[Dict[int, List[str]]] = None
+    _breaks: List[str] = field(default_factory=list)
+
+    def _tensor_paths(self) -> Dict[int, List[str]]:
+        if self._tensor_names is None:
+            named = [*self.module.named_parameters(remove_duplicate=False), *self.module.named_buffers(remove_duplicate=False)]
+            self._tensor_names = {}
+            for name, t in named:
+                self._tensor_names.setdefault(id(t), []).append(frames.strip_compiled(name))
+        return self._tensor_names
+
+    def _paths(self) -> Dict[int, str]:
+        if self._module_paths is None:
+            self._module_paths = frames.module_paths(self.module)
+        return self._module_paths
 
     @property
     def node_labels(self) -> List[str]:
-        """Every node label, graph by graph, in execution order."""
+        """Every node label, graph by graph, in execution order (module outputs left out)."""
+        return [label for labels in self.labels for key, label in labels.items() if not key.startswith(MODULE_KEY)]
+
+    @property
+    def tags(self) -> List[str]:
+        """``node_labels`` and, after each module's last node, the module's path: its
+        output (an alias, no extra cost), so ``model.fc1`` finds the layer's output."""
         return [label for labels in self.labels for label in labels.values()]
+
+    @property
+    def module_outputs(self) -> Set[str]:
+        """The tags of ``tags`` that name a module's output (not a graph node of their own)."""
+        return {label for labels in self.labels for key, label in labels.items() if key.startswith(MODULE_KEY)}
 
     def parts(self) -> List[Tuple[str, Callable[..., Any]]]:
         """(submodule path, tracked forward) pairs to install: ``""`` is the captured
@@ -346,27 +390,27 @@ class Capture:
             return self._fns[0]
         if self._compiled is None:
             forward = type(self.module).forward.__get__(self.module)
-            self._compiled = torch.compile(forward, backend=_WeakBackend(self), dynamic=None, **_ISOLATED)
+            compiled = torch.compile(forward, backend=WeakBackend(self), dynamic=None, **_ISOLATED)
+            self._compiled = tracked_forward(self, compiled)
         return self._compiled
 
-    def _backend(self, gm: fx.GraphModule, example_inputs: List[Any]) -> Callable[..., Any]:
-        # A recompile (new input shapes) keeps the labels of the graph it repeats, so a
-        # node keeps one tag whatever the shape; it is not listed a second time.
-        # Only tensor nodes are labelled: a graph recompiled with dynamic shapes gains
-        # size placeholders and size arithmetic but keeps its tensor ops.
-        tensors = {n.name for n in gm.graph.nodes if isinstance(n.meta.get("example_value"), torch.Tensor)}
-        fresh = label_graph(gm, only=tensors)
-        known = self._by_signature.get(tuple(fresh.values()))
-        if known is not None:
-            labels = dict(zip(fresh, known.values()))
-            return instrument(gm, _observed(labels, view_aliases(gm, labels)))
-        labels = label_graph(gm, None, self._taken, only=tensors)
-        self._by_signature[tuple(fresh.values())] = labels
-        aliases = view_aliases(gm, labels)
-        self.graphs.append(gm)
-        self.labels.append(labels)
-        self.aliases.update(aliases)
-        return instrument(gm, _observed(labels, aliases))
+    def coverage(self, recorded: Sequence[str]) -> coverage.CoverageReport:
+        """How much of the module the labels ``recorded`` (those with a record on a
+        tracked step) cover; ``.line()`` for the log, ``.warning()`` below 90%."""
+        opaque = [frames.strip_compiled(p) for p in self.leaves] + self._opaque_compiled()
+        return coverage.measure(self.module, recorded, opaque, self._why_missing)
+
+    def _opaque_compiled(self) -> List[str]:
+        compiled = torch._dynamo.eval_frame.OptimizedModule
+        return [frames.strip_compiled(n) for n, m in self.module.named_modules() if n and isinstance(m, compiled)]
+
+    def _why_missing(self, path: str) -> str:
+        for where, why in self.fallbacks.items():
+            if path == where or path.startswith(where + "."):
+                return f"fx could not trace `{where}`: {why}"
+        if self.mode == "dynamo" and self._breaks:
+            return "ran outside the captured graphs; dynamo graph breaks: " + " | ".join(self._breaks[:3])
+        return "no op of it recorded (not called on the tracked step, or run outside the captured graphs)"
 
     def describe(self) -> str:
         """One line for a person: mode, graphs, nodes, leaves and fallbacks."""
@@ -383,35 +427,6 @@ class Capture:
 # Compiles of the same forward (a new model of the same class) share dynamo's recompile
 # limit unless isolated: after 8 fits in one process, tracking would stop.
 _ISOLATED = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
-
-
-class _WeakBackend:
-    """A capture's dynamo backend that holds it weakly: dynamo keeps every backend for the
-    life of the process (``eval_frame.cached_backends``), and a capture holds its model."""
-
-    def __init__(self, cap: Capture) -> None:
-        self._cap = weakref.ref(cap)
-
-    def __call__(self, gm: fx.GraphModule, example_inputs: List[Any]) -> Callable[..., Any]:
-        cap = self._cap()
-        if cap is None:
-            return gm.forward
-        try:
-            return cap._backend(gm, example_inputs)
-        except Exception as err:  # noqa: BLE001 - never fail the user's forward: run it untracked
-            return _failing_step(gm, RuntimeError(f"dynamo graph not instrumented ({type(err).__name__}: {err})"))
-
-
-def _failing_step(gm: fx.GraphModule, error: Exception) -> Callable[..., Any]:
-    """Runs ``gm`` as compiled, and marks the step's recorder failed (the callback warns)."""
-
-    def run(*args: Any) -> Any:
-        rec = recorder.active()
-        if rec is not None and rec.error is None:
-            rec.error = error
-        return gm.forward(*args)
-
-    return run
 
 
 def capture(
@@ -449,9 +464,10 @@ def capture(
     try:
         cap = _fx_capture(module, leaves, autowrap_modules, autowrap_functions)
     except Exception as err:  # noqa: BLE001 - any failure of the trace itself
+        why = failure_reason(err)
         if mode == "fx":
-            raise CaptureError(f"torch.fx could not trace {type(module).__name__}: {type(err).__name__}: {err}") from err
-        return Capture("dynamo", module, reason=f"auto: fx failed ({type(err).__name__}: {str(err).splitlines()[0][:160]})")
+            raise CaptureError(f"torch.fx could not trace {type(module).__name__}: {why}") from err
+        return Capture("dynamo", module, reason=f"auto: fx failed ({why})")
     if mode == "auto" and cap.fallbacks:
         reason = "auto: fx needed fallbacks for " + ", ".join(cap.fallbacks)
         return Capture("dynamo", module, fallbacks=cap.fallbacks, reason=reason)
@@ -459,11 +475,36 @@ def capture(
     return cap
 
 
+class SideEffectError(RuntimeError):
+    """``forward`` writes attributes of modules: an fx graph would not repeat the write."""
+
+
 def _trace(module: nn.Module, tracer: DeepTracer) -> fx.GraphModule:
-    with warnings.catch_warnings():
+    # Nothing of the trace may stay on the user's modules (fx runs forward on proxies).
+    with warnings.catch_warnings(), guarded(module) as writes:
         warnings.simplefilter("ignore")
         graph = tracer.trace(module)
-    return fx.GraphModule(module, graph)
+        gm = fx.GraphModule(module, graph)
+    if writes:
+        where = ", ".join(str(w) for w in writes[:3])
+        raise SideEffectError(f"forward writes module state ({where}), which a graph does not replay")
+    return gm
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def failure_reason(err: BaseException) -> str:
+    """What failed, where: ``TypeError: ... in `blocks.0.attn` at model.py:42 (code)``."""
+    text = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
+    module = getattr(err, "_lightning_scale_module", None)
+    if module:
+        text += f" in `{module}`"
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        if not frame.filename.startswith((_TORCH_DIR, _OWN_DIR)) and "/contextlib.py" not in frame.filename:
+            return f"{text} at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
+    return text
 
 
 def _fx_capture(
@@ -477,6 +518,7 @@ def _fx_capture(
     taken: Dict[str, int] = {}
     labels = label_graph(gm, module, taken)
     aliases = view_aliases(gm, labels)
+    labels = _with_module_outputs(gm, labels, aliases)
     cap = Capture("fx", module, [gm], [labels], list(tracer.leaves), dict(tracer.fallbacks), aliases, _taken=taken)
     cap._fns.append(instrument(gm, _observed(labels, aliases), live=module))
     return cap
@@ -503,6 +545,27 @@ def _add_units(
         cap.aliases.update(aliases)
         cap.fallbacks.update({f"{path}.{k}": v for k, v in tracer.fallbacks.items()})
         cap._unit_fns.append((path, instrument(gm, _observed(labels, aliases), live=unit)))
+
+
+def _with_module_outputs(gm: fx.GraphModule, labels: Dict[str, str], aliases: Dict[str, str], scope: str = "") -> Dict[str, str]:
+    """``labels`` plus, after each module's last node, the module's path as an alias of
+    that node (``fc1`` -> ``fc1/linear``): a layer's output is found by its name."""
+    ends: Dict[str, List[str]] = {}
+    outputs = frames.module_outputs(gm, parse=lambda p: (None, p))
+    outputs += [(None, str(n.target), n.name) for n in gm.graph.nodes if n.op == "call_module"]
+    for _, path, node in outputs:
+        full = frames.strip_compiled(".".join(p for p in (scope, path) if p))
+        source = labels.get(node)
+        if source is None or not full or full in labels.values() or full in aliases:
+            continue
+        aliases[full] = aliases.get(source, source)
+        ends.setdefault(node, []).append(full)
+    out: Dict[str, str] = {}
+    for name, label in labels.items():
+        out[name] = label
+        for full in ends.get(name, []):
+            out[MODULE_KEY + full] = full
+    return out
 
 
 def _observed(labels: Dict[str, str], aliases: Dict[str, str]) -> Dict[str, str]:

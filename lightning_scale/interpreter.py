@@ -159,8 +159,9 @@ def instrument(
     gm: fx.GraphModule,
     labels: Mapping[str, Hashable],
     live: Optional[torch.nn.Module] = None,
+    observer: Callable[[Any, Any], None] = observe,
 ) -> Callable[..., Any]:
-    """Compile ``gm`` with an ``observe(value, label)`` call after each labelled node.
+    """Compile ``gm`` with an ``observer(value, label)`` call after each labelled node.
 
     Args:
         gm: the graph module.
@@ -168,6 +169,8 @@ def instrument(
             not observed.
         live: resolve ``self.<path>`` in the graph code on this module at run time
             (default: ``gm`` itself).
+        observer: the function called after each labelled node (default
+            ``recorder.observe``; dynamo graphs resolve labels per call instead).
 
     Returns:
         A function with ``gm.forward``'s signature. It records into the active
@@ -179,7 +182,7 @@ def instrument(
         new = graph.node_copy(node, lambda n: env[n])
         env[node] = new
         if node.name in labels and node.op != "output":
-            graph.call_function(observe, (new, labels[node.name]))
+            graph.call_function(observer, (new, labels[node.name]))
     graph._codegen = gm.graph._codegen  # keep pytree in/out handling
     code_gm = fx.GraphModule(gm, graph)
     forward = type(code_gm).forward

@@ -226,8 +226,12 @@ def recording(recorder: Recorder) -> Iterator[Recorder]:
         _ACTIVE = previous
 
 
+@torch.compiler.disable
 def observe(x: Any, key: Hashable) -> None:
     """Called by instrumented graphs after each node: record floating tensors.
+
+    Opaque to TorchDynamo: when the user compiles code that runs a tracked forward,
+    dynamo calls it as it is instead of tracing the recorder (and recompiling per key).
 
     A failure while taking statistics is kept in ``recorder.error`` and never reaches
     the model: monitoring must not break a training step.

@@ -90,6 +90,8 @@ class Reporter:
         histograms, figure, figure_every, code, rank_spread, max_tags, unscale_gradients,
             value_histograms: as ``ScaleMonitor``'s arguments of the same names.
         warn: how to warn (the callback passes Lightning's ``rank_zero_warn``).
+        info: how to log a line (``rank_zero_info``): the coverage of the first tracked step.
+        coverage: report coverage (off when ``include`` / ``exclude`` select nodes).
     """
 
     def __init__(
@@ -104,12 +106,15 @@ class Reporter:
         unscale_gradients: bool,
         value_histograms: Optional["re.Pattern[str]"],
         warn: Callable[[str], None],
+        info: Callable[[str], None] = lambda message: None,
+        coverage: bool = True,
     ) -> None:
         self.statistics = list(statistics)
         self.histograms, self.figure, self.figure_every, self.code = histograms, figure, figure_every, code
         self.rank_spread, self.max_tags, self.unscale_gradients = rank_spread, max_tags, unscale_gradients
         self.value_histograms = value_histograms
-        self.warn = warn
+        self.warn, self.info = warn, info
+        self.report_coverage = coverage
         self.worker = Worker()
         self.anomalies = AnomalyWatch()
         self._warned: Dict[str, bool] = {}
@@ -180,6 +185,7 @@ class Reporter:
         if not keep:
             self.warn_once(f"empty{data.prefix}", _nothing_recorded(data))
             return
+        self._coverage(data, [labels[i] for i in keep])
         keep = self._cap(keep)
         if not loggers:
             return
@@ -197,6 +203,17 @@ class Reporter:
         """Queue the scalar ``anomaly/loss`` and the text ``anomaly/event`` at the anomalous step."""
         if loggers:
             self.worker.submit(f"anomaly at step {found.step}", _write_anomaly, list(loggers), found)
+
+    def _coverage(self, data: StepData, recorded: List[str]) -> None:
+        """Once per run, after the first tracked training step (dynamo compiles lazily)."""
+        if data.prefix or not self.report_coverage or self._warned.get("coverage"):
+            return
+        self._warned["coverage"] = True
+        report = data.capture.coverage(recorded)
+        self.info(f"ScaleMonitor: {report.line()}")
+        warning = report.warning()
+        if warning:
+            self.warn(warning)
 
     def warn_once(self, key: str, message: str) -> None:
         """Warn ``message`` the first time ``key`` is seen."""

@@ -221,10 +221,13 @@ def test_logged_std_equals_float64_reference(tmp_path: Path) -> None:
     series = scalars(events(trainer))
     assert steps_of(series) == {0, 2}
     labels = {t.split("/", 2)[2] for t in series}
-    assert labels == {"x", "net.0.weight", "net.0.bias", "net.0/linear", "net.1/relu", "net.2.weight", "net.2.bias", "net.2/linear"}
+    ops = {"x", "net.0.weight", "net.0.bias", "net.0/linear", "net.1/relu", "net.2.weight", "net.2.bias", "net.2/linear"}
+    assert labels == ops | {"net", "net.0", "net.1", "net.2"}  # module outputs, by module path
     for step in (0, 2):
         batch, state = snap.seen[(step, step)]
-        assert_matches_reference(series, step, mlp_reference(batch, state))
+        ref = mlp_reference(batch, state)
+        outputs = {"net.0": ref["net.0/linear"], "net.1": ref["net.1/relu"], "net.2": ref["net.2/linear"], "net": ref["net.2/linear"]}
+        assert_matches_reference(series, step, {**ref, **outputs})
 
 
 # ---- 2. histograms, figure, code, layout, other statistics --------------------------------

@@ -1,0 +1,176 @@
+"""The TorchDynamo side of a capture: the backend that instruments each graph, and the
+tracked forward that runs the model through it.
+
+Each graph dynamo hands over is instrumented once, with node names as keys; every call
+resolves them to full labels for the module instances that run it (``frames``). On a
+tracked call, compiled submodules (``OptimizedModule``) are opaque to this compile: they
+run their own compiled code and are recorded at their output under their path. Graph
+breaks inside library code resume inside it (``nested_graph_breaks``) instead of running
+the rest of the call unrecorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Tuple
+
+import torch
+from torch import fx, nn
+
+from lightning_scale import frames, recorder
+from lightning_scale.interpreter import instrument
+
+if TYPE_CHECKING:
+    from lightning_scale.capture import Capture
+
+__all__ = ["WeakBackend", "opaque_compiled", "tracked_forward"]
+
+_CONFIG = {k: True for k in ("nested_graph_breaks",) if hasattr(torch._dynamo.config, k)}
+MODULE_KEY = "<module>"  # label-dict key prefix of module outputs (no graph node of their own)
+COMPILED_KEY = "<compiled>"  # key prefix of compiled submodules' outputs (recorded, not a node)
+
+
+class WeakBackend:
+    """A capture's dynamo backend that holds it weakly: dynamo keeps every backend for the
+    life of the process (``eval_frame.cached_backends``), and a capture holds its model."""
+
+    def __init__(self, cap: "Capture") -> None:
+        self._cap = weakref.ref(cap)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: List[Any]) -> Callable[..., Any]:
+        cap = self._cap()
+        if cap is None:
+            return gm.forward
+        try:
+            return _instrumented(cap, gm)
+        except Exception as err:  # noqa: BLE001 - never fail the user's forward: run it untracked
+            return _failing_step(gm, RuntimeError(f"dynamo graph not instrumented ({type(err).__name__}: {err})"))
+
+
+def _failing_step(gm: fx.GraphModule, error: Exception) -> Callable[..., Any]:
+    """Runs ``gm`` as compiled, and marks the step's recorder failed (the callback warns)."""
+
+    def run(*args: Any) -> Any:
+        rec = recorder.active()
+        if rec is not None and rec.error is None:
+            rec.error = error
+        return gm.forward(*args)
+
+    return run
+
+
+def _op(node: fx.Node) -> str:
+    target = node.target
+    if node.op == "call_method":
+        return str(target)
+    if target is frames.exact_checkpoint:
+        return "checkpoint"
+    return getattr(target, "__name__", str(target)).strip("_") or "op"
+
+
+def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
+    def body_fn(body: fx.GraphModule, prefix: str) -> Callable[..., Any]:
+        names = {n.name: prefix + n.name for n in body.graph.nodes if n.op not in ("output", "placeholder")}
+        return instrument(body, names, observer=frames.observe_node)
+
+    bodies = frames.exact_checkpoints(gm, body_fn)
+    sites = frames.node_sites(gm, _op, resume=frames.compiling_resume_frame())
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    outputs = frames.module_outputs(gm, complete=not getattr(reason, "graph_break", True))
+    for prefix, body in bodies:
+        sites += frames.node_sites(body, _op, prefix)
+        outputs += frames.module_outputs(body, prefix)
+    from lightning_scale.capture import view_aliases
+
+    names = {s.name: s.name for s in sites}
+    views = view_aliases(gm, {k: v for k, v in names.items() if "." not in k})
+    graph = frames.FrameGraph(gm, sites, outputs, views)
+    fn = instrument(gm, {k: k for k in names if "." not in k}, observer=frames.observe_node)
+    roots, anchors = graph.roots(), graph.anchors()
+    weak = weakref.ref(cap)  # dynamo's code cache keeps this function for the process
+
+    def run(*args: Any) -> Any:
+        cap = weak()
+        if cap is None or recorder.active() is None:
+            return fn(*args)
+        known = frames.anchored_roots(anchors, args, cap._tensor_paths())
+        scope = frames.scope_of(frames.calling_frame(sys._getframe(1)), roots, cap._paths(), known)
+        with frames.running(_table(cap, graph, scope)):
+            return fn(*args)
+
+    return run
+
+
+def _table(cap: "Capture", graph: frames.FrameGraph, scope: Tuple[str, ...]) -> Dict[str, str]:
+    """Observed node -> label for ``graph`` run by ``scope``; registers new labels in ``cap``."""
+    key = (id(graph), scope)
+    known = cap._tables.get(key)
+    if known is not None:
+        return known
+    table = frames.table_for(graph, scope, cap._labeller)
+    aliases = {table[v]: table[s] for v, s in graph.views.items() if v in table and s in table}
+    listed = dict(table)
+    where = dict(zip(graph.roots(), scope[1:]))
+    for root, path, node in graph.outputs:
+        full = ".".join(p for p in (where.get(root, scope[0]) if root else scope[0], path) if p)
+        source = table.get(node)
+        if source is None or full in ("", scope[0]) or full in cap._labeller or full in cap.aliases or any(full in t.values() for t in cap.labels):
+            continue
+        aliases[full] = aliases.get(source, source)
+        listed[MODULE_KEY + full] = full
+    new = {k: v for k, v in listed.items() if not any(v in t.values() for t in cap.labels)}
+    if new:
+        cap.graphs.append(graph.gm)
+        cap.labels.append(new)
+    for alias, source in aliases.items():
+        cap.aliases.setdefault(alias, source)
+    observed = {k: v for k, v in table.items() if v not in cap.aliases}
+    cap._tables[key] = observed
+    return observed
+
+
+@contextlib.contextmanager
+def opaque_compiled(cap: "Capture") -> Iterator[None]:
+    """Compiled submodules run their own compiled code, recorded at their output."""
+    paths = cap._paths()
+    saved: List[Tuple[nn.Module, Any]] = []
+    for m in cap.module.modules():
+        if isinstance(m, torch._dynamo.eval_frame.OptimizedModule) and "forward" in m.__dict__:
+            if not any(paths[id(m)] in t.values() for t in cap.labels):
+                cap.graphs.append(fx.GraphModule(nn.Module(), fx.Graph()))  # no graph of its own
+                cap.labels.append({COMPILED_KEY + paths[id(m)]: paths[id(m)]})  # a record of its own
+            saved.append((m, m.__dict__["forward"]))
+            m.__dict__["forward"] = _recorded_at_output(m.__dict__["forward"], paths[id(m)])
+    try:
+        yield
+    finally:
+        for m, forward in saved:
+            m.__dict__["forward"] = forward
+
+
+def _recorded_at_output(forward: Callable[..., Any], label: str) -> Callable[..., Any]:
+    @torch.compiler.disable
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out = forward(*args, **kwargs)
+        recorder.observe(out, label)
+        return out
+
+    return run
+
+
+def tracked_forward(cap: "Capture", compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` under the capture's dynamo settings, compiled submodules opaque."""
+
+    breaks = torch._dynamo.utils.counters["graph_break"]
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        before = set(breaks)
+        try:
+            with opaque_compiled(cap), torch._dynamo.config.patch(**_CONFIG):
+                return compiled(*args, **kwargs)
+        finally:  # graph-break reasons, for the coverage report
+            cap._breaks.extend(str(k).splitlines()[0][:160] for k in breaks if k not in before)
+
+    return run

@@ -1,0 +1,329 @@
+"""Frames: labels of TorchDynamo graphs, resolved per calling module instance at run time.
+
+Dynamo compiles one graph per frame (and per graph break); node paths in a graph are
+relative to the frame's locals (``L['self'].fc``). A frame compiled for one block is
+reused, unguarded, for the next block of the same class (a resume function after a graph
+break guards on nothing of ``self``). So labels cannot be fixed at compile time: each call
+of a graph finds the module objects behind its locals in the calling Python frame, maps
+them to full paths in the captured module (by identity), and observes under those labels.
+
+Also here: the exact replay of activation checkpointing (dynamo's eager replay does not
+restore the RNG state) and the module-output map (``model.fc1`` -> its last node).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import fx, nn
+
+from lightning_scale import recorder
+
+__all__ = ["FrameGraph", "Labeller", "exact_checkpoint", "module_paths", "observe_node", "strip_compiled"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_ROOT = re.compile(r"^L\['([^']+)'\]((?:\[\d+\])*)")
+_TABLES: List[Dict[str, str]] = []  # node name -> label, for the graph now running
+_INTERNAL_INPUT = re.compile(r"^(stack\d*|___.*|nested_frame_values.*|args_\d+|.*_stack\d+.*)$")
+
+
+def strip_compiled(path: str) -> str:
+    """``block._orig_mod.0`` -> ``block.0``: a compiled submodule keeps its user's path."""
+    return re.sub(r"(^|\.)_orig_mod(\.|$)", lambda m: m.group(1) if m.group(2) else "", path).strip(".")
+
+
+def module_paths(root: nn.Module) -> Dict[int, str]:
+    """id(module) -> its first path in ``root`` (``_orig_mod`` removed); root is ``""``."""
+    out: Dict[int, str] = {}
+    for name, m in root.named_modules(remove_duplicate=False):
+        out.setdefault(id(m), strip_compiled(name))
+    return out
+
+
+@torch.compiler.disable
+def observe_node(x: Any, name: str) -> None:
+    """Observe ``x`` under the label the running graph's table gives node ``name``."""
+    if _TABLES and recorder.active() is not None:
+        label = _TABLES[-1].get(name)
+        if label is not None:
+            recorder.observe(x, label)
+
+
+def exact_checkpoint(body: Callable[..., Any], *args: Any, use_reentrant: bool = False, **_: Any) -> Any:
+    """Activation checkpointing as the user's eager call runs it: the RNG state is saved
+    and restored for the recompute, so dropout masks match (dynamo's eager replay of
+    ``tag_activation_checkpoint`` passes ``preserve_rng_state=False``)."""
+    return torch.utils.checkpoint.checkpoint(body, *args, use_reentrant=use_reentrant, preserve_rng_state=True)
+
+
+class _Body(nn.Module):
+    """A checkpointed body as a submodule of the graph, running its instrumented code."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+@dataclass
+class NodeSite:
+    """Where a node sits: frame local its module path starts from, path under it, op."""
+
+    name: str
+    root: Optional[str]
+    path: str
+    op: str
+    source: str
+    is_attr: bool = False
+
+
+@dataclass
+class FrameGraph:
+    """One dynamo graph, its nodes' sites and the module calls it ends."""
+
+    gm: fx.GraphModule
+    sites: List[NodeSite]
+    outputs: List[Tuple[Optional[str], str, str]] = field(default_factory=list)  # (root, path, node)
+    views: Dict[str, str] = field(default_factory=dict)  # node -> node with equal statistics
+
+    def roots(self) -> List[str]:
+        return sorted({s.root for s in self.sites if s.root} | {r for r, _, _ in self.outputs if r})
+
+    def anchors(self) -> Dict[str, Tuple[int, str]]:
+        """root local -> (input index, path under it) of a parameter or buffer read from it:
+        the tensor's full name at run time says which module the local is."""
+        index = {n.name: i for i, n in enumerate(n for n in self.gm.graph.nodes if n.op == "placeholder")}
+        out: Dict[str, Tuple[int, str]] = {}
+        for site in self.sites:
+            if site.is_attr and site.root and site.name in index:
+                out.setdefault(site.root, (index[site.name], site.path))
+        return out
+
+
+def _site_path(stack_path: str) -> Tuple[Optional[str], str]:
+    m = _ROOT.match(stack_path)
+    if m is None:
+        return None, ""
+    rest = stack_path[m.end() :]
+    root = _root_key(m.group(1) + "_" + "_".join(re.findall(r"\d+", m.group(2))))
+    rest = re.sub(r"getattr\((.*), '([^']+)'\)", r"\1.\2", rest)
+    rest = re.sub(r"\[(\d+)\]", r".\1", rest)
+    rest = re.sub(r"\['([^']+)'\]", r".\1", rest)
+    parts = [p for p in rest.split(".") if p and p not in _INTERNAL_ATTRS]
+    return root, strip_compiled(".".join(parts))
+
+
+def _root_key(name: str) -> str:
+    """One spelling of a frame local for stack paths and placeholder names:
+    ``L['___stack'][0][1]`` and ``L___stack_0_1_modules_...`` both give ``stack_0_1``."""
+    return re.sub(r"[^0-9A-Za-z]+", "_", name).strip("_")
+
+
+def _source(node: fx.Node) -> str:
+    trace = str(node.meta.get("stack_trace") or "")
+    lines = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    return f"{lines[-1][0]}:{lines[-1][1]}" if lines else ""
+
+
+_INTERNAL_ATTRS = {"__dict__", "__self__", "_modules", "_parameters", "_buffers"}
+_ATTR = re.compile(r"^[Ll]_(.+?)_((?:modules|parameters|buffers)_.*?)_?$")
+
+
+def _placeholder_site(node: fx.Node) -> Optional[NodeSite]:
+    target = str(node.target)
+    m = _ATTR.match(target)
+    if m:
+        parts = re.split(r"_(?:modules|parameters|buffers)_", "_" + m.group(2))
+        parts = [re.sub(r"_+dict_*$", "", p) for p in parts]  # `__dict__` hops of the source
+        return NodeSite(node.name, _root_key(m.group(1)), strip_compiled(".".join(p for p in parts if p)), "", "", True)
+    name = target[2:-1] if target[:2] in ("L_", "l_") and target.endswith("_") else target
+    if _INTERNAL_INPUT.match(name):
+        return None  # a graph-break resume input: recorded where it was produced
+    return NodeSite(node.name, None, "", name, "")
+
+
+def node_sites(gm: fx.GraphModule, op_name: Callable[[fx.Node], str], prefix: str = "", resume: bool = False) -> List[NodeSite]:
+    """Sites of the tensor nodes of ``gm`` (node names prefixed for checkpoint bodies);
+    a resume frame's inputs were recorded where they were produced, before the break."""
+    sites = []
+    for node in gm.graph.nodes:
+        if node.op in ("output", "get_attr"):
+            continue
+        if node.op == "placeholder":
+            value = node.meta.get("example_value", node.meta.get("grapharg"))
+            tensor = value is None or isinstance(value, torch.Tensor) or isinstance(getattr(value, "example", None), torch.Tensor)
+            site = None if prefix or not tensor else _placeholder_site(node)
+            site = None if site is None or (resume and not site.is_attr) else site
+        elif isinstance(node.meta.get("example_value"), torch.Tensor) or prefix:
+            stack = node.meta.get("nn_module_stack") or {}
+            root, path = _site_path(str(list(stack.values())[-1][0])) if stack else (None, "")
+            site = NodeSite(node.name, root, path, op_name(node), _source(node))
+        else:
+            site = None
+        if site is not None:
+            site.name = prefix + site.name
+            sites.append(site)
+    return sites
+
+
+def module_outputs(
+    gm: fx.GraphModule,
+    prefix: str = "",
+    parse: Callable[[str], Tuple[Optional[str], str]] = _site_path,
+    complete: bool = True,
+) -> List[Tuple[Optional[str], str, str]]:
+    """(root, path, node) for each module call that ends inside ``gm``: its last node whose
+    value leaves the module. Modules called more than once in the graph are left out;
+    ``complete=False`` (the graph ends at a graph break) leaves out a region that ends the
+    graph and only reaches its output, since the module may continue in the next graph."""
+    computing = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    order = {n: i for i, n in enumerate(computing)}
+    spans: Dict[str, List[fx.Node]] = {}
+    for node in computing:
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            spans.setdefault(str(path), []).append(node)
+    out = []
+    for key, nodes in spans.items():
+        idx = [order[n] for n in nodes]
+        if idx != list(range(idx[0], idx[0] + len(idx))):
+            continue  # two calls, or interleaved: no single output
+        last = nodes[-1]
+        inside = set(nodes)
+        value = last.meta.get("example_value", None if parse is _site_path else last)  # fx: no example values
+        outside = [u for u in last.users if u not in inside]
+        if not isinstance(value, (torch.Tensor, fx.Node)) or not outside:
+            continue
+        if not complete and all(u.op == "output" for u in outside) and order[last] == len(computing) - 1:
+            continue  # the graph breaks right after it: the module may go on in the next graph
+        root, path = parse(key)
+        if path or root:  # a module held in a frame local (``L['___stack0']``) has no path under it
+            out.append((root, path, prefix + last.name))
+    return out
+
+
+def exact_checkpoints(gm: fx.GraphModule, instrument_body: Callable[[fx.GraphModule, str], Callable[..., Any]]) -> List[Tuple[str, fx.GraphModule]]:
+    """Route dynamo's checkpoint nodes through ``exact_checkpoint`` with instrumented bodies."""
+    bodies = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.higher_order.tag_activation_checkpoint:
+            attr = str(node.args[0].target)
+            body = getattr(gm, attr)
+            bodies.append((attr + ".", body))
+            setattr(gm, attr, _Body(instrument_body(body, attr + ".")))
+            node.target = exact_checkpoint
+    if bodies:
+        gm.recompile()
+    return bodies
+
+
+# ---------------------------------------------------------------------------------------
+# Run time: which module instances a graph runs for
+
+
+def calling_frame(start: FrameType) -> Optional[FrameType]:
+    """The first frame above ``start`` outside torch itself: the user frame running a graph."""
+    frame: Optional[FrameType] = start
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        frame = frame.f_back
+    return frame
+
+
+def scope_of(
+    frame: Optional[FrameType],
+    roots: List[str],
+    paths: Dict[int, str],
+    anchored: Optional[Dict[str, str]] = None,
+) -> Tuple[str, ...]:
+    """(owner path, path per root local): the modules a graph's frame runs for.
+    ``anchored`` gives root locals already known from the tensors they hold."""
+    anchored = anchored or {}
+    owner = ""
+    probe = frame
+    for _ in range(64):
+        if probe is None:
+            break
+        code = probe.f_code
+        if code.co_argcount and id(probe.f_locals.get(code.co_varnames[0])) in paths:
+            owner = paths[id(probe.f_locals[code.co_varnames[0]])]
+            break
+        probe = probe.f_back
+    local = {_root_key(k): v for k, v in frame.f_locals.items()} if frame is not None else {}
+    return (owner, *(anchored.get(r, paths.get(id(local.get(r)), owner)) for r in roots))
+
+
+def anchored_roots(anchors: Dict[str, Tuple[int, str]], args: Tuple[Any, ...], tensors: Dict[int, List[str]]) -> Dict[str, str]:
+    """root local -> module path, from the full names of the parameters passed in
+    (a tied weight has several: the one that ends with the graph's relative path)."""
+    out = {}
+    for root, (i, rel) in anchors.items():
+        for full in tensors.get(id(args[i]), []) if i < len(args) else []:
+            if full == rel or full.endswith("." + rel):
+                out[root] = full[: len(full) - len(rel)].rstrip(".")
+                break
+    return out
+
+
+class Labeller:
+    """Stable, unique labels: one per (base label, source line, occurrence), so recompiles
+    keep tags and distinct sites never share one."""
+
+    def __init__(self) -> None:
+        self._by_site: Dict[Tuple[str, str, int], str] = {}
+        self._used: Dict[str, int] = {}
+
+    def label(self, base: str, source: str, occurrence: int) -> str:
+        key = (base, source, occurrence)
+        if key not in self._by_site:
+            n = self._used.get(base, 0)
+            self._used[base] = n + 1
+            self._by_site[key] = base if n == 0 else f"{base}_{n}"
+        return self._by_site[key]
+
+    def __contains__(self, label: object) -> bool:
+        return label in self._by_site.values()
+
+
+def table_for(graph: FrameGraph, scope: Tuple[str, ...], labeller: Labeller) -> Dict[str, str]:
+    """Node name -> label for ``graph`` run by the modules in ``scope``."""
+    where = dict(zip(graph.roots(), scope[1:]))
+    seen: Dict[Tuple[str, str], int] = {}
+    table = {}
+    for site in graph.sites:
+        base_path = where.get(site.root, scope[0]) if site.root else scope[0]
+        path = ".".join(p for p in (base_path, site.path) if p)
+        if site.is_attr:
+            table[site.name] = labeller.label(path, "", 0)
+            continue
+        base = f"{path}/{site.op}" if path else site.op
+        n = seen.get((base, site.source), 0)
+        seen[(base, site.source)] = n + 1
+        table[site.name] = labeller.label(base, site.source, n)
+    return table
+
+
+@contextmanager
+def running(table: Dict[str, str]) -> Iterator[None]:
+    """Context of one graph call: ``observe_node`` resolves through ``table``."""
+    _TABLES.append(table)
+    try:
+        yield
+    finally:
+        _TABLES.pop()
+
+
+def compiling_resume_frame() -> bool:
+    """Whether dynamo is compiling the continuation of a frame after a graph break."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx().f_code.co_name.startswith("torch_dynamo_resume_in")
+    except Exception:  # noqa: BLE001 - a dynamo internal; without it inputs are labelled
+        return False
