@@ -31,10 +31,15 @@ def consumers_of(cap: Capture) -> Dict[str, Set[str]]:
     tuple ``getitem``); ``_OUTPUT`` among them where the value is a graph output."""
     out: Dict[str, Set[str]] = {}
     for gm, names in zip(list(cap.graphs), list(cap.labels)):
+        # A dynamo graph cut by a graph break hands its outputs to the code that resumes
+        # after the break, whose own graphs judge them: they are not the model's output.
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        cut = bool(getattr(reason, "graph_break", False))
         for node in gm.graph.nodes:
             label = names.get(node.name)
             if label is not None:
-                out.setdefault(label, set()).update(_users(node, names, set()))
+                users = _users(node, names, set())
+                out.setdefault(label, set()).update(users - {_OUTPUT} if cut else users)
     return out
 
 
@@ -71,9 +76,13 @@ class AnomalyWatch:
         inf = (records[..., _INF] > 0).tolist()
         consumers = self._consumers_of(cap)
         index = {label: i for i, label in enumerate(labels)}
+        # A module's output is its last op's tensor, recorded again under the module's path:
+        # the op is the node that gets the warning.
+        outputs = cap.module_outputs
+        nodes = [i for i, label in enumerate(labels) if label not in outputs]
         messages = []
         for name, d in (("forward", FORWARD), ("backward", BACKWARD)):
-            bad = [i for i in range(len(labels)) if nan[i][d] or (inf[i][d] and (d == BACKWARD or not _benign(labels[i], consumers, index, nan, inf, {})))]
+            bad = [i for i in nodes if nan[i][d] or (inf[i][d] and (d == BACKWARD or not _benign(labels[i], consumers, index, nan, inf, {})))]
             new = [i for i in bad if (labels[i], d) not in self._warned]
             self._warned.update((labels[i], d) for i in new)
             if new:

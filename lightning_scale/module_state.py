@@ -13,7 +13,7 @@ import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Set, Tuple
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from torch import nn
 __all__ = ["Write", "guarded"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_FX_DIR = os.path.join(_TORCH_DIR, "fx")
 _SLOTS = ("_parameters", "_buffers", "_modules")
 
 
@@ -52,11 +53,17 @@ def guarded(root: nn.Module) -> Iterator[List[Write]]:
         id(m): (m, dict(m.__dict__), *(dict(getattr(m, s)) for s in _SLOTS)) for m in root.modules()
     }
     writes: List[Write] = []
+    tracer_writes: Set[Tuple[str, str]] = set()
     original = nn.Module.__setattr__
 
     def recording_setattr(self: nn.Module, name: str, value: Any) -> None:
         if id(self) in paths:
-            writes.append(Write(paths[id(self)], name, _user_line()))
+            if sys._getframe(1).f_code.co_filename.startswith(_FX_DIR):
+                # fx's own bookkeeping (``_tensor_constant0`` for a tensor built in forward):
+                # the graph reads it back, so it is no side effect; it is still undone below.
+                tracer_writes.add((paths[id(self)], name))
+            else:
+                writes.append(Write(paths[id(self)], name, _user_line()))
         original(self, name, value)
 
     nn.Module.__setattr__ = recording_setattr  # type: ignore[method-assign]
@@ -65,16 +72,18 @@ def guarded(root: nn.Module) -> Iterator[List[Write]]:
     finally:
         nn.Module.__setattr__ = original  # type: ignore[method-assign]
         for m, attrs, *slots in saved.values():
-            _restore(m, attrs, slots, writes, paths)
+            _restore(m, attrs, slots, writes, paths, tracer_writes)
 
 
-def _restore(m: nn.Module, attrs: Dict[str, Any], slots: List[Dict[str, Any]], writes: List[Write], paths: Dict[int, str]) -> None:
+def _restore(
+    m: nn.Module, attrs: Dict[str, Any], slots: List[Dict[str, Any]], writes: List[Write], paths: Dict[int, str], ignored: Set[Tuple[str, str]]
+) -> None:
     # Identity, not equality: values are tensors and proxies.
     changed = [k for k in set(m.__dict__) | set(attrs) if m.__dict__.get(k, _GONE) is not attrs.get(k, _GONE)]
     for name, content in zip(_SLOTS, slots):
         now = getattr(m, name)
         changed += [k for k in set(now) | set(content) if now.get(k, _GONE) is not content.get(k, _GONE)]
-    known = {(w.module, w.attribute) for w in writes}
+    known = {(w.module, w.attribute) for w in writes} | ignored
     path = paths.get(id(m), "?")
     writes.extend(Write(path, k, "?") for k in changed if (path, k) not in known)
     m.__dict__.clear()

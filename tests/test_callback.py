@@ -239,7 +239,8 @@ def test_extras_statistics_and_value_histograms(tmp_path: Path) -> None:
     monitor = ScaleMonitor(every_n_steps=2, statistics=["std", "absmax", "underflow_e4m3"], value_histograms=r"^net\.0/linear$", rank_spread=True, figure=True, figure_every=1)
     acc = events(fit(MLP(), tmp_path, [snap, monitor], max_steps=3))
     tags = acc.Tags()
-    for tag, nodes in (("scale_hist/fwd", 8), ("scale_hist/bwd", 7)):  # the input has no gradient
+    # 8 op nodes + 4 module outputs (net, net.0, net.1, net.2); the input has no gradient
+    for tag, nodes in (("scale_hist/fwd", 12), ("scale_hist/bwd", 11)):
         hist = acc.Histograms(tag)
         assert [e.step for e in hist] == [0, 2]
         assert all(e.histogram_value.num == nodes for e in hist)
@@ -527,8 +528,8 @@ def test_untraceable_model_is_tracked_with_dynamo(tmp_path: Path) -> None:
 
 def test_include_exclude_prune_views(tmp_path: Path) -> None:
     cases = {
-        "include": ({"include": r"fc1"}, {"fc1.weight", "fc1.bias", "fc1/linear"}),
-        "exclude": ({"exclude": r"\.(weight|bias)$|^x$", "prune_views": False}, {"fc1/linear", "relu", "reshape", "flatten", "fc2/linear"}),
+        "include": ({"include": r"fc1"}, {"fc1.weight", "fc1.bias", "fc1/linear", "fc1"}),  # `fc1`: the module's output
+        "exclude": ({"exclude": r"\.(weight|bias)$|^x$", "prune_views": False}, {"fc1/linear", "relu", "reshape", "flatten", "fc2/linear", "fc1", "fc2"}),
         "prune": ({"include": r"/|relu|reshape|flatten"}, {"fc1/linear", "relu", "fc2/linear"}),  # views pruned by default
         "view": ({"include": r"^reshape$", "prune_views": False}, {"reshape"}),
     }
@@ -570,7 +571,7 @@ def test_warns_when_nothing_is_recorded(tmp_path: Path) -> None:
 
 def test_max_tags_warns_and_caps(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    with pytest.warns(UserWarning, match=r"ScaleMonitor: 10 nodes have tensors; writing the first 3 \(raise `max_tags`"):
+    with pytest.warns(UserWarning, match=r"ScaleMonitor: 12 nodes have tensors; writing the first 3 \(raise `max_tags`"):
         trainer = fit(Views(), tmp_path, [ScaleMonitor(every_n_steps=2, max_tags=3, prune_views=False)])
     series = scalars(events(trainer))
     assert {t.split("/", 2)[2] for t in series} == {"x", "fc1.weight", "fc1.bias"}

@@ -78,9 +78,10 @@ def _reference(width: int, steps: int, lr: float) -> Dict[Tuple[str, str, int], 
 
     def hook(name: str) -> Any:
         def record(mod: nn.Module, args: Any, y: Tensor) -> None:
-            out[f"{name}/{type(mod).__name__.lower()}", "fwd", step] = _std(y)
             s = step
-            y.register_hook(lambda g: out.__setitem__((f"{name}/{type(mod).__name__.lower()}", "bwd", s), _std(g)))
+            for node in (f"{name}/{type(mod).__name__.lower()}", name):  # the op, and the module's output
+                out[node, "fwd", s] = _std(y)
+                y.register_hook(lambda g, node=node: out.__setitem__((node, "bwd", s), _std(g)))  # type: ignore[misc]
 
         return record
 

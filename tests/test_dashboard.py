@@ -58,7 +58,7 @@ def test_node_list_is_in_execution_order(run: Tuple[Path, Any, Any]) -> None:
     doc = metadata.decode(acc.Tensors(metadata.TAG)[-1].tensor_proto.string_val[0])
     from _dashboard_logs import Blocks
 
-    executed = [label for label in capture(Blocks(), "auto").node_labels if label in set(logged_labels(scalars))]
+    executed = [label for label in capture(Blocks(), "auto").tags if label in set(logged_labels(scalars))]
     assert doc["labels"] == executed
     # the callback tells the writer which labels are parameters and buffers
     named = {n for n, _ in Blocks().named_parameters()} | {n for n, _ in Blocks().named_buffers()}

@@ -714,6 +714,40 @@ def test_inf_in_forward_counted_and_warned_only_where_harmful(tmp_path: Any, mod
     ], run.warnings  # fmt: skip
 
 
+class MaskAcrossBreak(nn.Module):
+    """A ``-inf`` causal-style mask built before a graph break and used after it: either
+    absorbed by a softmax (benign) or, while ``poison`` is set, carried to the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.register_buffer("poison", torch.tensor(False))
+
+    def forward(self, x: Tensor) -> Tensor:
+        keep = torch.ones(8, 8, dtype=torch.bool).tril()[: x.shape[0] % 8 + 1].any(0)  # a fixed, partial mask
+        scores = self.fc1(x).masked_fill(~keep, -math.inf)
+        torch._dynamo.graph_break()  # the mask's consumers run in the next graph
+        h = torch.softmax(scores, -1)  # finite again
+        return self.fc2(h) * torch.where(self.poison, math.inf, 1.0)
+
+
+class PoisonOutputAtStep1(Net):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        self.net.poison.fill_(self.global_step == 1)
+        return super().training_step(batch, batch_idx)
+
+
+def test_inf_across_a_graph_break_is_judged_by_the_next_graph(tmp_path: Any) -> None:
+    run, monitor = train_both(tmp_path, lambda: Net(MaskAcrossBreak()), dense(8), statistics=NONFINITE_STATS, figure=False)
+    assert modes(monitor) == ["dynamo"]
+    inf = run.scalars()["inf/fwd/net/masked_fill"]
+    assert inf[0] > 0 and set(inf) == set(range(STEPS))  # counted at every step ...
+    assert not firsts(run.warnings), run.warnings  # ... never warned: the softmax absorbs it
+    run, _ = train_both(tmp_path / "poisoned", lambda: PoisonOutputAtStep1(MaskAcrossBreak()), dense(8), statistics=NONFINITE_STATS, figure=False)
+    forward = [w for w in firsts(run.warnings) if w[0] == "forward"]
+    assert forward and forward[0][1] == 1 and forward[0][2] != "net/masked_fill", run.warnings  # the output's Inf, not the mask's
+
+
 def nan_inputs() -> DataLoader:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(12, 8, generator=g)
