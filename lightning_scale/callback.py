@@ -390,7 +390,10 @@ class ScaleMonitor(Callback):
     def _update_rows(self, trainer: pl.Trainer, active: "_TrackedStep") -> Optional[UpdateRows]:
         if active.prefix or not self._updates.pending or self._updates.step != active.step:
             return None
-        return UpdateRows(*self._updates.rows(self._target(trainer.lightning_module).named_parameters()))
+        rows = UpdateRows(*self._updates.rows(self._target(trainer.lightning_module).named_parameters()))
+        if self._updates.error is not None and active.recorder.error is None:
+            active.recorder.error = self._updates.error  # pooled as this rank's failure flag: every rank drops the step
+        return rows
 
 
 class _TrackedStep:

@@ -24,7 +24,7 @@ Nothing here imports Lightning.
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -81,6 +81,7 @@ class UpdateTracker:
     def __init__(self) -> None:
         self._before: Dict[str, Tensor] = {}
         self.step = -1
+        self.error: Optional[BaseException] = None  # the last ``rows`` call's failure, if any
 
     @property
     def pending(self) -> bool:
@@ -98,11 +99,18 @@ class UpdateTracker:
         names: List[str] = []
         sharded: List[bool] = []
         out: List[Tensor] = []
+        self.error = None
         for name, p in params:
             if name not in before:
                 continue
-            grad = None if p.grad is None else _local(p.grad)
-            out.append(row_of(before[name], _local(p), grad))
+            try:
+                grad = None if p.grad is None else _local(p.grad)
+                out.append(row_of(before[name], _local(p), grad))
+            except Exception as err:  # noqa: BLE001 - see below
+                # Every rank must still send a row per parameter (the same payload shape),
+                # so a failure gives a placeholder and ``error``; the caller flags the step.
+                self.error = self.error or err
+                out.append(torch.zeros(2, len(stats.FIELDS), dtype=torch.float64, device=before[name].device))
             names.append(name)
             sharded.append(is_sharded(p))
         if not out:

@@ -272,11 +272,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_ranks_pool_ratios_exactly_and_agree_on_anomalies(tmp_path: Path, strategy: str) -> None:
+def _run_two_ranks(tmp_path: Path, *args: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    cmd = [sys.executable, str(ROOT / "tests" / "dist_scripts" / "run_updates.py"), str(tmp_path), strategy]
+    cmd = [sys.executable, str(ROOT / "tests" / "dist_scripts" / "run_updates.py"), str(tmp_path), *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=240)
@@ -285,9 +284,30 @@ def test_two_ranks_pool_ratios_exactly_and_agree_on_anomalies(tmp_path: Path, st
         out, _ = proc.communicate()
         pytest.fail(f"training script timed out:\n{out[-3000:]}")
     assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+RANK_NAMES = [f"model.{n}" for n in ("0.weight", "0.bias", "2.weight", "2.bias")]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_ranks_pool_ratios_exactly_and_agree_on_anomalies(tmp_path: Path, strategy: str) -> None:
+    _run_two_ranks(tmp_path, strategy)
     reference = Reference()
     reference.steps = torch.load(tmp_path / "reference.pt")
-    names = [f"model.{n}" for n in ("0.weight", "0.bias", "2.weight", "2.bias")]
     # step 1 by schedule; rank 1's spike at step 5 tracks 7 and 8 on both ranks (else the
     # tracked step's collective would hang)
-    _check(_logged(tmp_path / "logs" / "version_0"), reference, [1, 7, 8], names)
+    _check(_logged(tmp_path / "logs" / "version_0"), reference, [1, 7, 8], RANK_NAMES)
+
+
+def test_update_rows_failing_on_one_rank_drop_that_step_on_both(tmp_path: Path) -> None:
+    """Rank 1's update rows fail at step 7: both ranks still send the same payload (no hang),
+    both drop step 7 alike, steps 1 and 8 are logged exactly, training goes on."""
+    out = _run_two_ranks(tmp_path, "ddp", "fail")
+    assert "failed on rank(s) [1] at step 7; nothing logged for it" in out, out[-3000:]
+    reference = Reference()
+    reference.steps = torch.load(tmp_path / "reference.pt")
+    logged = _logged(tmp_path / "logs" / "version_0")
+    _check(logged, reference, [1, 8], RANK_NAMES)
+    assert 7 not in logged["scale/fwd/model.0/linear"] and {1, 8} <= set(logged["scale/fwd/model.0/linear"])
+    assert len(reference.steps) == 10  # the fit ran to the end

@@ -1,7 +1,8 @@
 """Train a tiny MLP on 2 CPU processes (gloo) with update ratios and anomaly detection on,
 and save a float64 reference of every optimizer step's full parameters and gradients.
 
-Usage: ``python run_updates.py OUT STRATEGY`` with STRATEGY ``ddp`` or ``fsdp2``. Rank 1
+Usage: ``python run_updates.py OUT STRATEGY [fail]`` with STRATEGY ``ddp`` or ``fsdp2``;
+``fail``: rank 1's update rows fail at step 7 (an injected error). Rank 1
 alone reports a loss spike at step 5 (its loss value only: ``+ 1e3 * loss.detach()`` leaves
 the gradient as it is). Tracked: step 1 (schedule) and, through the anomaly, 7 and 8.
 
@@ -23,7 +24,20 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_scale.updates as updates
 from lightning_scale import ScaleMonitor
+
+FAIL = {"armed": False, "now": False}
+_row_of = updates.row_of
+
+
+def _flaky_row_of(*args: Any) -> torch.Tensor:
+    if FAIL["now"]:
+        raise RuntimeError("injected update-row failure")
+    return _row_of(*args)
+
+
+updates.row_of = _flaky_row_of
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -51,6 +65,7 @@ class Module(pl.LightningModule):
         loss = F.mse_loss(self(x), y)
         if self.global_step == 5 and self.global_rank == 1:
             loss = loss + 1e3 * loss.detach()
+        FAIL["now"] = FAIL["armed"] and self.global_step == 7 and self.global_rank == 1
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -97,4 +112,5 @@ def main(out: Path, strategy_name: str) -> None:
 
 
 if __name__ == "__main__":
+    FAIL["armed"] = sys.argv[3:] == ["fail"]
     main(Path(sys.argv[1]), sys.argv[2])
