@@ -15,19 +15,17 @@ Compiled submodules (``OptimizedModule``) are leaves in fx and opaque in dynamo:
 their own compiled code. ``Capture.coverage`` measures what a tracked step recorded.
 
 A ``Capture`` gives ``tracked(module)``: a function with ``module.forward``'s signature
-that runs the captured graphs, recording into the active ``Recorder``.
+that runs the captured graphs, recording into the active ``Recorder``. The tracer is in
+``tracer.py``, labels and view aliases in ``labels.py``, the dynamo backend in
+``dynamo_backend.py`` and ``frames.py``.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-import os
-import re
-import traceback
-import warnings
 from dataclasses import dataclass, field
-from types import FunctionType, ModuleType
+from types import ModuleType
 from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Set, Tuple, Type, Union
 
 import torch
@@ -36,277 +34,17 @@ from torch import fx, nn
 from lightning_scale import coverage, frames
 from lightning_scale.dynamo_backend import MODULE_KEY, WeakBackend, tracked_forward
 from lightning_scale.interpreter import instrument
-from lightning_scale.module_state import guarded
+from lightning_scale.labels import label_graph, view_aliases
+from lightning_scale.tracer import DEFAULT_LEAF_TYPES, DeepTracer, failure_reason, trace_module
 
 __all__ = ["CAPTURE_MODES", "Capture", "CaptureError", "DeepTracer", "capture", "label_graph"]
 
 CaptureMode = Literal["auto", "fx", "dynamo"]
 CAPTURE_MODES: Tuple[str, ...] = ("auto", "fx", "dynamo")
 
-#: Modules kept as leaves by default: fx cannot trace them (control flow on proxies),
-#: or tracing would drop their buffer updates (BatchNorm's ``num_batches_tracked``).
-DEFAULT_LEAF_TYPES: Tuple[Type[nn.Module], ...] = (
-    nn.modules.batchnorm._BatchNorm,
-    nn.MultiheadAttention,
-    nn.TransformerEncoderLayer,
-    nn.TransformerDecoderLayer,
-    # A compiled submodule runs as its user compiled it: a leaf, recorded at its output.
-    torch._dynamo.eval_frame.OptimizedModule,
-)
-
 
 class CaptureError(RuntimeError):
     """No capture mode could capture the module."""
-
-
-class DeepTracer(fx.Tracer):
-    """An fx tracer that recurses into every submodule, with a per-submodule fallback.
-
-    Args:
-        autowrap_modules: Python modules whose functions are recorded as calls, not traced.
-        autowrap_functions: functions recorded as calls, not traced.
-        leaf_modules: module types or qualified names kept as ``call_module`` leaves.
-        fallback: on a submodule that fails to trace, keep it as a leaf and go on
-            (recorded in ``fallbacks``) instead of failing the whole trace.
-
-    Function arguments become placeholders named ``function_placeholder__<name>``,
-    resolved through ``graph._tracer_extras["target_to_function"]``.
-    """
-
-    # Buffers read as get_attr nodes: otherwise an op on buffers alone (``torch.where(
-    # self.flag, ...)``) runs at trace time and its result is frozen into the graph.
-    proxy_buffer_attributes = True
-
-    def __init__(
-        self,
-        autowrap_modules: Tuple[ModuleType, ...] = (math,),
-        autowrap_functions: Tuple[Callable[..., Any], ...] = (),
-        leaf_modules: Sequence[Union[str, Type[nn.Module]]] = DEFAULT_LEAF_TYPES,
-        fallback: bool = True,
-    ) -> None:
-        super().__init__(autowrap_modules=autowrap_modules, autowrap_functions=autowrap_functions)  # type: ignore[arg-type]
-        self.leaf_types = tuple(t for t in leaf_modules if isinstance(t, type))
-        self.leaf_names = {t for t in leaf_modules if isinstance(t, str)}
-        self.fallback = fallback
-        self.fallbacks: Dict[str, str] = {}
-        self.leaves: List[str] = []
-        self.target_to_function: Dict[str, FunctionType] = {}
-        self.function_to_node: Dict[FunctionType, fx.Node] = {}
-        self._modes: Optional[Tuple[Any, ...]] = None
-        if id(FunctionType) in self._autowrap_function_ids:
-            self._autowrap_function_ids.remove(id(FunctionType))
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if module_qualified_name in self.fallbacks or module_qualified_name in self.leaf_names:
-            return True
-        return isinstance(m, self.leaf_types)
-
-    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        name = self.path_of_module(m)
-        if self.is_leaf_module(m, name):
-            if name not in self.leaves:
-                self.leaves.append(name)
-            return super().call_module(m, forward, args, kwargs)
-        if not self.fallback:
-            try:
-                return super().call_module(m, forward, args, kwargs)
-            except Exception as err:
-                if not hasattr(err, "_lightning_scale_module"):
-                    err._lightning_scale_module = name  # type: ignore[attr-defined]  # innermost module, for the message
-                raise
-        before = list(self.graph.nodes)[-1] if len(self.graph.nodes) else None
-        stack = dict(self.module_stack)
-        try:
-            return super().call_module(m, forward, args, kwargs)
-        except Exception as err:  # noqa: BLE001 - any trace failure means "keep as leaf"
-            self._rollback(before)
-            self.module_stack.clear()
-            self.module_stack.update(stack)
-            self.fallbacks[name] = failure_reason(err)
-            self.leaves.append(name)
-            return self.create_proxy("call_module", name, args, kwargs)
-
-    def _rollback(self, last_kept: Optional[fx.Node]) -> None:
-        nodes = list(self.graph.nodes)
-        start = nodes.index(last_kept) + 1 if last_kept is not None else 0
-        for node in reversed(nodes[start:]):
-            if node.op != "placeholder":
-                self.graph.erase_node(node)
-
-    def create_arg(self, a: Any) -> fx.node.Argument:
-        if isinstance(a, FunctionType):
-            node = self.function_to_node.get(a)
-            if node is None:
-                target = f"function_placeholder__{a.__name__}"
-                node = self.create_node("placeholder", target, (), {}, a.__name__)
-                self.target_to_function[target] = a
-                self.function_to_node[a] = node
-            return node
-        return super().create_arg(a)
-
-    def create_node(self, kind: str, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
-        if self._modes is not None and _grad_modes() != self._modes:
-            raise RuntimeError(
-                f"{kind} {getattr(target, '__name__', target)} runs under a grad or autocast mode switched "
-                "inside forward (torch.no_grad, autocast, ...), which a graph does not record"
-            )
-        return super().create_node(kind, target, *args, **kwargs)
-
-    def trace(self, root: Union[nn.Module, Callable[..., Any]], concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
-        self._modes = _grad_modes()
-        graph = super().trace(root, concrete_args)
-        if getattr(graph, "_tracer_extras", None) is None:
-            graph._tracer_extras = {}
-        graph._tracer_extras["target_to_function"] = self.target_to_function
-        return graph
-
-
-def _grad_modes() -> Tuple[Any, ...]:
-    return (
-        torch.is_grad_enabled(),
-        torch.is_inference_mode_enabled(),
-        *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")),
-    )
-
-
-# ---------------------------------------------------------------------------------------
-# Labels
-
-
-def _op_name(node: fx.Node, root: Optional[nn.Module]) -> str:
-    if node.op == "call_module" and root is not None:
-        return _module_type(root.get_submodule(str(node.target))).__name__.lower()
-    if node.op == "call_method":
-        return str(node.target)
-    target = node.target
-    return getattr(target, "__name__", str(target)).strip("_") or "op"
-
-
-def _module_type(m: nn.Module) -> type:
-    """The user's class: FSDP2's ``fully_shard`` swaps in a subclass ``FSDP<name>``;
-    ``torch.compile`` wraps the module in an ``OptimizedModule``."""
-    m = getattr(m, "_orig_mod", m) if isinstance(m, torch._dynamo.eval_frame.OptimizedModule) else m
-    cls = type(m)
-    if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2 and cls.__bases__[0].__name__ == "FSDPModule":
-        return cls.__bases__[1]
-    return cls
-
-
-_DYNAMO_PATH = re.compile(r"^L\['[^']+'\]\.?(__self__\.?)?")  # L['self'].x, or L['fn'].__self__.x for a bound method
-
-
-def _module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path = str(list(stack.values())[-1][0])
-    path = _DYNAMO_PATH.sub("", path)
-    path = re.sub(r"\[(\d+)\]", r".\1", path)
-    path = re.sub(r"\['([^']+)'\]", r".\1", path)
-    path = re.sub(r"\._(modules|parameters|buffers)\.", ".", path)
-    return path.strip(".")
-
-
-_DYNAMO_ATTR = re.compile(r"_(modules|parameters|buffers)_")
-
-
-def _placeholder_name(target: str) -> str:
-    """``L_self_modules_fc1_parameters_weight_`` -> ``fc1.weight``; ``L_x_`` -> ``x``."""
-    m = _DYNAMO_ATTR.search(target)
-    if target.startswith("L_") and m:
-        rest = target[m.start() + 1 :]
-        parts = [p for p in _DYNAMO_ATTR.split("_" + rest) if p and p not in ("modules", "parameters", "buffers")]
-        return ".".join(p.strip("_") for p in parts)
-    if target.startswith("L_") and target.endswith("_"):
-        return target[2:-1]
-    return target
-
-
-def _base_label(node: fx.Node, root: Optional[nn.Module], scope: str) -> str:
-    """``path/op`` for ops, the attribute path for parameters, the name for inputs;
-    ``scope`` is the path of the module the graph belongs to inside the captured one."""
-    def under(path: str) -> str:
-        return ".".join(p for p in (scope, path) if p)
-
-    if node.op == "get_attr":
-        return under(str(node.target))
-    if node.op == "placeholder":
-        name = _placeholder_name(str(node.target))
-        return f"{scope}/{name}" if scope else name
-    if node.op == "call_module":
-        return f"{under(str(node.target))}/{_op_name(node, root)}"
-    path = under(_module_path(node))
-    return f"{path}/{_op_name(node, root)}" if path else _op_name(node, root)
-
-
-def label_graph(
-    gm: fx.GraphModule,
-    root: Optional[nn.Module] = None,
-    taken: Optional[Dict[str, int]] = None,
-    scope: str = "",
-    only: Optional[Set[str]] = None,
-) -> Dict[str, str]:
-    """Readable, unique labels for a graph's nodes: ``blocks.0.mlp.fc1/linear``.
-
-    Args:
-        gm: the graph module.
-        root: the module the graph was traced from (names leaf modules' types).
-        taken: labels already used (by other graphs of the same capture); updated.
-        scope: path of the graph's module inside the captured module (for submodules
-            captured separately, such as FSDP units).
-        only: label only these node names (default: all).
-
-    Returns:
-        node name -> label, for every node but the output and function placeholders.
-    """
-    taken = {} if taken is None else taken
-    labels: Dict[str, str] = {}
-    for node in gm.graph.nodes:
-        if node.op == "output" or str(node.target).startswith("function_placeholder__"):
-            continue
-        if only is not None and node.name not in only:
-            continue
-        base = _base_label(node, root, scope)
-        count = taken.get(base, 0)
-        taken[base] = count + 1
-        labels[node.name] = base if count == 0 else f"{base}_{count}"
-    return labels
-
-
-_VIEW_METHODS = {
-    "view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten",
-    "squeeze", "unsqueeze", "t", "view_as", "reshape_as", "swapaxes", "mT",
-}  # fmt: skip
-_VIEW_FUNCTIONS = {
-    torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.squeeze,
-    torch.unsqueeze, torch.t, torch.swapaxes, torch.unflatten,
-}  # fmt: skip
-
-
-def view_aliases(gm: fx.GraphModule, labels: Dict[str, str]) -> Dict[str, str]:
-    """Labels whose statistics equal another node's, forward and backward, exactly.
-
-    A reshape-like op (view, transpose, permute, ...) holds the same values as its input;
-    when it is the input's only user, its gradient holds the same values as the input's
-    gradient too. Such nodes need no computation of their own: label -> source label.
-    """
-    aliases: Dict[str, str] = {}
-    for node in gm.graph.nodes:
-        src = _view_source(node)
-        if src is None or len(src.users) != 1 or src.name not in labels or node.name not in labels:
-            continue
-        root = labels[src.name]
-        aliases[labels[node.name]] = aliases.get(root, root)
-    return aliases
-
-
-def _view_source(node: fx.Node) -> Optional[fx.Node]:
-    is_view = (node.op == "call_method" and node.target in _VIEW_METHODS) or (
-        node.op == "call_function" and node.target in _VIEW_FUNCTIONS
-    )
-    if is_view and node.args and isinstance(node.args[0], fx.Node):
-        return node.args[0]
-    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -475,38 +213,6 @@ def capture(
     return cap
 
 
-class SideEffectError(RuntimeError):
-    """``forward`` writes attributes of modules: an fx graph would not repeat the write."""
-
-
-def _trace(module: nn.Module, tracer: DeepTracer) -> fx.GraphModule:
-    # Nothing of the trace may stay on the user's modules (fx runs forward on proxies).
-    with warnings.catch_warnings(), guarded(module) as writes:
-        warnings.simplefilter("ignore")
-        graph = tracer.trace(module)
-        gm = fx.GraphModule(module, graph)
-    if writes:
-        where = ", ".join(str(w) for w in writes[:3])
-        raise SideEffectError(f"forward writes module state ({where}), which a graph does not replay")
-    return gm
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def failure_reason(err: BaseException) -> str:
-    """What failed, where: ``TypeError: ... in `blocks.0.attn` at model.py:42 (code)``."""
-    text = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
-    module = getattr(err, "_lightning_scale_module", None)
-    if module:
-        text += f" in `{module}`"
-    for frame in reversed(traceback.extract_tb(err.__traceback__)):
-        if not frame.filename.startswith((_TORCH_DIR, _OWN_DIR)) and "/contextlib.py" not in frame.filename:
-            return f"{text} at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
-    return text
-
-
 def _fx_capture(
     module: nn.Module,
     leaf_modules: Sequence[Union[str, Type[nn.Module]]],
@@ -514,7 +220,7 @@ def _fx_capture(
     autowrap_functions: Tuple[Callable[..., Any], ...],
 ) -> Capture:
     tracer = DeepTracer(autowrap_modules, autowrap_functions, leaf_modules)
-    gm = _trace(module, tracer)
+    gm = trace_module(module, tracer)
     taken: Dict[str, int] = {}
     labels = label_graph(gm, module, taken)
     aliases = view_aliases(gm, labels)
@@ -537,7 +243,7 @@ def _add_units(
         unit = root.get_submodule(path)
         inner = tuple(u[len(path) + 1 :] for u in units if u.startswith(path + "."))
         tracer = DeepTracer(autowrap_modules, autowrap_functions, leaves + inner)
-        gm = _trace(unit, tracer)
+        gm = trace_module(unit, tracer)
         labels = label_graph(gm, unit, cap._taken, scope=path)
         aliases = view_aliases(gm, labels)
         cap.graphs.append(gm)

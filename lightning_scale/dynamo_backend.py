@@ -82,7 +82,7 @@ def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
     for prefix, body in bodies:
         sites += frames.node_sites(body, _op, prefix)
         outputs += frames.module_outputs(body, prefix)
-    from lightning_scale.capture import view_aliases
+    from lightning_scale.labels import view_aliases
 
     names = {s.name: s.name for s in sites}
     views = view_aliases(gm, {k: v for k, v in names.items() if "." not in k})

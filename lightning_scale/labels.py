@@ -1,0 +1,154 @@
+"""Node labels and view aliases of captured graphs.
+
+A label is the module path of a node plus its op (``blocks.0.mlp.fc1/linear``), the
+attribute path of a parameter or buffer, or an input's name; a repeated label gets
+``_1``, ``_2``, ... in graph order. ``view_aliases`` finds reshape-like nodes whose
+statistics equal their input's, so they are copied rather than computed.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, Optional, Set
+
+import torch
+from torch import fx, nn
+
+__all__ = ["label_graph", "view_aliases"]
+
+
+
+def _op_name(node: fx.Node, root: Optional[nn.Module]) -> str:
+    if node.op == "call_module" and root is not None:
+        return _module_type(root.get_submodule(str(node.target))).__name__.lower()
+    if node.op == "call_method":
+        return str(node.target)
+    target = node.target
+    return getattr(target, "__name__", str(target)).strip("_") or "op"
+
+
+def _module_type(m: nn.Module) -> type:
+    """The user's class: FSDP2's ``fully_shard`` swaps in a subclass ``FSDP<name>``;
+    ``torch.compile`` wraps the module in an ``OptimizedModule``."""
+    m = getattr(m, "_orig_mod", m) if isinstance(m, torch._dynamo.eval_frame.OptimizedModule) else m
+    cls = type(m)
+    if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2 and cls.__bases__[0].__name__ == "FSDPModule":
+        return cls.__bases__[1]
+    return cls
+
+
+_DYNAMO_PATH = re.compile(r"^L\['[^']+'\]\.?(__self__\.?)?")  # L['self'].x, or L['fn'].__self__.x for a bound method
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = str(list(stack.values())[-1][0])
+    path = _DYNAMO_PATH.sub("", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    path = re.sub(r"\._(modules|parameters|buffers)\.", ".", path)
+    return path.strip(".")
+
+
+_DYNAMO_ATTR = re.compile(r"_(modules|parameters|buffers)_")
+
+
+def _placeholder_name(target: str) -> str:
+    """``L_self_modules_fc1_parameters_weight_`` -> ``fc1.weight``; ``L_x_`` -> ``x``."""
+    m = _DYNAMO_ATTR.search(target)
+    if target.startswith("L_") and m:
+        rest = target[m.start() + 1 :]
+        parts = [p for p in _DYNAMO_ATTR.split("_" + rest) if p and p not in ("modules", "parameters", "buffers")]
+        return ".".join(p.strip("_") for p in parts)
+    if target.startswith("L_") and target.endswith("_"):
+        return target[2:-1]
+    return target
+
+
+def _base_label(node: fx.Node, root: Optional[nn.Module], scope: str) -> str:
+    """``path/op`` for ops, the attribute path for parameters, the name for inputs;
+    ``scope`` is the path of the module the graph belongs to inside the captured one."""
+    def under(path: str) -> str:
+        return ".".join(p for p in (scope, path) if p)
+
+    if node.op == "get_attr":
+        return under(str(node.target))
+    if node.op == "placeholder":
+        name = _placeholder_name(str(node.target))
+        return f"{scope}/{name}" if scope else name
+    if node.op == "call_module":
+        return f"{under(str(node.target))}/{_op_name(node, root)}"
+    path = under(_module_path(node))
+    return f"{path}/{_op_name(node, root)}" if path else _op_name(node, root)
+
+
+def label_graph(
+    gm: fx.GraphModule,
+    root: Optional[nn.Module] = None,
+    taken: Optional[Dict[str, int]] = None,
+    scope: str = "",
+    only: Optional[Set[str]] = None,
+) -> Dict[str, str]:
+    """Readable, unique labels for a graph's nodes: ``blocks.0.mlp.fc1/linear``.
+
+    Args:
+        gm: the graph module.
+        root: the module the graph was traced from (names leaf modules' types).
+        taken: labels already used (by other graphs of the same capture); updated.
+        scope: path of the graph's module inside the captured module (for submodules
+            captured separately, such as FSDP units).
+        only: label only these node names (default: all).
+
+    Returns:
+        node name -> label, for every node but the output and function placeholders.
+    """
+    taken = {} if taken is None else taken
+    labels: Dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output" or str(node.target).startswith("function_placeholder__"):
+            continue
+        if only is not None and node.name not in only:
+            continue
+        base = _base_label(node, root, scope)
+        count = taken.get(base, 0)
+        taken[base] = count + 1
+        labels[node.name] = base if count == 0 else f"{base}_{count}"
+    return labels
+
+
+_VIEW_METHODS = {
+    "view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten",
+    "squeeze", "unsqueeze", "t", "view_as", "reshape_as", "swapaxes", "mT",
+}  # fmt: skip
+_VIEW_FUNCTIONS = {
+    torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.squeeze,
+    torch.unsqueeze, torch.t, torch.swapaxes, torch.unflatten,
+}  # fmt: skip
+
+
+def view_aliases(gm: fx.GraphModule, labels: Dict[str, str]) -> Dict[str, str]:
+    """Labels whose statistics equal another node's, forward and backward, exactly.
+
+    A reshape-like op (view, transpose, permute, ...) holds the same values as its input;
+    when it is the input's only user, its gradient holds the same values as the input's
+    gradient too. Such nodes need no computation of their own: label -> source label.
+    """
+    aliases: Dict[str, str] = {}
+    for node in gm.graph.nodes:
+        src = _view_source(node)
+        if src is None or len(src.users) != 1 or src.name not in labels or node.name not in labels:
+            continue
+        root = labels[src.name]
+        aliases[labels[node.name]] = aliases.get(root, root)
+    return aliases
+
+
+def _view_source(node: fx.Node) -> Optional[fx.Node]:
+    is_view = (node.op == "call_method" and node.target in _VIEW_METHODS) or (
+        node.op == "call_function" and node.target in _VIEW_FUNCTIONS
+    )
+    if is_view and node.args and isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    return None
