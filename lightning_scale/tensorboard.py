@@ -344,7 +344,7 @@ class ScaleWriter:
             return
         self._layout_key = key
         name = "scale_log2" if self.log2 else "scale"
-        categories = layout.custom_scalar_layout(self.prefix, labels, written, stat=name)
+        categories = layout.custom_scalar_layout(self.prefix, labels, written, stat=name, parameters=self.parameters or None)
         with _LAYOUT_LOCK:
             per_prefix = _LAYOUTS.setdefault(writer, {})
             per_prefix[self.prefix] = categories

@@ -127,6 +127,11 @@ def test_writer_rejects_a_bad_top_k() -> None:
 
 def test_module_groups() -> None:
     assert [module_group(l) for l in ["x", "model.blocks.3.attn/view", "head.weight", "head/linear"]] == ["(top)", "model.blocks.3", "head", "head"]
+    # a module's output is its own module: grouped with the ops inside it, not with its parent
+    assert module_group("model.blocks.0", False) == "model.blocks.0" and module_group("model.tok", False) == "model.tok"
+    assert module_group("model.blocks.0.attn", False) == "model.blocks.0"
+    # the same labels as parameters or buffers belong to the module that holds them
+    assert module_group("model.tok.weight", True) == "model.tok" and module_group("model.tok", True) == "model"
 
 
 # ---- the routes ---------------------------------------------------------------------------------

@@ -10,20 +10,25 @@ fires hundreds of requests at once.
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["custom_scalar_layout", "module_group"]
 
 
-def module_group(label: str) -> str:
+def module_group(label: str, parameter: Optional[bool] = None) -> str:
     """The block a node belongs to: its module path up to the first numeric part
     (``model.blocks.0.attn/view`` -> ``model.blocks.0``), else its first two parts;
-    ``"(top)"`` for ops of the top module.
+    ``"(top)"`` for ops and inputs of the top module.
 
-    Labels are ``<module path>/<op>``, a parameter's dotted name, or a bare op name.
+    Labels are ``<module path>/<op>``, a parameter's dotted name, a module's output (its
+    dotted path), or a bare op or input name. ``parameter``: whether a label without ``/``
+    is a parameter or buffer (its module is the path without the attribute) or a module's
+    output (its module is the label); ``None``: not known, treated as a parameter.
     """
     if "/" in label:
         path = label.rsplit("/", 1)[0]
+    elif parameter is False and "." in label:
+        path = label
     else:
         path = label.rsplit(".", 1)[0] if "." in label else ""
     parts = path.split(".") if path else []
@@ -42,7 +47,9 @@ def _chunks(groups: Dict[str, List[str]], per_category: int) -> List[Tuple[str, 
     return out
 
 
-def custom_scalar_layout(prefix: str, labels: Sequence[str], written: Mapping[str, Sequence[str]], stat: str = "scale_log2", per_category: int = 24) -> Dict[str, Dict[str, list]]:
+def custom_scalar_layout(
+    prefix: str, labels: Sequence[str], written: Mapping[str, Sequence[str]], stat: str = "scale_log2", per_category: int = 24, parameters: Optional[Collection[str]] = None
+) -> Dict[str, Dict[str, list]]:
     """``{category: {chart title: ["Multiline", [anchored regex, ...]]}}`` for ``add_custom_scalars``.
 
     Args:
@@ -51,12 +58,13 @@ def custom_scalar_layout(prefix: str, labels: Sequence[str], written: Mapping[st
         written: ``{"fwd": labels with a forward tag, "bwd": ...}``; only those are charted.
         stat: the tag's statistic part (``scale_log2`` or ``scale``).
         per_category: most charts in one category.
+        parameters: the labels that are parameters or buffers, if known (see ``module_group``).
     """
     sets = {d: set(v) for d, v in written.items()}
     groups: Dict[str, List[str]] = {}
     for label in labels:
         if any(label in s for s in sets.values()):
-            groups.setdefault(module_group(label), []).append(label)
+            groups.setdefault(module_group(label, None if parameters is None else label in parameters), []).append(label)
     out: Dict[str, Dict[str, list]] = {}
     for category, members in _chunks(groups, per_category):
         charts = {}

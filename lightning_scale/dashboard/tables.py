@@ -38,7 +38,7 @@ def profile(data: RunData, step: Optional[int]) -> Dict[str, Any]:
     step = nearest_step(data, step)
     nodes = []
     for label in data.labels:
-        row: Dict[str, Any] = {"label": label, "param": label in data.parameters, "group": module_group(label)}
+        row: Dict[str, Any] = {"label": label, "param": label in data.parameters, "group": module_group(label, label in data.parameters)}
         for d in DIRS:
             row[d] = {stat: _clean(data.value(stat, d, label, step)) for stat in data.values if step is not None}
             row[d] = {k: v for k, v in row[d].items() if v is not None}
