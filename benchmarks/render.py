@@ -6,6 +6,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from anomaly_cost import MONITORS, AnomalyCost
 from capture_time import CaptureTimes
 from fit_loop import TrackedFits
 from timing import Summary, between_noise_floor
@@ -18,6 +19,8 @@ TRACKED_MAX, UNTRACKED_MAX, MEMORY_MAX, FX_CAPTURE_MAX_S = 1.20, 1.01, 1.05, 1.0
 #: Issue 10's goals for a tracked step inside a real Trainer, everything the callback does
 #: included: with std only, and with every statistic group.
 TRAINER_STD_MAX, TRAINER_ALL_MAX = 1.15, 1.6
+#: Issue 10: bytes per element the device path may allocate for the format counts.
+FORMAT_BYTES_MAX = 20.0
 EVERY_GROUP = "every statistic group: moments, range, formats"
 
 
@@ -48,6 +51,9 @@ class Results:
     memory: Dict[Size, Dict[str, List[Dict[str, int]]]] = field(default_factory=dict)
     memory_steps: int = 0
     capture: Optional[CaptureTimes] = None
+    anomaly: Optional[AnomalyCost] = None  # untracked steps with anomaly_steps and update_ratios on
+    anomaly_missing: str = "not run"
+    format_bytes: Optional[float] = None  # device path, formats group: bytes allocated per element
     load: Tuple[str, str] = ("?", "?")  # 1-minute load average at start and end
     seconds: float = 0.0
 
@@ -58,6 +64,11 @@ def _ms(s: float) -> str:
 
 def _yes(ok: bool) -> str:
     return "**yes**" if ok else "**no**"
+
+
+def _verdict(ok: bool, figure: str) -> str:
+    """``yes``, or ``MISSED`` with the figure that missed."""
+    return "**yes**" if ok else f"**MISSED** ({figure})"
 
 
 def ratio(res: Results, size: Size, variant: str, clock: str = JUDGE) -> float:
@@ -111,21 +122,29 @@ def targets(res: Results) -> List[str]:
     if res.tracked is not None:
         for kind, limit, what in (("tracked", TRAINER_STD_MAX, "std"), ("tracked_all", TRAINER_ALL_MAX, EVERY_GROUP)):
             c, w = tracked_ratio(res.tracked, kind), tracked_ratio(res.tracked, kind, clock="wall")
-            after = {"tracked": "after_tracked", "tracked_all": "after_all"}[kind]
-            a, aw = tracked_ratio(res.tracked, after), tracked_ratio(res.tracked, after, clock="wall")
-            rows.append(f"| tracked step in a Trainer fit <= {limit}x a plain fit step ({what}, all the callback does) | "
-                        f"CPU {c:.3f}x, wall {w:.3f}x; the step after: CPU {a:.3f}x, wall {aw:.3f}x | {_yes(c <= limit)} |")  # fmt: skip
+            rows.append(f"| issue 10: tracked step in a Trainer fit <= {limit}x a plain fit step ({what}, all the callback does) | "
+                        f"CPU {c:.3f}x, wall {w:.3f}x | {_verdict(c <= limit, f'{c:.2f}x')} |")  # fmt: skip
+        after = ", ".join(f"{what}: CPU {tracked_ratio(res.tracked, kind):.3f}x, wall {tracked_ratio(res.tracked, kind, clock='wall'):.3f}x"
+                          for kind, what in (("after_tracked", "after std"), ("after_all", "after every group"), ("after_fp8", "after fp8")))  # fmt: skip
+        rows.append(f"| issue 10: the untracked step right after a tracked one (it pays the writer thread), reported (no number set) | {after} | n/a |")
         c, w = tracked_ratio(res.tracked, "tracked_fp8"), tracked_ratio(res.tracked, "tracked_fp8", clock="wall")
-        a = tracked_ratio(res.tracked, "after_fp8")
-        rows.append(f"| (no goal) tracked step with std and the opt-in `fp8` what-if group | CPU {c:.3f}x, wall {w:.3f}x; the step after: CPU {a:.3f}x | n/a |")
+        rows.append(f"| issue 10: tracked step with std and the opt-in `fp8` what-if group, reported apart (no goal) | CPU {c:.3f}x, wall {w:.3f}x | n/a |")
+    else:
+        rows.append(f"| issue 10: tracked steps in a Trainer fit <= {TRAINER_STD_MAX}x (std), <= {TRAINER_ALL_MAX}x (every group) | not measured: {res.tracked_missing} | n/a |")
+    if res.format_bytes is not None:
+        b = res.format_bytes
+        rows.append(f"| issue 10: format counts on the device path <= {FORMAT_BYTES_MAX:.0f} bytes/element | "
+                    f"{b:.1f} bytes/element allocated on CPU (`benchmarks/format_bytes.py`, as `tests/test_stats_property.py`; "
+                    f"on a GPU `histc` adds a 4-byte float32 copy of the bucket indices: {b + 4:.0f}, judged) | {_verdict(b + 4 <= FORMAT_BYTES_MAX, f'{b + 4:.0f}')} |")  # fmt: skip
     if res.fit is not None:
         u, w = fit_ratio(res), fit_ratio(res, "wall")
         h = 1 + res.fit_hooks / res.fit["wall"]["fit"].median
-        rows.append(f"| untracked step with the callback <= {UNTRACKED_MAX}x plain (Trainer fit, {MAIN.name}) | "
+        rows.append(f"| issue 10: untracked step with the callback <= {UNTRACKED_MAX}x plain (Trainer fit, {MAIN.name}) | "
                     f"CPU {u:.3f}x, wall {w:.3f}x step to step (A/A noise floor CPU {res.fit_noise.get(JUDGE, float('nan')):.3f}); "
                     f"the callback's hooks alone: {res.fit_hooks * 1e6:.0f} us/step = {h:.4f}x | {_untracked_verdict(res, u, h)} |")  # fmt: skip
     else:
         rows.append(f"| untracked step with the callback <= {UNTRACKED_MAX}x plain | TODO, not measured: {res.fit_missing} | n/a |")
+    rows.append(_anomaly_target(res))
     if MAIN in res.memory:
         t, p = memory_ratio(res, MAIN, "training_kb"), memory_ratio(res, MAIN, "process_kb")
         rows.append(f"| peak memory tracked <= {MEMORY_MAX}x plain ({MAIN.name}) | "
@@ -137,12 +156,46 @@ def targets(res: Results) -> List[str]:
     return rows + [""]
 
 
-def _untracked_verdict(res: Results, ratio: float, hooks: float) -> str:
+def _untracked_verdict(res: Results, ratio: float, hooks: float, noise: Optional[float] = None) -> str:
     if ratio <= UNTRACKED_MAX:
         return _yes(True)
-    if ratio - UNTRACKED_MAX <= res.fit_noise.get(JUDGE, 0.0) and hooks <= UNTRACKED_MAX:
+    noise = res.fit_noise.get(JUDGE, 0.0) if noise is None else noise
+    if ratio - UNTRACKED_MAX <= noise and hooks <= UNTRACKED_MAX:
         return "not resolved: the step ratio is within this run's noise; the hooks alone hold it"
-    return _yes(False)
+    return _verdict(False, f"{ratio:.3f}x")
+
+
+def _anomaly_target(res: Results) -> str:
+    what = f"issue 12: untracked step with `anomaly_steps=8, update_ratios=True` <= {UNTRACKED_MAX}x plain (Trainer fit, {MAIN.name})"
+    a = res.anomaly
+    if a is None:
+        return f"| {what} | not measured: {res.anomaly_missing} | n/a |"
+    u, w, h, n = a.ratio("on"), a.ratio("on", "wall"), a.hook_ratio("on"), a.noise()
+    return (f"| {what} | CPU {u:.3f}x, wall {w:.3f}x step to step (A/A noise floor CPU {n:.3f}); the callback's hooks alone: "
+            f"{statistics.median(a.hooks['on']) * 1e6:.0f} us/step = {h:.4f}x | {_untracked_verdict(res, u, h, n)} |")  # fmt: skip
+
+
+def anomaly_table(res: Results) -> List[str]:
+    """Untracked steps with anomaly detection and update ratios on, and with both off."""
+    rows = ["## Untracked steps with anomaly detection and update ratios (issue 12)", ""]
+    a = res.anomaly
+    if a is None:
+        return rows + [f"**Not measured**: {res.anomaly_missing}.", ""]
+    rows += [
+        f"`lightning.Trainer` on CPU, {MAIN.name} (`benchmarks/anomaly_cost.py`): {a.rounds} rounds of three {a.steps}-step fits "
+        "(the order rotates): plain, `ScaleMonitor(every_n_steps=10**9)` with both features off, and with "
+        f"`{', '.join(f'{k}={v}' for k, v in MONITORS['on'].items())}`. Step 0 is tracked, so every timed step is untracked "
+        f"(no anomaly fired: checked); the first {a.skip} steps of each fit are dropped. The hooks column is the wall time "
+        "inside `ScaleMonitor`'s hooks per step (the detector's payload at batch end, its lagged read at batch start).",
+        "",
+        "| fit | CPU median ms | x plain | wall median ms | x plain | hooks, us/step | 1 + hooks / plain step | steps |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, label in (("plain", "plain fit"), ("off", "ScaleMonitor, both off"), ("on", "ScaleMonitor, anomaly_steps=8, update_ratios=True")):
+        c, w = statistics.median(a.periods[name].cpu), statistics.median(a.periods[name].wall)
+        hooks = f"{statistics.median(a.hooks[name]) * 1e6:.0f} | {a.hook_ratio(name):.4f}x" if name in a.hooks else "- | -"
+        rows.append(f"| {label} | {_ms(c)} | {a.ratio(name):.3f}x | {_ms(w)} | {a.ratio(name, 'wall'):.3f}x | {hooks} | {len(a.periods[name].cpu)} |")
+    return rows + ["", f"A/A noise floor of the plain step, between rounds: CPU {a.noise():.3f}, wall {a.noise('wall'):.3f}.", ""]
 
 
 def step_table(res: Results, clock: str) -> List[str]:
@@ -426,7 +479,7 @@ def page(res: Results) -> str:
     parts: List[str] = header(res) + targets(res) + step_table(res, "cpu") + step_table(res, "wall") + step_notes(res)
     if MAIN in res.steps:
         parts += detail_table(res, MAIN)
-    parts += fit_table(res) + tracked_table(res) + profile_table(res) + whole_table(res) + memory_table(res) + capture_table(res)
+    parts += fit_table(res) + anomaly_table(res) + tracked_table(res) + profile_table(res) + whole_table(res) + memory_table(res) + capture_table(res)
     parts += [
         "## Not measured here",
         "",

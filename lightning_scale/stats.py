@@ -391,6 +391,8 @@ def _format_counts_host(x: Tensor, nan: float) -> Tuple[List[Entry], float]:
     """
     at = (x if x.dtype in _WIDE else x.float()).abs()
     a = at.numpy().reshape(-1)  # (a view: abs returned a dense tensor)
+    if a.size <= _SMALL and not nan:
+        return _format_counts_small(a)
     wide, mask = a.dtype.type, np.empty(a.shape, dtype=bool)  # one scratch buffer for every comparison
     lo, hi = (math.nan, math.nan) if nan else map(float, torch.aminmax(at))  # one pass
     zeros = float(np.count_nonzero(np.equal(a, 0, out=mask))) if not lo > 0 else 0.0  # NaN lo: count
@@ -413,6 +415,24 @@ def _format_counts_host(x: Tensor, nan: float) -> Tuple[List[Entry], float]:
 
 #: The distinct lower thresholds of the format counts (smallest subnormals and normals).
 _LOW_BOUNDS = sorted({t for f in FORMATS.values() for t in (f.min_subnormal, f.min_normal)})
+#: Up to this many elements one sorted search over every boundary costs less than a pass
+#: per threshold (small tensors are call-bound: biases, norms' weights).
+_SMALL = 1024
+_NUMPY_BOUNDS = {np.dtype(np.float32): np.array(_BOUNDS[torch.float32][0], dtype=np.float32), np.dtype(np.float64): np.array(_BOUNDS[torch.float64][0])}
+
+
+def _format_counts_small(a: "np.ndarray") -> Tuple[List[Entry], float]:
+    """``_format_counts_host`` of a short |x| without NaN: the bucket of each element
+    among the sorted boundaries (as ``_format_counts_device``), counted in one call."""
+    bounds = _NUMPY_BOUNDS[a.dtype]
+    _, low, high = _BOUNDS[torch.float64 if a.dtype == np.float64 else torch.float32]
+    cum = np.bincount(np.searchsorted(bounds, a, side="right"), minlength=bounds.size + 1).cumsum().tolist()
+    zeros = cum[0]  # cum[k] = #{|x| < bounds[k]}; bounds[0], the smallest positive number: zeros
+    positive = a[a > 0] if zeros else a
+    res: List[Entry] = [float(zeros), float(positive.min()) if positive.size else math.inf]
+    for k in range(len(FORMATS)):
+        res += [float(cum[low[2 * k]] - zeros), float(cum[low[2 * k + 1]] - zeros), float(a.size - cum[high[k]])]
+    return res, float(a.max())
 
 
 # ---------------------------------------------------------------------------------------
