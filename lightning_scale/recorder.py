@@ -146,7 +146,7 @@ class Recorder:
         """
         keys = self.keys if keys is None else list(keys)
         out = torch.zeros(len(keys), 2, len(stats.FIELDS), dtype=torch.float64, device=self.device)
-        targets = self._targets({k: i for i, k in enumerate(keys)}, aliases or {})
+        targets = self._targets(keys, aliases or {})
         entries: List[List[stats.Entry]] = []
         dst: List[int] = []  # flat output row (key * 2 + direction) of each placement
         src: List[int] = []  # its entry
@@ -176,27 +176,13 @@ class Recorder:
                 flat[i] = stats.merge_rows(assembled[stats.index_tensor(js, out.device)])
         return out
 
-    def _targets(self, index: Mapping[Hashable, int], aliases: Mapping[Hashable, Hashable]) -> Dict[int, List[int]]:
-        """Slot -> the indices (in ``index``) of every key its records answer: its own key,
+    def _targets(self, index: Sequence[Hashable], aliases: Mapping[Hashable, Hashable]) -> Dict[int, List[int]]:
+        """Slot -> the indices (in ``index``, the keys asked for) of every key its records answer: its own key,
         keys whose nodes returned the very tensor it produced (seen at run time) and
-        ``aliases`` (views, module outputs; known from the graph), transitively."""
-        followers = self._followers(aliases)
-        out: Dict[int, List[int]] = {}
-        for slot, key in enumerate(self._keys):
-            found = [index[k] for k in _sharing(key, followers) if k in index]
-            if found:
-                out[slot] = found
-        return out
-
-    def _followers(self, aliases: Mapping[Hashable, Hashable]) -> Dict[Hashable, List[Hashable]]:
-        """Key -> keys whose records are its record: nodes that returned the very tensor
-        it produced (seen at run time) and ``aliases`` (views, known from the graph)."""
-        out: Dict[Hashable, List[Hashable]] = {}
-        for s, sames in self._same.items():
-            out.setdefault(self._keys[s], []).extend(self._keys[t] for t in sames)
-        for key, source in aliases.items():
-            out.setdefault(source, []).append(key)
-        return out
+        ``aliases`` (views, module outputs; known from the graph), transitively. The same
+        from step to step: cached on every input."""
+        same = tuple((s, tuple(t)) for s, t in self._same.items())
+        return _placement(tuple(self._keys), tuple(index), tuple(aliases.items()), same)
 
     def histogram_tensor(self, keys: Sequence[Hashable]) -> Tensor:
         """The log2 histograms of ``keys``: ``[len(keys), 2, bins]`` float64 counts on the
@@ -235,6 +221,26 @@ def _host_reads_from_env() -> Optional[bool]:
     if value not in ("0", "1"):
         raise ValueError(f"`{HOST_READS_ENV}` must be 0 (device path forced) or 1 (host reads allowed), got {value!r}")
     return value == "1"
+
+
+@functools.lru_cache(maxsize=16)
+def _placement(
+    own: Tuple[Hashable, ...], keys: Tuple[Hashable, ...], aliases: Tuple[Tuple[Hashable, Hashable], ...], same: Tuple[Tuple[int, Tuple[int, ...]], ...]
+) -> Dict[int, List[int]]:
+    """``Recorder._targets`` of a recorder with slot keys ``own`` and ``_same`` items ``same``
+    (do not modify the result: it is shared)."""
+    followers: Dict[Hashable, List[Hashable]] = {}  # key -> keys whose records are its record
+    for s, sames in same:
+        followers.setdefault(own[s], []).extend(own[t] for t in sames)
+    for key, source in aliases:
+        followers.setdefault(source, []).append(key)
+    index = {k: i for i, k in enumerate(keys)}
+    out: Dict[int, List[int]] = {}
+    for slot, key in enumerate(own):
+        found = [index[k] for k in _sharing(key, followers) if k in index]
+        if found:
+            out[slot] = found
+    return out
 
 
 def _sharing(key: Hashable, followers: Mapping[Hashable, List[Hashable]]) -> Iterator[Hashable]:

@@ -75,9 +75,11 @@ def _annotated_line(line: str, names: Tuple[str, ...], is_def: bool, scales: Map
 
 def _flag(pair: ScalePair, fmt: stats.FloatFormat) -> str:
     values = [v for v in (pair.forward, pair.backward) if v is not None and math.isfinite(v)]
-    if any(0 < v < fmt.min_normal for v in values):
+    if not values:
+        return ""
+    if 0 < min(values) < fmt.min_normal or (len(values) == 2 and 0 < max(values) < fmt.min_normal):
         return "!<"
-    return "!>" if any(v > fmt.max for v in values) else ""
+    return "!>" if max(values) > fmt.max else ""
 
 
 def _aligned(rows: Sequence[Tuple[str, str, List[str]]], scales: Mapping[str, ScalePair], labels: Mapping[str, str], fmt: stats.FloatFormat) -> str:
@@ -85,6 +87,10 @@ def _aligned(rows: Sequence[Tuple[str, str, List[str]]], scales: Mapping[str, Sc
     for line, _, names in rows:
         if not names:  # (most lines: nothing to format)
             cells.append(("", "", "", line))
+            continue
+        if len(names) == 1:  # (the rest: one node per line)
+            pair, name = scales[names[0]], names[0]
+            cells.append((str(pair), _flag(pair, fmt), labels.get(name, name), line))
             continue
         pairs = [scales[n] for n in names]
         flags = "".join(sorted({_flag(p, fmt) for p in pairs}))
