@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_scale import stats
+from lightning_scale.short_records import ShortRecords, batchable
 
 __all__ = ["BACKWARD", "FORWARD", "HOST_READS_ENV", "Recorder", "active", "observe", "recording"]
 
@@ -56,6 +57,7 @@ class Recorder:
         self._previous: Optional[Tuple[Any, int, int]] = None  # (weakref, version, slot)
         self._same: Dict[int, List[int]] = {}  # slot -> slots that returned the same tensor
         self._grads: Dict[int, Tuple[Any, int, List[stats.Entry]]] = {}  # id -> (weakref, version, entry)
+        self._short = ShortRecords(self.groups)  # host tensors of a few elements: taken together
         self.error: Optional[BaseException] = None
         #: keys whose values' log2 histogram (``stats.log2_histogram``) is also taken
         self.histogram_keys: set = set()
@@ -121,7 +123,7 @@ class Recorder:
             self.device = x.device
         host = x.device.type == "cpu" if self.host_reads is None else self.host_reads
         self._host_only = self._host_only and host
-        entry = stats.record_of(x, self.groups, host)
+        entry = self._short.add(x) if host and batchable(x, self.groups) else stats.record_of(x, self.groups, host)
         self._rows.append((slot, direction, entry))
         self._histogram(slot, direction, x)
         return entry
@@ -145,6 +147,7 @@ class Recorder:
         Nothing is read to the host.
         """
         keys = self.keys if keys is None else list(keys)
+        self._short.flush()
         out = torch.zeros(len(keys), 2, len(stats.FIELDS), dtype=torch.float64, device=self.device)
         targets = self._targets(keys, aliases or {})
         entries: List[List[stats.Entry]] = []
@@ -203,6 +206,7 @@ class Recorder:
         self._previous = None
         self._same.clear()
         self._grads.clear()
+        self._short.clear()
         self.histograms.clear()
         self.error = None
         self.remove_hooks()

@@ -8,6 +8,7 @@ from torch import nn
 from lightning_scale import stats
 from lightning_scale.capture import capture
 from lightning_scale.recorder import BACKWARD, FORWARD, Recorder, recording
+from lightning_scale.short_records import ShortRecords
 
 
 class Identityish(nn.Module):
@@ -61,10 +62,17 @@ def test_in_place_result_is_recorded_afresh() -> None:
     assert abs(float(std[1, FORWARD]) / float(std[0, FORWARD]) - 2) < 1e-6
 
 
-def test_same_tensor_is_not_computed_twice(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    calls = []
-    original = stats.record_of
+def _count_records(monkeypatch) -> list:  # type: ignore[no-untyped-def]
+    """Shapes of the tensors whose records are computed (one by one, or batched when short)."""
+    calls: list = []
+    original, add = stats.record_of, ShortRecords.add
     monkeypatch.setattr(stats, "record_of", lambda x, *a, **k: calls.append(x.shape) or original(x, *a, **k))
+    monkeypatch.setattr(ShortRecords, "add", lambda self, x: calls.append(x.shape) or add(self, x))
+    return calls
+
+
+def test_same_tensor_is_not_computed_twice(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    calls = _count_records(monkeypatch)
     torch.manual_seed(0)
     labels, records, _ = _run(Identityish(), torch.randn(32, 8))
     present = int((records[..., 0] > 0).sum())
@@ -88,9 +96,7 @@ class Residual(nn.Module):
 
 
 def test_shared_gradient_tensor_reuses_record_exactly(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    grads = []
-    original = stats.record_of
-    monkeypatch.setattr(stats, "record_of", lambda x, *a, **k: grads.append(x.shape) or original(x, *a, **k))
+    grads = _count_records(monkeypatch)
     torch.manual_seed(0)
     model, x = Residual(), torch.randn(32, 8)
     labels, records, _ = _run(model, x)
