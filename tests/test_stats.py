@@ -336,3 +336,11 @@ def test_strided_host_tensors_are_read_in_place_without_change(view: str) -> Non
     std = float(stats.statistic(got, "std"))
     assert abs(std / float(v.std()) - 1) < 1e-6 and abs(float(got[1]) / float(v.mean()) - 1) < 1e-6
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0, equal_nan=True)
+
+
+@HOST_READS
+def test_mean_with_an_infinity_beside_values_whose_float32_sum_overflows(host_reads: bool) -> None:
+    x = torch.randn(162, generator=torch.Generator().manual_seed(1))
+    x[[1, -1]], x[26] = 3.3182e38, -math.inf  # float32: 3.3e38 + 3.3e38 = inf, inf - inf = NaN
+    got = measured(x, host_reads)
+    assert got["mean"] == float(x.double().mean()) == -math.inf and got["inf"] == 1.0
