@@ -48,6 +48,7 @@ class Results:
     tracked: Optional[TrackedFits] = None  # tracked steps in a Trainer fit; whole fits with the defaults
     tracked_missing: str = ""
     profiles: List[Any] = field(default_factory=list)  # fit_loop.Profile, std and all groups
+    recorded: Tuple[int, int] = (0, 0)  # records and elements a tracked step computes statistics of
     memory: Dict[Size, Dict[str, List[Dict[str, int]]]] = field(default_factory=dict)
     memory_steps: int = 0
     capture: Optional[CaptureTimes] = None
@@ -383,7 +384,24 @@ def profile_table(res: Results) -> List[str]:
         rows.append(f"| {part} | " + " | ".join(f"{p.parts[part]:.2f}" for p in res.profiles) + " |")
     rows.append("| writing, on the writer thread (wall) | " + " | ".join(f"{p.writer_ms:.2f}" for p in res.profiles) + " |")
     rows.append("| a tracked step under the profiler (wall) | " + " | ".join(f"{p.step_ms:.2f}" for p in res.profiles) + " |")
-    return rows + [""]
+    records, elements = res.recorded
+    return rows + [
+        "",
+        f"Where the remaining time goes: a tracked step at {MAIN.name} computes {records} records over "
+        f"{elements / 1e6:.1f}M elements (forward values and gradients; a tensor shared by several nodes, such as a "
+        "residual stream's gradient, once). Recording, forward and backward, is most of a tracked step's extra time, and "
+        "most of that is the statistics themselves: memory passes over each recorded tensor. std reads each tensor "
+        "twice (a sum, and norms of 512-element rows for the sum of squares: accurate to ~1e-7 where a BLAS dot is not), "
+        "so at one sum and one sum of squares per tensor this is the floor of this design; every group adds |x|, its "
+        "extremes and one compare-and-count per format threshold in range (about four more passes). Tensors of up to "
+        "4096 elements (biases, norm weights, their gradients) are copied and computed all at once at the end of the "
+        "step (`ShortRecords.flush`), since one at a time their call overhead outweighed their data. The rest of "
+        "recording is per tensor Python: the `observe` call after each node and a gradient hook per tensor. At the end "
+        "of the step the training thread assembles the records, pools them (one transfer) and queues the writing; the "
+        "writer's own CPU time (scalars, histograms, annotated code, TensorBoard's event records) is counted in the "
+        "process CPU time of whichever step it overlaps, mostly the step after.",
+        "",
+    ]
 
 
 def whole_table(res: Results) -> List[str]:

@@ -118,6 +118,7 @@ def tracked_profiles(res: render.Results, quick: bool) -> None:
     except Exception as err:  # noqa: BLE001 - a failing callback must not sink the suite
         _log(f"profile failed: {type(err).__name__}: {err}")
         return
+    res.recorded = fit_loop.recorded_elements(MAIN)
     for p in res.profiles:
         _log(f"profile ({len(p.statistics)} statistics): " + ", ".join(f"{k.split(' (')[0]} {v:.2f} ms" for k, v in p.parts.items()) + f", writer {p.writer_ms:.2f} ms")
 
