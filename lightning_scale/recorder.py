@@ -180,10 +180,10 @@ class Recorder:
         return out
 
     def _targets(self, index: Sequence[Hashable], aliases: Mapping[Hashable, Hashable]) -> Dict[int, List[int]]:
-        """Slot -> the indices (in ``index``, the keys asked for) of every key its records answer: its own key,
-        keys whose nodes returned the very tensor it produced (seen at run time) and
-        ``aliases`` (views, module outputs; known from the graph), transitively. The same
-        from step to step: cached on every input."""
+        """Slot -> the indices (in ``index``, the keys asked for) of every key its records
+        answer: its own key, keys whose nodes returned the very tensor it produced (seen at
+        run time) and ``aliases`` (views, module outputs; known from the graph),
+        transitively. The same from step to step: cached on every input."""
         same = tuple((s, tuple(t)) for s, t in self._same.items())
         return _placement(tuple(self._keys), tuple(index), tuple(aliases.items()), same)
 
