@@ -49,6 +49,7 @@ class Results:
     tracked_missing: str = ""
     profiles: List[Any] = field(default_factory=list)  # fit_loop.Profile, std and all groups
     recorded: Tuple[int, int] = (0, 0)  # records and elements a tracked step computes statistics of
+    breakdowns: List[Any] = field(default_factory=list)  # breakdown.Breakdown, std and every group
     memory: Dict[Size, Dict[str, List[Dict[str, int]]]] = field(default_factory=dict)
     memory_steps: int = 0
     capture: Optional[CaptureTimes] = None
@@ -385,7 +386,7 @@ def profile_table(res: Results) -> List[str]:
     rows.append("| writing, on the writer thread (wall) | " + " | ".join(f"{p.writer_ms:.2f}" for p in res.profiles) + " |")
     rows.append("| a tracked step under the profiler (wall) | " + " | ".join(f"{p.step_ms:.2f}" for p in res.profiles) + " |")
     records, elements = res.recorded
-    return rows + [
+    return rows + [""] + breakdown_table(res) + [
         "",
         f"Where the remaining time goes: a tracked step at {MAIN.name} computes {records} records over "
         f"{elements / 1e6:.1f}M elements (forward values and gradients; a tensor shared by several nodes, such as a "
@@ -402,6 +403,32 @@ def profile_table(res: Results) -> List[str]:
         "process CPU time of whichever step it overlaps, mostly the step after.",
         "",
     ]
+
+
+def breakdown_table(res: Results) -> List[str]:
+    """CPU per tracked step by part, on thread clocks (``benchmarks/breakdown.py``)."""
+    if not res.breakdowns:
+        return []
+    heads = " | ".join("std" if len(b.statistics) < 3 else "every group" for b in res.breakdowns)
+    rows = [
+        f"Without a profiler: each part's own thread CPU time (`time.thread_time`), median ms per tracked step of a "
+        f"{MAIN.name} Trainer fit tracking every step (`benchmarks/breakdown.py`), beside a tracked step's extra process "
+        "CPU time over a plain fit step from 'Tracked steps in a Trainer fit loop' (the writer's job mostly runs during the "
+        "step after, whose extra time is shown too).",
+        "",
+        f"| part, CPU ms per tracked step | {heads} |",
+        "|---|" + "---|" * len(res.breakdowns),
+    ]
+    for part in res.breakdowns[0].ms:
+        rows.append(f"| {part} | " + " | ".join(f"{b.ms[part]:.2f}" for b in res.breakdowns) + " |")
+    rows.append("| sum of the parts | " + " | ".join(f"{sum(b.ms.values()):.2f}" for b in res.breakdowns) + " |")
+    if res.tracked is not None:
+        t = res.tracked
+        plain = _kind(t, "plain").median
+        pairs = [("tracked", "after_tracked") if len(b.statistics) < 3 else ("tracked_all", "after_all") for b in res.breakdowns]
+        rows.append("| a tracked step's extra process CPU over a plain fit step (its step after) | "
+                    + " | ".join(f"{(_kind(t, k).median - plain) * 1e3:.2f} ({(_kind(t, a).median - plain) * 1e3:.2f})" for k, a in pairs) + " |")  # fmt: skip
+    return rows
 
 
 def whole_table(res: Results) -> List[str]:

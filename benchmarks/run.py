@@ -22,6 +22,7 @@ import torch
 
 import workload  # noqa: F401 - first: puts the checkout's package on sys.path
 import anomaly_cost
+import breakdown
 import capture_time
 import format_bytes
 import fit_loop
@@ -119,6 +120,9 @@ def tracked_profiles(res: render.Results, quick: bool) -> None:
         _log(f"profile failed: {type(err).__name__}: {err}")
         return
     res.recorded = fit_loop.recorded_elements(MAIN)
+    res.breakdowns = [breakdown.measure(MAIN, s, steps=8 if quick else 14) for s in (["std"], fit_loop.EVERY_GROUP)]
+    for b in res.breakdowns:
+        _log(f"CPU breakdown ({len(b.statistics)} statistics): " + ", ".join(f"{k.split(' (')[0]} {v:.2f} ms" for k, v in b.ms.items()))
     for p in res.profiles:
         _log(f"profile ({len(p.statistics)} statistics): " + ", ".join(f"{k.split(' (')[0]} {v:.2f} ms" for k, v in p.parts.items()) + f", writer {p.writer_ms:.2f} ms")
 

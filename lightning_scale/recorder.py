@@ -147,7 +147,7 @@ class Recorder:
         Nothing is read to the host.
         """
         keys = self.keys if keys is None else list(keys)
-        self._short.flush()
+        self.flush()
         out = torch.zeros(len(keys), 2, len(stats.FIELDS), dtype=torch.float64, device=self.device)
         targets = self._targets(keys, aliases or {})
         entries: List[List[stats.Entry]] = []
@@ -178,6 +178,17 @@ class Recorder:
             if len(js) > 1:
                 flat[i] = stats.merge_rows(assembled[stats.index_tensor(js, out.device)])
         return out
+
+    def flush(self) -> None:
+        """Compute the records of the short tensors observed so far (``ShortRecords``).
+        ``records()`` flushes first; call it before reading ``error`` to have their
+        failure there too (kept in ``error``, never raised: monitoring must not break a step)."""
+        if self.error is not None:
+            return
+        try:
+            self._short.flush()
+        except Exception as err:  # noqa: BLE001 - reported by the owner of the recorder
+            self.error = err
 
     def _targets(self, index: Sequence[Hashable], aliases: Mapping[Hashable, Hashable]) -> Dict[int, List[int]]:
         """Slot -> the indices (in ``index``, the keys asked for) of every key its records

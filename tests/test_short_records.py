@@ -62,3 +62,17 @@ def test_recorder_batches_short_tensors_and_keeps_their_value_at_observe_time() 
     got = dict(zip(stats.FIELDS, rec.records(["x"])[0, FORWARD].tolist()))
     assert (got["count"], got["mean"], got["m2"], got["absmax"], got["zeros"], got["min_nonzero"]) == (4.0, 2.5, 5.0, 4.0, 0.0, 1.0)
     assert np.isnan(got["fp8_e4m3_sq_err"])  # not asked for: NaN, as record_of
+
+
+def test_a_failure_of_the_batched_statistics_is_kept_in_error_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_scale import short_records
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("broken statistics")
+
+    monkeypatch.setattr(short_records, "records_of_many", broken)
+    rec = Recorder(GROUPS)
+    rec.observe("x", torch.ones(8))
+    rec.flush()  # what Reporter.pool does before reading `error`
+    assert isinstance(rec.error, RuntimeError) and "broken" in str(rec.error)
+    assert rec.records(["x"]).shape == (1, 2, len(stats.FIELDS))  # no raise: the step goes on
