@@ -357,11 +357,11 @@ def tracked_table(res: Results) -> List[str]:
         f"A tracked step adds about {_ms(extra['tracked'])} ms of CPU time to a plain fit step without the figure, "
         f"{_ms(extra['tracked_figure'])} ms with it; the untracked step right after a figure step is "
         f"{_ms(extra['after_figure'])} ms slower than a plain one (after a tracked step without the figure: "
-        f"{_ms(extra['after_tracked'])} ms): in trials that extra time ran on another thread of the process (the main "
-        "thread's own CPU time of that step was a plain step's), most likely TensorBoard's background event writer writing "
-        "the figure's image, so it belongs to the figure. The hooks column is the wall time inside the callback's own hooks "
-        "(installing the recorder at the start of a tracked step; pooling and writing at its end); the rest of a tracked "
-        "step's extra time is mostly the recording in the tracked forward and backward. "
+        f"{_ms(extra['after_tracked'])} ms): the writing, the figure's drawing with matplotlib included, runs on the "
+        "background writer thread, mostly while the next step runs, and process CPU time counts every thread, so that "
+        "time belongs to the tracked step before. The hooks column is the wall time inside the callback's own hooks "
+        "(installing the recorder at the start of a tracked step; assembling, pooling and queueing the writing at its "
+        "end); the rest of a tracked step's extra time is mostly the recording in the tracked forward and backward. "
         f"A/A noise floor of the plain fit step, between rounds: CPU {noise:.3f}.",
         "",
     ]
