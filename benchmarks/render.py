@@ -122,10 +122,12 @@ def targets(res: Results) -> List[str]:
         rows.append(f"| tracked step <= {TRACKED_MAX}x plain ({MAIN.name}, fx fast path, moments) | "
                     f"CPU {r:.3f}x, wall {w:.3f}x (CPU {others}) | {_yes(r <= TRACKED_MAX)} |")  # fmt: skip
     if res.tracked is not None:
+        noise = between_noise_floor([r.cpu for r in res.tracked.plain_by_round])
         for kind, limit, what in (("tracked", TRAINER_STD_MAX, "std"), ("tracked_all", TRAINER_ALL_MAX, EVERY_GROUP)):
             c, w = tracked_ratio(res.tracked, kind), tracked_ratio(res.tracked, kind, clock="wall")
+            edge = f"; within this run's A/A noise floor ({noise:.3f}) of the limit: not resolved" if abs(c - limit) <= noise * c else ""
             rows.append(f"| issue 10: tracked step in a Trainer fit <= {limit}x a plain fit step ({what}, all the callback does) | "
-                        f"CPU {c:.3f}x, wall {w:.3f}x | {_verdict(c <= limit, f'{c:.2f}x')} |")  # fmt: skip
+                        f"CPU {c:.3f}x, wall {w:.3f}x{edge} | {_verdict(c <= limit, f'{c:.2f}x')} |")  # fmt: skip
         after = ", ".join(f"{what}: CPU {tracked_ratio(res.tracked, kind):.3f}x, wall {tracked_ratio(res.tracked, kind, clock='wall'):.3f}x"
                           for kind, what in (("after_tracked", "after std"), ("after_all", "after every group"), ("after_fp8", "after fp8")))  # fmt: skip
         rows.append(f"| issue 10: the untracked step right after a tracked one (it pays the writer thread), reported (no number set) | {after} | n/a |")
