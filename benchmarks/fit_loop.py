@@ -283,8 +283,9 @@ def _sort_steps(out: TrackedFits, timer: Any, monitor: Any, group: str) -> None:
 PROFILE_PARTS = (
     ("recording in the forward (`observe`, its statistics included)", "observe", "lightning_scale/recorder.py"),
     ("recording gradients (`Recorder._on_grad`, its statistics included)", "_on_grad", "lightning_scale/recorder.py"),
-    ("of which the statistics (`stats.record_of`), both directions", "record_of", "lightning_scale/stats.py"),
+    ("of which the statistics one tensor at a time (`stats.record_of`), both directions", "record_of", "lightning_scale/stats.py"),
     ("assembling the records (`Recorder.records`)", "records", "lightning_scale/recorder.py"),
+    ("of which the short tensors' statistics, all at once (`ShortRecords.flush`)", "flush", "lightning_scale/short_records.py"),
     ("pooling, the one transfer (`distributed.pool_step`)", "pool_step", "lightning_scale/distributed.py"),
     ("checks and queueing on the training thread (`Reporter.report`)", "report", "lightning_scale/reporting.py"),
     ("end of step in total (`ScaleMonitor._finish`)", "_finish", "lightning_scale/callback.py"),
@@ -343,3 +344,27 @@ def statistics_median(values: List[float]) -> float:
     import statistics as st
 
     return st.median(values) if values else float("nan")
+
+
+def recorded_elements(size: Size) -> Tuple[int, int]:
+    """(records, elements) a tracked step of ``size`` computes statistics of: one bare
+    fx-tracked training step, both directions (tensors that share a record counted once)."""
+    from lightning_scale import Recorder, capture, recording
+    from lightning_scale.recorder import Recorder as _Recorder
+
+    work = Workload(size)
+    cap = capture(work.model, "fx")
+    seen: List[int] = []
+    add = _Recorder._add
+
+    def counted(self: Any, slot: int, direction: int, x: torch.Tensor) -> Any:
+        seen.append(x.numel())
+        return add(self, slot, direction, x)
+
+    _Recorder._add = counted  # type: ignore[method-assign]
+    try:
+        with recording(Recorder(("moments",))):
+            work.loss(cap.tracked()(work.x)).backward()
+    finally:
+        _Recorder._add = add  # type: ignore[method-assign]
+    return len(seen), sum(seen)

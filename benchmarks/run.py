@@ -21,7 +21,10 @@ from typing import Dict, List, Optional
 import torch
 
 import workload  # noqa: F401 - first: puts the checkout's package on sys.path
+import anomaly_cost
+import breakdown
 import capture_time
+import format_bytes
 import fit_loop
 import memory
 import render
@@ -33,11 +36,14 @@ from workload import MAIN, SIZES, VARIANTS, Size, Workload
 #: about 10 minutes (with the tracked fits below); the page reports the rounds done.
 ROUNDS = {64: (60, 20.0), 128: (30, 45.0), 256: (14, 60.0)}
 QUICK_ROUNDS = {64: (4, None), 128: (3, None), 256: (2, None)}
-FIT_ROUNDS, FIT_STEPS, FIT_DEADLINE_S = 6, 30, 300.0  # fit rounds stop FIT_DEADLINE_S into the run
+FIT_ROUNDS, FIT_STEPS, FIT_DEADLINE_S = 6, 30, 270.0  # fit rounds stop FIT_DEADLINE_S into the run
 #: Tracked steps in a Trainer fit, and whole fits with ScaleMonitor()'s defaults: at most
 #: TRACKED_ROUNDS rounds (each ~30 s on an idle 2-core machine: a 45-step fit tracking every
 #: 5th step, two 200-step fits), no new round after TRACKED_BUDGET_S (at least two rounds).
 TRACKED_ROUNDS, TRACKED_STEPS, WHOLE_STEPS, TRACKED_BUDGET_S = 3, 45, 200, 90.0
+#: Untracked steps with anomaly detection and update ratios on (issue 12): at most
+#: ANOMALY_ROUNDS rounds of three 30-step fits (~15 s each), none new after ANOMALY_BUDGET_S.
+ANOMALY_ROUNDS, ANOMALY_STEPS, ANOMALY_BUDGET_S = 3, 30, 40.0
 
 
 def _version(dist: str) -> str:
@@ -113,8 +119,25 @@ def tracked_profiles(res: render.Results, quick: bool) -> None:
     except Exception as err:  # noqa: BLE001 - a failing callback must not sink the suite
         _log(f"profile failed: {type(err).__name__}: {err}")
         return
+    res.recorded = fit_loop.recorded_elements(MAIN)
+    res.breakdowns = [breakdown.measure(MAIN, s, steps=8 if quick else 14) for s in (["std"], fit_loop.EVERY_GROUP)]
+    for b in res.breakdowns:
+        _log(f"CPU breakdown ({len(b.statistics)} statistics): " + ", ".join(f"{k.split(' (')[0]} {v:.2f} ms" for k, v in b.ms.items()))
     for p in res.profiles:
         _log(f"profile ({len(p.statistics)} statistics): " + ", ".join(f"{k.split(' (')[0]} {v:.2f} ms" for k, v in p.parts.items()) + f", writer {p.writer_ms:.2f} ms")
+
+
+def anomaly_times(res: render.Results, quick: bool) -> None:
+    try:
+        if quick:
+            res.anomaly = anomaly_cost.measure(rounds=2, steps=12)
+        else:
+            res.anomaly = anomaly_cost.measure(ANOMALY_ROUNDS, ANOMALY_STEPS, budget_s=ANOMALY_BUDGET_S)
+    except Exception as err:  # noqa: BLE001 - a failing callback must not sink the suite
+        res.anomaly_missing = f"the fit loop failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        return
+    a = res.anomaly
+    _log(f"untracked with anomaly_steps and update_ratios: {a.ratio('on'):.3f}x CPU, hooks {a.hook_ratio('on'):.4f}x ({a.rounds} rounds)")
 
 
 def memory_peaks(res: render.Results, quick: bool) -> None:
@@ -162,6 +185,8 @@ def main(argv: List[str]) -> int:
     fit_times(res, args.quick, time.perf_counter() - start)
     tracked_fit_times(res, args.quick)
     tracked_profiles(res, args.quick)
+    anomaly_times(res, args.quick)
+    res.format_bytes = format_bytes.measure()
     memory_peaks(res, args.quick)
     res.capture = capture_time.measure(Size(128, 12), fx_repeats=5, dynamo_repeats=2 if args.quick else 3)
     _log(f"capture: fx {res.capture.fx_median:.3f} s, dynamo {res.capture.dynamo_median:.2f} s")

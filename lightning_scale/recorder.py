@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_scale import stats
+from lightning_scale.short_records import ShortRecords, batchable
 
 __all__ = ["BACKWARD", "FORWARD", "HOST_READS_ENV", "Recorder", "active", "observe", "recording"]
 
@@ -55,6 +56,8 @@ class Recorder:
         self._host_only = True  # every entry so far is a float (host-read records)
         self._previous: Optional[Tuple[Any, int, int]] = None  # (weakref, version, slot)
         self._same: Dict[int, List[int]] = {}  # slot -> slots that returned the same tensor
+        self._grads: Dict[int, Tuple[Any, int, List[stats.Entry]]] = {}  # id -> (weakref, version, entry)
+        self._short = ShortRecords(self.groups)  # host tensors of a few elements: taken together
         self.error: Optional[BaseException] = None
         #: keys whose values' log2 histogram (``stats.log2_histogram``) is also taken
         self.histogram_keys: set = set()
@@ -103,22 +106,36 @@ class Recorder:
         if self.error is not None:
             return
         try:
-            self._add(slot, BACKWARD, grad)
+            # Autograd hands the very same gradient tensor to several nodes (an add passes
+            # its output's gradient to both inputs: the residual stream): unchanged since
+            # (same version), it has the same statistics. Reuse, do not recompute.
+            seen, version = self._grads.get(id(grad)), grad._version
+            if seen is not None and seen[0]() is grad and seen[1] == version:
+                self._rows.append((slot, BACKWARD, seen[2]))
+                self._histogram(slot, BACKWARD, grad)
+                return
+            self._grads[id(grad)] = (weakref.ref(grad), version, self._add(slot, BACKWARD, grad))
         except Exception as err:  # noqa: BLE001 - never break the user's backward
             self.error = err
 
-    def _add(self, slot: int, direction: int, x: Tensor) -> None:
+    def _add(self, slot: int, direction: int, x: Tensor) -> List[stats.Entry]:
         if self.device is None:
             self.device = x.device
         host = x.device.type == "cpu" if self.host_reads is None else self.host_reads
         self._host_only = self._host_only and host
-        self._rows.append((slot, direction, stats.record_of(x, self.groups, host)))
-        if self.histogram_keys:
-            key = self._keys[slot]
-            if key in self.histogram_keys:
-                h = stats.log2_histogram(x)
-                prev = self.histograms.get((key, direction))
-                self.histograms[(key, direction)] = h if prev is None else prev + h
+        entry = self._short.add(x) if host and batchable(x, self.groups) else stats.record_of(x, self.groups, host)
+        self._rows.append((slot, direction, entry))
+        self._histogram(slot, direction, x)
+        return entry
+
+    def _histogram(self, slot: int, direction: int, x: Tensor) -> None:
+        if not self.histogram_keys:
+            return
+        key = self._keys[slot]
+        if key in self.histogram_keys:
+            h = stats.log2_histogram(x)
+            prev = self.histograms.get((key, direction))
+            self.histograms[(key, direction)] = h if prev is None else prev + h
 
     def records(self, keys: Optional[Sequence[Hashable]] = None, aliases: Optional[Mapping[Hashable, Hashable]] = None) -> Tensor:
         """One ``[len(keys), 2, len(FIELDS)]`` float64 tensor on the observed device.
@@ -130,40 +147,56 @@ class Recorder:
         Nothing is read to the host.
         """
         keys = self.keys if keys is None else list(keys)
-        index = {k: i for i, k in enumerate(keys)}
-        followers = self._followers(aliases or {})
-        rows = [
-            (index[k], d, e)
-            for s, d, e in self._rows
-            for k in _sharing(self._keys[s], followers)
-            if k in index
-        ]
+        self.flush()
         out = torch.zeros(len(keys), 2, len(stats.FIELDS), dtype=torch.float64, device=self.device)
-        if not rows:
+        targets = self._targets(keys, aliases or {})
+        entries: List[List[stats.Entry]] = []
+        dst: List[int] = []  # flat output row (key * 2 + direction) of each placement
+        src: List[int] = []  # its entry
+        for slot, d, entry in self._rows:
+            for i in targets.get(slot, ()):
+                dst.append(i * 2 + d)
+                src.append(len(entries))
+            if slot in targets:
+                entries.append(entry)
+        if not entries:
             return out
-        assembled = stats.assemble([e for _, _, e in rows], device=self.device, host_only=self._host_only)
-        groups: Dict[int, List[int]] = {}
-        for j, (i, d, _) in enumerate(rows):
-            groups.setdefault(i * 2 + d, []).append(j)
+        # each entry once (a record shared by aliases is placed, not copied, per key)
+        assembled = stats.assemble(entries, device=self.device, host_only=self._host_only)
         flat = out.view(-1, len(stats.FIELDS))
-        single = [(dst, js[0]) for dst, js in groups.items() if len(js) == 1]
-        if single:  # the common case, each key once per direction: one scatter
-            dst, src = zip(*single)
+        if len(set(dst)) == len(dst):  # the common case, each key once per direction: one scatter
             flat[stats.index_tensor(dst, out.device)] = assembled[stats.index_tensor(src, out.device)]
-        for dst, js in groups.items():
+            return out
+        groups: Dict[int, List[int]] = {}
+        for i, j in zip(dst, src):
+            groups.setdefault(i, []).append(j)
+        single = [(i, js[0]) for i, js in groups.items() if len(js) == 1]
+        if single:
+            one_dst, one_src = zip(*single)
+            flat[stats.index_tensor(one_dst, out.device)] = assembled[stats.index_tensor(one_src, out.device)]
+        for i, js in groups.items():
             if len(js) > 1:
-                flat[dst] = stats.merge_rows(assembled[stats.index_tensor(js, out.device)])
+                flat[i] = stats.merge_rows(assembled[stats.index_tensor(js, out.device)])
         return out
 
-    def _followers(self, aliases: Mapping[Hashable, Hashable]) -> Dict[Hashable, List[Hashable]]:
-        """Key -> keys whose records are its record: nodes that returned the very tensor
-        it produced (seen at run time) and ``aliases`` (views, known from the graph)."""
-        out: Dict[Hashable, List[Hashable]] = {}
-        for s, sames in self._same.items():
-            out.setdefault(self._keys[s], []).extend(self._keys[t] for t in sames)
-        for key, source in aliases.items():
-            out.setdefault(source, []).append(key)
-        return out
+    def flush(self) -> None:
+        """Compute the records of the short tensors observed so far (``ShortRecords``).
+        ``records()`` flushes first; call it before reading ``error`` to have their
+        failure there too (kept in ``error``, never raised: monitoring must not break a step)."""
+        if self.error is not None:
+            return
+        try:
+            self._short.flush()
+        except Exception as err:  # noqa: BLE001 - reported by the owner of the recorder
+            self.error = err
+
+    def _targets(self, index: Sequence[Hashable], aliases: Mapping[Hashable, Hashable]) -> Dict[int, List[int]]:
+        """Slot -> the indices (in ``index``, the keys asked for) of every key its records
+        answer: its own key, keys whose nodes returned the very tensor it produced (seen at
+        run time) and ``aliases`` (views, module outputs; known from the graph),
+        transitively. The same from step to step: cached on every input."""
+        same = tuple((s, tuple(t)) for s, t in self._same.items())
+        return _placement(tuple(self._keys), tuple(index), tuple(aliases.items()), same)
 
     def histogram_tensor(self, keys: Sequence[Hashable]) -> Tensor:
         """The log2 histograms of ``keys``: ``[len(keys), 2, bins]`` float64 counts on the
@@ -183,6 +216,8 @@ class Recorder:
         self._host_only = True
         self._previous = None
         self._same.clear()
+        self._grads.clear()
+        self._short.clear()
         self.histograms.clear()
         self.error = None
         self.remove_hooks()
@@ -201,6 +236,26 @@ def _host_reads_from_env() -> Optional[bool]:
     if value not in ("0", "1"):
         raise ValueError(f"`{HOST_READS_ENV}` must be 0 (device path forced) or 1 (host reads allowed), got {value!r}")
     return value == "1"
+
+
+@functools.lru_cache(maxsize=16)
+def _placement(
+    own: Tuple[Hashable, ...], keys: Tuple[Hashable, ...], aliases: Tuple[Tuple[Hashable, Hashable], ...], same: Tuple[Tuple[int, Tuple[int, ...]], ...]
+) -> Dict[int, List[int]]:
+    """``Recorder._targets`` of a recorder with slot keys ``own`` and ``_same`` items ``same``
+    (do not modify the result: it is shared)."""
+    followers: Dict[Hashable, List[Hashable]] = {}  # key -> keys whose records are its record
+    for s, sames in same:
+        followers.setdefault(own[s], []).extend(own[t] for t in sames)
+    for key, source in aliases:
+        followers.setdefault(source, []).append(key)
+    index = {k: i for i, k in enumerate(keys)}
+    out: Dict[int, List[int]] = {}
+    for slot, key in enumerate(own):
+        found = [index[k] for k in _sharing(key, followers) if k in index]
+        if found:
+            out[slot] = found
+    return out
 
 
 def _sharing(key: Hashable, followers: Mapping[Hashable, List[Hashable]]) -> Iterator[Hashable]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import math
@@ -35,7 +36,7 @@ def annotate_code(code: str, scales: Mapping[str, ScalePair], labels: Optional[M
     """
     if flag not in stats.FORMATS:
         raise ValueError(f"`flag` must be one of {sorted(stats.FORMATS)}, got {flag!r}")
-    rows = [_annotated_line(line, scales) for line in _code_lines(code)]
+    rows = [_annotated_line(line, names, is_def, scales) for line, names, is_def in _parsed(code)]
     if labels is None:
         return "\n".join(line + (sep + ", ".join(str(scales[n]) for n in names) if names else "") for line, sep, names in rows).strip()
     return _aligned(rows, scales, labels, stats.FORMATS[flag])
@@ -49,26 +50,48 @@ def _code_lines(code: str) -> List[str]:
     return lines
 
 
-def _annotated_line(line: str, scales: Mapping[str, ScalePair]) -> Tuple[str, str, List[str]]:
+@functools.lru_cache(maxsize=64)
+def _parsed(code: str) -> Tuple[Tuple[str, Tuple[str, ...], bool], ...]:
+    """(line, the node names it may define, whether it is the ``def``) per code line:
+    parsed once per graph, annotated every tracked step."""
+    out = []
+    for line in _code_lines(code):
+        words = line.strip().split(" ")
+        if words and words[0] == "def":
+            out.append((line, tuple(re.findall(r"(\w+)(?=\s*[,:)=])", line.split("(", 1)[1])), True))
+        else:
+            out.append((line, tuple(words[:1]), False))
+    return tuple(out)
+
+
+def _annotated_line(line: str, names: Tuple[str, ...], is_def: bool, scales: Mapping[str, ScalePair]) -> Tuple[str, str, List[str]]:
     """(code, separator before the annotation, node names it defines that have scales)."""
-    words = line.strip().split(" ")
-    if words and words[0] in scales:
-        return line, ";  ", [words[0]]
-    if words and words[0] == "def":
-        return line, "  ", [a for a in re.findall(r"(\w+)(?=\s*[,:)=])", line.split("(", 1)[1]) if a in scales]
+    if names and not is_def and names[0] in scales:
+        return line, ";  ", [names[0]]
+    if is_def:
+        return line, "  ", [a for a in names if a in scales]
     return line, "", []
 
 
 def _flag(pair: ScalePair, fmt: stats.FloatFormat) -> str:
     values = [v for v in (pair.forward, pair.backward) if v is not None and math.isfinite(v)]
-    if any(0 < v < fmt.min_normal for v in values):
+    if not values:
+        return ""
+    if 0 < min(values) < fmt.min_normal or (len(values) == 2 and 0 < max(values) < fmt.min_normal):
         return "!<"
-    return "!>" if any(v > fmt.max for v in values) else ""
+    return "!>" if max(values) > fmt.max else ""
 
 
 def _aligned(rows: Sequence[Tuple[str, str, List[str]]], scales: Mapping[str, ScalePair], labels: Mapping[str, str], fmt: stats.FloatFormat) -> str:
     cells = []
     for line, _, names in rows:
+        if not names:  # (most lines: nothing to format)
+            cells.append(("", "", "", line))
+            continue
+        if len(names) == 1:  # (the rest: one node per line)
+            pair, name = scales[names[0]], names[0]
+            cells.append((str(pair), _flag(pair, fmt), labels.get(name, name), line))
+            continue
         pairs = [scales[n] for n in names]
         flags = "".join(sorted({_flag(p, fmt) for p in pairs}))
         cells.append((", ".join(map(str, pairs)), flags, ", ".join(labels.get(n, n) for n in names), line))

@@ -139,6 +139,7 @@ class Reporter:
             distributed.RankFailedError: a rank's statistics failed (on every rank alike).
         """
         rec, cap, labels = data.recorder, data.capture, data.labels
+        rec.flush()  # (the short tensors' statistics: a failure there is a failure too)
         failed = rec.error is not None
         width = len(stats.FIELDS)
         records = torch.zeros(len(labels), 2, width, dtype=torch.float64, device=device) if failed else rec.records(labels, cap.aliases)

@@ -165,7 +165,8 @@ _CONDITION = 4.0
 
 def _host_moments(x: Tensor, out: List[Entry]) -> None:
     n = x.numel()
-    y = x if x.dtype in _WIDE else x.float()  # half types: one float32 copy, then fast
+    own = x.dtype not in _WIDE
+    y = _dense(x.float() if own else x)  # half types: one float32 copy (ours), then fast
     total = float(y.sum())
     sumsq = _sum_of_squares(y)
     if math.isfinite(total) and math.isfinite(sumsq):
@@ -179,11 +180,22 @@ def _host_moments(x: Tensor, out: List[Entry]) -> None:
             return
     else:
         nan, inf = float(torch.isnan(x).sum()), float(torch.isinf(x).sum())
-        if nan or inf:  # as torch.mean: inf for [inf, 1, 2], NaN with a NaN or both infinities
-            out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, math.nan, nan, inf
+        if nan or inf:  # as torch.mean in float64: inf for [inf, 1, 2], NaN with a NaN or both infinities
+            # (float64: finite values whose float32 sum overflows must not turn -inf into NaN)
+            out[_MEAN], out[_M2], out[_NAN], out[_INF] = float(x.sum(dtype=torch.float64)) / n, math.nan, nan, inf
             return
-    mean, m2, _ = _scaled_moments(y, _host_sum, own=y is not x)
+    mean, m2, _ = _scaled_moments(y, _host_sum, own=own)
     out[_MEAN], out[_M2], out[_NAN], out[_INF] = float(mean), float(m2), 0.0, 0.0
+
+
+def _dense(y: Tensor) -> Tensor:
+    """``y``'s elements in a contiguous layout without a copy where one exists: a
+    transposed or permuted tensor (the sums do not depend on the order). Else ``y``."""
+    if y.is_contiguous() or y.dim() < 2:
+        return y
+    order = sorted(range(y.dim()), key=lambda i: -y.stride(i))
+    p = y.permute(order)
+    return p if p.is_contiguous() else y
 
 
 # Shifting by the mean squares y - c, down to ~2**-48 c: above this mean square that
@@ -200,7 +212,7 @@ def _shifted_moments(y: Tensor, mean: float, sumsq: float) -> Optional[Tuple[flo
     n = y.numel()
     if not sumsq >= n * _SHIFT_MIN[y.dtype]:
         return None
-    c = float(torch.tensor(mean, dtype=y.dtype))
+    c = float(np.float32(mean)) if y.dtype == torch.float32 else mean  # (rounded to y's dtype)
     z = y - c  # (a copy: the scaled path may still need y)
     s1, s2 = float(z.sum()), _sum_of_squares(z)
     m2 = s2 - s1 * (s1 / n)
@@ -217,6 +229,8 @@ def _sum_of_squares(y: Tensor) -> float:
         return float(torch.dot(flat, flat))
     if n % _ROW == 0 and y.is_contiguous():  # the common case: no copy, no tail
         rows = y.view(-1, _ROW)
+    elif (strided := _strided_rows(y)) is not None:  # a slice of a wider tensor (q, k, v of a fused projection)
+        rows = strided
     elif n < _ROW:
         return float(torch.linalg.vector_norm(y)) ** 2
     else:
@@ -229,6 +243,20 @@ def _sum_of_squares(y: Tensor) -> float:
     if norms.numel() > 4096:  # a float32 dot stays within ~1e-7 up to here
         norms = norms.double()
     return float(torch.dot(norms, norms))
+
+
+_MIN_ROW = 64  # shorter strided rows: a copy and rows of 512 are faster
+
+
+def _strided_rows(y: Tensor) -> Optional[Tensor]:
+    """``y`` as 2-D rows of its contiguous last dimension without a copy, if there is
+    such a view and the rows are long enough to be worth it."""
+    if y.is_contiguous() or y.dim() < 2 or y.stride(-1) != 1 or y.size(-1) < _MIN_ROW:
+        return None
+    try:
+        return y.view(-1, y.size(-1))
+    except RuntimeError:  # the outer dimensions do not merge
+        return None
 
 
 def _device_moments(x: Tensor, out: List[Entry]) -> Tensor:
@@ -360,10 +388,13 @@ def _format_counts_host(x: Tensor, nan: float) -> Tuple[List[Entry], float]:
     cheaper than a histogram (``bincount``, ~1 ns an element). The extremes of |x| answer
     most thresholds without a pass: none of |x| is below min |x|, all of it is below a
     bound above max |x|. (Counting the smaller thresholds among the values below a larger
-    one only, after a boolean-index copy, was slower at 64K-256K elements.)
+    one only, after a boolean-index copy, was slower at 64K-256K elements; ``np.compress``
+    too on the gradients and activations of a GPT step.)
     """
     at = (x if x.dtype in _WIDE else x.float()).abs()
     a = at.numpy().reshape(-1)  # (a view: abs returned a dense tensor)
+    if a.size <= _SMALL and not nan:
+        return _format_counts_small(a)
     wide, mask = a.dtype.type, np.empty(a.shape, dtype=bool)  # one scratch buffer for every comparison
     lo, hi = (math.nan, math.nan) if nan else map(float, torch.aminmax(at))  # one pass
     zeros = float(np.count_nonzero(np.equal(a, 0, out=mask))) if not lo > 0 else 0.0  # NaN lo: count
@@ -386,6 +417,24 @@ def _format_counts_host(x: Tensor, nan: float) -> Tuple[List[Entry], float]:
 
 #: The distinct lower thresholds of the format counts (smallest subnormals and normals).
 _LOW_BOUNDS = sorted({t for f in FORMATS.values() for t in (f.min_subnormal, f.min_normal)})
+#: Up to this many elements one sorted search over every boundary costs less than a pass
+#: per threshold (small tensors are call-bound: biases, norms' weights).
+_SMALL = 1024
+_NUMPY_BOUNDS = {np.dtype(np.float32): np.array(_BOUNDS[torch.float32][0], dtype=np.float32), np.dtype(np.float64): np.array(_BOUNDS[torch.float64][0])}
+
+
+def _format_counts_small(a: "np.ndarray") -> Tuple[List[Entry], float]:
+    """``_format_counts_host`` of a short |x| without NaN: the bucket of each element
+    among the sorted boundaries (as ``_format_counts_device``), counted in one call."""
+    bounds = _NUMPY_BOUNDS[a.dtype]
+    _, low, high = _BOUNDS[torch.float64 if a.dtype == np.float64 else torch.float32]
+    cum = np.bincount(np.searchsorted(bounds, a, side="right"), minlength=bounds.size + 1).cumsum().tolist()
+    zeros = cum[0]  # cum[k] = #{|x| < bounds[k]}; bounds[0], the smallest positive number: zeros
+    positive = a[a > 0] if zeros else a
+    res: List[Entry] = [float(zeros), float(positive.min()) if positive.size else math.inf]
+    for k in range(len(FORMATS)):
+        res += [float(cum[low[2 * k]] - zeros), float(cum[low[2 * k + 1]] - zeros), float(a.size - cum[high[k]])]
+    return res, float(a.max())
 
 
 # ---------------------------------------------------------------------------------------
@@ -433,8 +482,8 @@ def assemble(rows: Sequence[Sequence[Entry]], device: Optional[torch.device] = N
     launches in total, whatever N) and scattered in. Nothing is read back to the host.
     ``host_only`` says every entry is a float (records taken with host reads): one copy.
     """
-    if host_only:
-        out = torch.tensor(rows, dtype=torch.float64).reshape(len(rows), len(FIELDS))
+    if host_only:  # (numpy builds it from Python floats ~3x faster than torch.tensor)
+        out = torch.from_numpy(np.array(rows, dtype=np.float64).reshape(len(rows), len(FIELDS)))
         return out if device is None else out.to(device)
     template = torch.tensor([[v if isinstance(v, float) else 0.0 for v in row] for row in rows], dtype=torch.float64).reshape(len(rows), len(FIELDS))
     by_dtype: Dict[torch.dtype, Tuple[List[int], List[Tensor]]] = {}

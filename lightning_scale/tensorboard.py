@@ -254,7 +254,7 @@ class ScaleWriter:
         self.log2, self.summary, self.top_k = log2, summary, top_k
         self._writes = 0
         self._nodes: Optional[Tuple[str, ...]] = None
-        self._layout_key: Optional[Tuple[Tuple[str, ...], ...]] = None
+        self._layout_key: Optional[Tuple[Any, ...]] = None
         self._tag_key: Optional[Tuple[Any, ...]] = None
         fast_record_checksums()
         self._tag_list: Tuple[str, ...] = ()
@@ -337,12 +337,13 @@ class ScaleWriter:
 
     def _write_layout(self, writer: Any, labels: Sequence[str], records: Tensor) -> None:
         """Custom Scalars charts of the tags written (rewritten only when those change)."""
-        present = (records[..., 0] > 0).tolist()
-        written = {tag: tuple(l for i, l in enumerate(labels) if present[i][d]) for tag, d in DIRECTIONS}
-        key = (tuple(labels), *written.values())
-        if key == self._layout_key:
+        mask = records[..., 0] > 0
+        key = (tuple(labels), _mask_key(mask))
+        if key == self._layout_key:  # (the same nodes present as last step: the same charts)
             return
         self._layout_key = key
+        present = mask.tolist()
+        written = {tag: tuple(l for i, l in enumerate(labels) if present[i][d]) for tag, d in DIRECTIONS}
         name = "scale_log2" if self.log2 else "scale"
         categories = layout.custom_scalar_layout(self.prefix, labels, written, stat=name, parameters=self.parameters or None)
         with _LAYOUT_LOCK:

@@ -8,6 +8,7 @@ from torch import nn
 from lightning_scale import stats
 from lightning_scale.capture import capture
 from lightning_scale.recorder import BACKWARD, FORWARD, Recorder, recording
+from lightning_scale.short_records import ShortRecords
 
 
 class Identityish(nn.Module):
@@ -61,12 +62,59 @@ def test_in_place_result_is_recorded_afresh() -> None:
     assert abs(float(std[1, FORWARD]) / float(std[0, FORWARD]) - 2) < 1e-6
 
 
-def test_same_tensor_is_not_computed_twice(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    calls = []
-    original = stats.record_of
+def _count_records(monkeypatch) -> list:  # type: ignore[no-untyped-def]
+    """Shapes of the tensors whose records are computed (one by one, or batched when short)."""
+    calls: list = []
+    original, add = stats.record_of, ShortRecords.add
     monkeypatch.setattr(stats, "record_of", lambda x, *a, **k: calls.append(x.shape) or original(x, *a, **k))
+    monkeypatch.setattr(ShortRecords, "add", lambda self, x: calls.append(x.shape) or add(self, x))
+    return calls
+
+
+def test_same_tensor_is_not_computed_twice(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    calls = _count_records(monkeypatch)
     torch.manual_seed(0)
     labels, records, _ = _run(Identityish(), torch.randn(32, 8))
     present = int((records[..., 0] > 0).sum())
-    # dropout(p=0) and .contiguous() return the linear output itself: 2 nodes x 2 directions
-    assert len(calls) == present - 4
+    # dropout(p=0) and .contiguous() return the linear output itself: 2 nodes x 2 directions;
+    # the final add hands its gradient tensor itself to both sums: 2 more
+    assert len(calls) == present - 6
+
+
+class Residual(nn.Module):
+    """A residual stream: autograd hands ``x + f(x)``'s gradient tensor itself to ``f(x)``,
+    then adds into it in place for ``x`` (a new version: a different value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        r = h + self.fc2(h)
+        return (r * r).sum()
+
+
+def test_shared_gradient_tensor_reuses_record_exactly(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    grads = _count_records(monkeypatch)
+    torch.manual_seed(0)
+    model, x = Residual(), torch.randn(32, 8)
+    labels, records, _ = _run(model, x)
+    index = {l: i for i, l in enumerate(labels)}
+    add, fc2, fc1 = index["add"], index["fc2/linear"], index["fc1/linear"]
+    # float64 reference gradients of each node's output
+    w1, b1 = model.fc1.weight.detach().double(), model.fc1.bias.detach().double()
+    w2, b2 = model.fc2.weight.detach().double(), model.fc2.bias.detach().double()
+    h = (x.double() @ w1.T + b1).requires_grad_()
+    f = (h @ w2.T + b2).requires_grad_()
+    r = (h + f).requires_grad_()
+    for t in (h, f, r):
+        t.retain_grad()
+    (r * r).sum().backward()
+    std = stats.statistic(records, "std")
+    for node, ref in ((add, r.grad), (fc2, f.grad), (fc1, h.grad)):
+        assert abs(float(std[node, BACKWARD]) / float(ref.std()) - 1) < 1e-6
+    torch.testing.assert_close(records[fc2, BACKWARD], records[add, BACKWARD], rtol=0, atol=0, equal_nan=True)
+    present = int((records[..., 0] > 0).sum())
+    assert len(grads) == present - 1  # fc2's output gradient: add's, reused; fc1's: new values, computed
+

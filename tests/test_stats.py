@@ -293,3 +293,54 @@ def test_device_path_reads_nothing_to_the_host(no_host_reads, monkeypatch: pytes
     for x, row in zip(xs, assembled):
         assert_same_record(row, record(x, True), rel=1e-6)
     assert float(stats.statistic(merged, "count")) == sum(x.numel() for x in xs)
+
+
+# ---------------------------------------------------------------------------------------
+# Host-path shortcuts: each gives exactly what the general path gives
+
+
+def _format_fields(rec: Tensor) -> Tensor:
+    return rec[stats.FIELDS.index("zeros") : stats.FIELDS.index("fp8_e4m3_sq_err")]
+
+
+@pytest.mark.parametrize("n", [7, 1024, 1025, 70_000])
+@pytest.mark.parametrize("kind", ["normal", "gradient", "with_zeros", "with_specials"])
+def test_host_format_counts_equal_the_device_path(n: int, kind: str) -> None:
+    # (short tensors: one sorted search; long ones: thresholds counted among the values
+    # below the larger ones; the device path buckets every element: exact references)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * (1e-5 if kind == "gradient" else 1.0)
+    if kind == "with_zeros":
+        x[::3] = 0.0
+    if kind == "with_specials":
+        x[: min(n, 6)] = torch.tensor([7e4, 500.0, 2.0**-140, 1e-30, 6e-8, -3e38])[: min(n, 6)]
+    host, device = record(x, True), record(x, False)
+    torch.testing.assert_close(_format_fields(host), _format_fields(device), rtol=0, atol=0)
+    assert float(host[stats.FIELDS.index("absmax")]) == float(x.abs().max())
+
+
+@pytest.mark.parametrize("view", ["transposed", "permuted", "slice_of_fused", "tiny_values"])
+def test_strided_host_tensors_are_read_in_place_without_change(view: str) -> None:
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(16, 64, 384, generator=g) + 3.0  # mean-dominated: the shifted path too
+    x = {
+        "transposed": base[..., :128].transpose(1, 2),
+        "permuted": base.view(16, 64, 12, 32).permute(0, 2, 1, 3),
+        "slice_of_fused": base[..., 128:256],  # k of a fused qkv projection
+        "tiny_values": (base * 1e-30).view(16, 64, 12, 32).transpose(1, 2),  # the scaled path
+    }[view]
+    before = x.clone()
+    got, want = record(x, True), record(x.contiguous(), True)
+    assert torch.equal(x, before)  # never written, though not a copy
+    v = x.double()
+    std = float(stats.statistic(got, "std"))
+    assert abs(std / float(v.std()) - 1) < 1e-6 and abs(float(got[1]) / float(v.mean()) - 1) < 1e-6
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0, equal_nan=True)
+
+
+@HOST_READS
+def test_mean_with_an_infinity_beside_values_whose_float32_sum_overflows(host_reads: bool) -> None:
+    x = torch.randn(162, generator=torch.Generator().manual_seed(1))
+    x[[1, -1]], x[26] = 3.3182e38, -math.inf  # float32: 3.3e38 + 3.3e38 = inf, inf - inf = NaN
+    got = measured(x, host_reads)
+    assert got["mean"] == float(x.double().mean()) == -math.inf and got["inf"] == 1.0

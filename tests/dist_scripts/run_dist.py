@@ -89,12 +89,13 @@ def full_state(module: nn.Module) -> dict:
 
 def _fail_on_rank_1() -> None:
     if int(os.environ.get("LOCAL_RANK", "0")) == 1:
-        from lightning_scale import stats
+        from lightning_scale import short_records, stats
 
         def record_of(*args: object, **kwargs: object) -> None:
             raise RuntimeError("injected failure on rank 1")
 
         stats.record_of = record_of  # type: ignore[assignment]
+        short_records.records_of_many = record_of  # type: ignore[assignment]  # short tensors, computed together
 
 
 def main(out: Path, strategy_name: str, mode: str) -> None:

@@ -1,0 +1,114 @@
+"""Records of many short host tensors at once: biases, norms' weights, their gradients.
+
+On the host path a short tensor's record costs 10-50 us of call overhead (a dozen torch
+and numpy calls on a few hundred elements), far more than reading its data; a GPT has
+dozens of them per direction. ``ShortRecords`` takes a float32 copy of each when it is
+observed (so later in-place ops cannot change what is recorded) and computes every
+record of the step in one set of numpy reductions over their concatenation: moments in
+float64 by two passes (each mean first, then the squared deviations from it: no
+cancellation, and float32 data can neither overflow nor underflow there), absmax, and the
+zeros / min_nonzero / format counts from one sorted search and one histogram, as
+``stats._format_counts_device`` buckets them. The fields mean what ``stats.record_of``'s
+do, with the same NaN/Inf conventions. Nothing here imports Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Collection, List
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_scale import stats
+
+__all__ = ["MAX_ELEMENTS", "ShortRecords", "batchable", "records_of_many"]
+
+#: Tensors up to this many elements are batched (above, one pass per statistic is cheaper).
+MAX_ELEMENTS = 4096
+_GROUPS = frozenset(("moments", "range", "formats"))  # fp8 scales each tensor by itself: not batched
+_IX = {name: i for i, name in enumerate(stats.FIELDS)}
+_FMT = [_IX[f"{kind}_{fmt}"] for fmt in stats.FORMATS for kind in ("underflow", "below_normal", "overflow")]
+
+
+def batchable(x: Tensor, groups: Collection[str]) -> bool:
+    """Whether ``x``'s record may be computed by ``ShortRecords`` (short, not float64, on
+    the host, groups that do not depend on the tensor as a whole)."""
+    return 0 < x.numel() <= MAX_ELEMENTS and x.dtype != torch.float64 and x.device.type == "cpu" and _GROUPS.issuperset(groups)
+
+
+class ShortRecords:
+    """Entries (``stats.Entry`` lists) of short tensors, filled together by ``flush``.
+
+    Args:
+        groups: the statistic groups to compute (a subset of moments, range, formats).
+    """
+
+    def __init__(self, groups: Collection[str]) -> None:
+        self.groups = frozenset(groups) | {"moments"}
+        self._copies: List[Tensor] = []
+        self._entries: List[List[stats.Entry]] = []
+
+    def add(self, x: Tensor) -> List[stats.Entry]:
+        """A float32 copy of ``x`` now; its entry list, filled in place by ``flush``."""
+        self._copies.append(x.detach().to(torch.float32, copy=True).reshape(-1))
+        entry: List[stats.Entry] = [math.nan] * len(stats.FIELDS)
+        self._entries.append(entry)
+        return entry
+
+    def flush(self) -> None:
+        """Fill every entry added since the last flush, and forget the copies."""
+        if not self._copies:
+            return
+        values = torch.cat(self._copies).numpy()
+        rows = records_of_many(values, [c.numel() for c in self._copies], self.groups)
+        for entry, row in zip(self._entries, rows):
+            entry[:] = row
+        self.clear()
+
+    def clear(self) -> None:
+        self._copies.clear()
+        self._entries.clear()
+
+
+def records_of_many(values: "np.ndarray", sizes: List[int], groups: Collection[str]) -> List[List[float]]:
+    """``stats.record_of`` of each of the float32 tensors laid end to end in ``values``
+    (``sizes`` elements each, every size positive), as lists of floats."""
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    n = np.asarray(sizes, dtype=np.float64)
+    out = np.full((len(sizes), len(stats.FIELDS)), math.nan)
+    out[:, _IX["count"]] = n
+    x = values.astype(np.float64)
+    nan = np.add.reduceat(np.isnan(x), starts, dtype=np.int64)
+    inf = np.add.reduceat(np.isinf(x), starts, dtype=np.int64)
+    with np.errstate(invalid="ignore"):  # inf - inf: NaN, as torch.mean
+        mean = np.add.reduceat(x, starts) / n
+        dev = x - np.repeat(mean, sizes)
+        m2 = np.add.reduceat(dev * dev, starts)
+    out[:, _IX["mean"]] = mean
+    out[:, _IX["m2"]] = np.where((nan > 0) | (inf > 0), math.nan, m2)
+    out[:, _IX["nan"]], out[:, _IX["inf"]] = nan, inf
+    a = np.abs(values)
+    if "range" in groups:
+        out[:, _IX["absmax"]] = np.maximum.reduceat(a, starts)  # NaN with a NaN, as aminmax
+    if "formats" in groups:
+        _format_fields(a, starts, sizes, nan, out)
+    return out.tolist()
+
+
+def _format_fields(a: "np.ndarray", starts: "np.ndarray", sizes: List[int], nan: "np.ndarray", out: "np.ndarray") -> None:
+    """zeros, min_nonzero and the format counts into ``out``, from |x| (float32)."""
+    bounds, low, high = stats._BOUNDS[torch.float32]  # noqa: SLF001 - the one definition of the boundaries
+    clean = np.where(np.isnan(a), np.float32(0), a)  # NaN joins the zeros' bucket; subtracted below
+    bucket = np.searchsorted(np.asarray(bounds, dtype=np.float32), clean, side="right")
+    width = len(bounds) + 1
+    segment = np.repeat(np.arange(len(sizes)), sizes)
+    cum = np.bincount(segment * width + bucket, minlength=len(sizes) * width).reshape(len(sizes), width).cumsum(1)
+    zeros = cum[:, 0] - nan  # cum[:, k] = #{|x| < bounds[k]}: bounds[0] is the smallest positive float32
+    out[:, _IX["zeros"]] = zeros
+    out[:, _IX["min_nonzero"]] = np.minimum.reduceat(np.where(clean > 0, clean, np.float32(math.inf)), starts)
+    k = len(stats.FORMATS)
+    below = (cum[:, low] - cum[:, :1]).reshape(-1, k, 2)  # nonzero values under each format's two thresholds
+    over = (cum[:, -1:] - cum[:, high]).reshape(-1, k, 1)
+    out[:, _FMT] = np.concatenate([below, over], axis=2).reshape(-1, 3 * k)
