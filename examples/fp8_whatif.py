@@ -9,7 +9,8 @@ The demo GPT trains on synthetic tokens with ``ScaleMonitor`` logging the ``fp8`
 docs/fp8.md). The script reads the values back from the TensorBoard event file and prints,
 at the last tracked step, the ops and parameters with the lowest signal-to-noise ratio and
 the highest fraction of nonzeros flushed to zero: forward values in E4M3, gradients in
-E5M2 (the usual FP8 training recipe). ``--precision bf16-mixed`` runs the model in bf16.
+E5M2 (the usual FP8 training recipe), and what gradients would lose in E4M3 (recipes that
+use E4M3 everywhere). ``--precision bf16-mixed`` runs the model in bf16.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lightning_scale import ScaleMonitor
 from lightning_scale.demo import GPTModule, token_loaders
 
-#: The format each direction would use: E4M3 forward, E5M2 for gradients.
-RECIPE = {"fwd": "e4m3", "bwd": "e5m2"}
+#: (direction, format, what): E4M3 forward, E5M2 for gradients, and gradients in E4M3.
+SECTIONS = (("fwd", "e4m3", "forward values"), ("bwd", "e5m2", "gradients"), ("bwd", "e4m3", "gradients (recipes with E4M3 everywhere)"))
 STATISTICS = ["std", "absmax", *(f"fp8_{fmt}_{kind}" for fmt in ("e4m3", "e5m2") for kind in ("snr_db", "flushed"))]
 Row = Tuple[str, float, float, float, float]  # label, SNR dB, flushed fraction, std, absmax
 
@@ -39,12 +40,12 @@ def read(logdir: str) -> Dict[str, Dict[int, float]]:
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
-def rows(scalars: Dict[str, Dict[int, float]], d: str, step: int, parameters: Set[str]) -> List[Row]:
-    """One row per op node (``module/op``) and parameter of direction ``d`` at ``step``.
+def rows(scalars: Dict[str, Dict[int, float]], d: str, fmt: str, step: int, parameters: Set[str]) -> List[Row]:
+    """One row per op node (``module/op``) and parameter of direction ``d`` in ``fmt`` at ``step``.
 
     Module outputs (``model.blocks.0.mlp``) are left out: each is also an op's output.
     """
-    fmt, head = RECIPE[d], f"fp8_{RECIPE[d]}_snr_db/{d}/"
+    head = f"fp8_{fmt}_snr_db/{d}/"
     out = []
     for tag in scalars:
         label = tag[len(head) :]
@@ -68,11 +69,11 @@ def table(title: str, picked: List[Row], parameters: Set[str]) -> str:
 
 
 def report(scalars: Dict[str, Dict[int, float]], step: int, parameters: Set[str], top: int) -> str:
-    """For each direction: the ``top`` lowest-SNR and highest-flushed rows, and a summary."""
+    """For each of ``SECTIONS``: the ``top`` lowest-SNR and highest-flushed rows, and a summary."""
     parts = []
-    for d, what in (("fwd", "forward values"), ("bwd", "gradients")):
-        fmt = RECIPE[d].upper()
-        all_rows = rows(scalars, d, step, parameters)
+    for d, name, what in SECTIONS:
+        fmt = name.upper()
+        all_rows = rows(scalars, d, name, step, parameters)
         finite = sorted(r[1] for r in all_rows if math.isfinite(r[1]))
         median = finite[len(finite) // 2] if finite else math.nan
         parts.append(f"### {what} in {fmt} ({len(all_rows)} nodes, median SNR {median:.1f} dB, step {step})")
