@@ -398,8 +398,8 @@ def _fp8_fields(x: Tensor, total_of: _Sum) -> List[Tensor]:
     Quantisation as a per-tensor-scaled FP8 recipe does it: ``scale = max / amax`` (in
     float32, float64 for float64 tensors; capped at the largest finite number),
     ``q = fp8(x * scale)``. The error is what dequantising loses, ``q / scale - x``, taken
-    in float64 as ``(q - x * scale) / scale``. Non-finite elements are left out (zero error, zero square, not flushed):
-    the ``nan``/``inf`` counts report them.
+    in float64 as ``Σ (q - x * scale)² / scale²``. Non-finite elements are left out (zero
+    error, zero square, not flushed): the ``nan``/``inf`` counts report them.
     """
     acc = _acc_dtype(x)
     xf = torch.nan_to_num(x.to(acc), nan=0.0, posinf=0.0, neginf=0.0)
@@ -412,14 +412,15 @@ def _fp8_fields(x: Tensor, total_of: _Sum) -> List[Tensor]:
     for name, dtype in FP8_DTYPES.items():
         # (a Python number / tensor would multiply by a rounded reciprocal)
         scale = torch.nan_to_num(torch.full_like(amax, FORMATS[name].max) / amax, posinf=torch.finfo(acc).max)
-        q = (xf * scale).to(dtype).to(acc)
+        q = (xf * scale).to(dtype).double()  # (one widening: on CPU it costs more than the rest)
         flushed = nonzero - torch.count_nonzero(q)
-        # Against x itself, in float64: near-exact tensors (SNR ~100 dB) have errors close
-        # to the float32 rounding of x * scale. x * scale is exact in float64 for float32
-        # and half x, q - x * scale is exact, so the error has one rounding, the division.
+        # Against x itself: near-exact tensors (SNR ~100 dB) have errors close to the
+        # float32 rounding of x * scale. In float64, x * scale is exact for float32 and
+        # half x and so is q - x * scale; the sum of squares is taken back to x's units
+        # after summing (two divisions: scale^2 can overflow for float64 x).
         s64 = scale.double()
-        err = q.double().sub_(x64 * s64).div_(s64)
-        out += [total_of(err.square_()), sq, flushed.double()]
+        sq_err = total_of(q.sub_(x64 * s64).square_()) / s64 / s64  # (no fused multiply-add: y as the cast saw it)
+        out += [sq_err, sq, flushed.double()]
     return out
 
 
