@@ -1,6 +1,6 @@
 """FP8 what-if on the demo GPT: which ops would lose the most if cast to FP8?
 
-Run from the repository root (about a minute on two cores)::
+Run from the repository root (about two minutes on two cores)::
 
     .venv/bin/python examples/fp8_whatif.py --logdir lightning_logs
 
