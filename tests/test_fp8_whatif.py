@@ -90,12 +90,18 @@ def what_if(x: Tensor, fmt: str) -> Tuple[float, float]:
 
 
 @pytest.fixture(scope="module")
-def logged(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Dict[int, float]]:
+def watched(tmp_path_factory: pytest.TempPathFactory) -> Tuple[GPTModule, ScaleMonitor, Dict[str, Dict[int, float]]]:
+    """The trained module, its monitor and every logged scalar ``{tag: {step: value}}``."""
     monitor = ScaleMonitor(every_n_steps=1, statistics=STATISTICS, figure=False, histograms=False, code=False)
-    _, log_dir = fit(tmp_path_factory.mktemp("fp8"), monitor)
+    module, log_dir = fit(tmp_path_factory.mktemp("fp8"), monitor)
     acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    return module, monitor, {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+@pytest.fixture(scope="module")
+def logged(watched: Tuple[GPTModule, ScaleMonitor, Dict[str, Dict[int, float]]]) -> Dict[str, Dict[int, float]]:
+    return watched[2]
 
 
 def test_logged_fp8_statistics_match_a_float64_quantisation_of_the_same_tensors(logged: Dict[str, Dict[int, float]]) -> None:
@@ -134,10 +140,9 @@ def test_the_what_if_sees_real_losses(logged: Dict[str, Dict[int, float]]) -> No
     assert logged[f"fp8_e5m2_flushed/bwd/{bias}"][0] == 0.0
 
 
-def test_training_with_the_fp8_group_is_bit_identical(tmp_path: Path) -> None:
-    plain, _ = fit(tmp_path / "plain", None)
-    monitor = ScaleMonitor(every_n_steps=1, statistics=STATISTICS, figure=False, histograms=False, code=False)
-    watched, _ = fit(tmp_path / "watched", monitor)
-    for (name, a), (_, b) in zip(plain.state_dict().items(), watched.state_dict().items()):
+def test_training_with_the_fp8_group_is_bit_identical(tmp_path: Path, watched: Tuple[GPTModule, ScaleMonitor, Any]) -> None:
+    plain, _ = fit(tmp_path, None)
+    module, monitor, logged = watched
+    assert monitor.groups == ["fp8", "moments"] and logged["fp8_e4m3_snr_db/bwd/model.head.weight"].keys() == {0, 1}
+    for (name, a), (_, b) in zip(plain.state_dict().items(), module.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
-    assert monitor.groups == ["fp8", "moments"]
