@@ -78,6 +78,13 @@ def test_profile_and_heatmap_draw_the_picked_fp8_statistic(served: Tuple[Any, Li
         assert (v == "" and want is None) or float(v) == pytest.approx(want, abs=1e-4), (labels[i], j)
     assert sum(v != "" for _, _, v in cells) > 10
     assert "fp8_e4m3_snr_db" in frame.inner_text(".legend")
+    # a cell's series: the picked statistic over the steps, one point per finite value
+    i = next(i for i, j, v in cells if v != "")
+    frame.locator(f"svg.heatmap[data-dir=bwd] rect.cell[data-row='{i}'][data-col='0']").click()
+    frame.wait_for_selector(".series-box polyline.bwd", state="attached")
+    assert labels[i] in frame.inner_text(".series-box h4") and "fp8_e4m3_snr_db" in frame.inner_text(".series-box h4")
+    points = frame.get_attribute(".series-box polyline.bwd", "points").split()
+    assert len(points) == sum(_value(scalars, f"fp8_e4m3_snr_db/bwd/{labels[i]}", s) is not None for s in steps)
     assert not errors
 
 

@@ -64,20 +64,24 @@ function panel(title, d, data, cw, ch, labelW, paint) {
   return `<div class="hm-panel"><h4>${title}</h4><svg class="heatmap" data-dir="${d}" width="${labelW + data.steps.length * cw + 10}" height="${30 + data.labels.length * ch}">${stepLabels}${labels}${cells}</svg></div>`;
 }
 
-export function drawSeries(root, s) {
+// One node's picked statistic over the tracked steps (log2 for magnitudes), and a table of all.
+export function drawSeries(root, s, stat = 'std', log2 = true) {
   const W = 520, H = 180, L = 40;
-  const lines = Object.entries(s.series).filter(([k]) => k.startsWith('std/'));
-  const vals = lines.flatMap(([, v]) => v.filter((x) => x > 0).map(Math.log2));
-  const lo = Math.min(...vals, -1), hi = Math.max(...vals, 1);
+  const scaled = (u) => (u === null || u === undefined ? null : log2 ? (u > 0 ? Math.log2(u) : null) : u);
+  const lines = Object.entries(s.series).filter(([k]) => k === `${stat}/fwd` || k === `${stat}/bwd`);
+  const vals = lines.flatMap(([, v]) => v.map(scaled).filter((x) => x !== null));
+  const lo = Math.min(...vals, log2 ? -1 : Infinity), hi = Math.max(...vals, log2 ? 1 : -Infinity);
+  const span = hi - lo || 1;
   const n = Math.max(s.steps.length - 1, 1);
-  const x = (j) => L + (j / n) * (W - L - 10), y = (v) => H - 20 - ((v - lo) / (hi - lo || 1)) * (H - 40);
+  const x = (j) => L + (j / n) * (W - L - 10), y = (v) => H - 20 - ((v - lo) / span) * (H - 40);
   const paths = lines.map(([k, v]) => {
-    const pts = v.map((u, j) => (u > 0 ? `${x(j)},${y(Math.log2(u))}` : null)).filter(Boolean);
+    const pts = v.map((u, j) => (scaled(u) !== null ? `${x(j)},${y(scaled(u))}` : null)).filter(Boolean);
     return `<polyline class="series ${k.endsWith('fwd') ? 'fwd' : 'bwd'}" points="${pts.join(' ')}"/>`;
   }).join('');
+  const ticks = vals.length ? `<text class="tick" x="2" y="${y(hi)}">${fmt(hi, 1)}</text><text class="tick" x="2" y="${y(lo)}">${fmt(lo, 1)}</text>` : '';
   const rows = Object.entries(s.series).map(([k, v]) => `<tr><td>${esc(k)}</td>${v.map((u) => `<td>${u === null ? '–' : Number(u).toPrecision(3)}</td>`).join('')}</tr>`).join('');
-  root.innerHTML = `<h4>${esc(s.label)} over steps (log2 std: <span class="fwd">fwd</span>, <span class="bwd">bwd</span>)</h4>
-    <svg class="series-chart" width="${W}" height="${H}"><text class="tick" x="2" y="${y(hi)}">${fmt(hi, 1)}</text><text class="tick" x="2" y="${y(lo)}">${fmt(lo, 1)}</text>${paths}</svg>
+  root.innerHTML = `<h4>${esc(s.label)} over steps (${log2 ? 'log2 ' : ''}${esc(stat)}: <span class="fwd">fwd</span>, <span class="bwd">bwd</span>)</h4>
+    <svg class="series-chart" width="${W}" height="${H}">${ticks}${paths}</svg>
     <table class="series-table"><tr><th>statistic</th>${s.steps.map((st) => `<th>${st}</th>`).join('')}</tr>${rows}</table>`;
 }
 
@@ -104,6 +108,6 @@ export function drawHeatmap(root, data, query) {
     const c = e.target.closest('rect.cell');
     if (!c) return;
     const s = await get('series', { ...query, label: data.labels[+c.dataset.row] });
-    drawSeries(root.querySelector('.series-box'), s);
+    drawSeries(root.querySelector('.series-box'), s, stat, log2);
   });
 }
