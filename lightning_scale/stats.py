@@ -412,7 +412,7 @@ def _fp8_fields(x: Tensor, total_of: _Sum) -> List[Tensor]:
     for name, dtype in FP8_DTYPES.items():
         # (a Python number / tensor would multiply by a rounded reciprocal)
         scale = torch.nan_to_num(torch.full_like(amax, FORMATS[name].max) / amax, posinf=torch.finfo(acc).max)
-        q = (xf * scale).to(dtype).double()  # (one widening: on CPU it costs more than the rest)
+        q = _widen((xf * scale).to(dtype))
         flushed = nonzero - torch.count_nonzero(q)
         # Against x itself: near-exact tensors (SNR ~100 dB) have errors close to the
         # float32 rounding of x * scale. In float64, x * scale is exact for float32 and
@@ -422,6 +422,15 @@ def _fp8_fields(x: Tensor, total_of: _Sum) -> List[Tensor]:
         sq_err = total_of(q.sub_(x64 * s64).square_()) / s64 / s64  # (no fused multiply-add: y as the cast saw it)
         out += [sq_err, sq, flushed.double()]
     return out
+
+
+def _widen(q: Tensor) -> Tensor:
+    """``q.double()``; on CPU for E4M3 by a 256-entry table (torch's CPU kernel widens E4M3
+    element by element: 3.3 ms for 512K elements, the table 1.3 ms; the same values)."""
+    if q.device.type != "cpu" or q.dtype != torch.float8_e4m3fn:
+        return q.double()
+    table = torch.arange(256, dtype=torch.uint8).view(q.dtype).double()
+    return torch.take(table, q.view(torch.uint8).long())
 
 
 # ---------------------------------------------------------------------------------------

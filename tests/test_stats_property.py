@@ -229,6 +229,13 @@ def test_fp8_merge_equals_concatenation_when_the_scale_is_shared() -> None:
             assert float(stats.statistic(merged, key)) == pytest.approx(float(stats.statistic(whole, key)), rel=1e-12)
 
 
+def test_fp8_widening_by_table_is_torchs_cast() -> None:
+    codes = torch.arange(256, dtype=torch.uint8).repeat(3)  # every bit pattern, NaNs included
+    for dtype in FP8.values():
+        q = codes.view(dtype)
+        torch.testing.assert_close(stats._widen(q), q.double(), rtol=0, atol=0, equal_nan=True)
+
+
 # ---------------------------------------------------------------------------------------
 # Cost of the formats group on the device path
 
