@@ -398,7 +398,7 @@ def _fp8_fields(x: Tensor, total_of: _Sum) -> List[Tensor]:
     Quantisation as a per-tensor-scaled FP8 recipe does it: ``scale = max / amax`` (in
     float32, float64 for float64 tensors; capped at the largest finite number),
     ``q = fp8(x * scale)``. The error is what dequantising loses, ``q / scale - x``, taken
-    in float64 as ``Σ (q - x * scale)² / scale²``. Non-finite elements are left out (zero
+    in float64 as ``(q - x * scale) / scale``. Non-finite elements are left out (zero
     error, zero square, not flushed): the ``nan``/``inf`` counts report them.
     """
     acc = _acc_dtype(x)
@@ -416,10 +416,11 @@ def _fp8_fields(x: Tensor, total_of: _Sum) -> List[Tensor]:
         flushed = nonzero - torch.count_nonzero(q)
         # Against x itself: near-exact tensors (SNR ~100 dB) have errors close to the
         # float32 rounding of x * scale. In float64, x * scale is exact for float32 and
-        # half x and so is q - x * scale; the sum of squares is taken back to x's units
-        # after summing (two divisions: scale^2 can overflow for float64 x).
+        # half x and so is q - x * scale (no fused multiply-add: y as the cast saw it).
+        # Back in x's units before squaring: for float64 x with a wide range, squares of
+        # tiny scaled errors would be float64 subnormals.
         s64 = scale.double()
-        sq_err = total_of(q.sub_(x64 * s64).square_()) / s64 / s64  # (no fused multiply-add: y as the cast saw it)
+        sq_err = total_of(q.sub_(x64 * s64).div_(s64).square_())
         out += [sq_err, sq, flushed.double()]
     return out
 
