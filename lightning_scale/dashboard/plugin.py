@@ -6,7 +6,7 @@ TensorBoard started where the package is installed. Its frontend is the static E
 tables) and the browser draws.
 
 Routes (``run`` and ``prefix`` select a run and ``""`` / ``"val_"``): ``/runs``,
-``/profile?step=``, ``/heatmap``, ``/series?label=``, ``/worst?step=&by=&regex=``,
+``/profile?step=``, ``/heatmap?stat=``, ``/series?label=``, ``/worst?step=&by=&regex=``,
 ``/code?step=``.
 """
 
@@ -105,7 +105,7 @@ class ScalesPlugin(base_plugin.TBPlugin):
 
     @wrappers.Request.application
     def _heatmap(self, request: Request) -> wrappers.Response:
-        return self._respond(request, lambda d, a: tables.heatmap(d))
+        return self._respond(request, lambda d, a: tables.heatmap(d, a.get("stat", "std")))
 
     @wrappers.Request.application
     def _series(self, request: Request) -> wrappers.Response:

@@ -14,9 +14,13 @@ from lightning_scale.dashboard.data import DIRS, RunData
 from lightning_scale.dashboard.layout import module_group
 from lightning_scale.stats import FORMATS
 
-__all__ = ["code", "heatmap", "nearest_step", "profile", "series", "worst"]
+__all__ = ["FP8_RECIPE", "LOG2_STATS", "code", "heatmap", "nearest_step", "profile", "series", "worst"]
 
-RANKINGS = (*FORMATS, "drift")
+RANKINGS = (*FORMATS, "drift", "fp8")
+#: Magnitudes, drawn and coloured as log2; every other statistic (fractions, dB, counts) as logged.
+LOG2_STATS = ("std", "absmax", "rms", "min_nonzero")
+#: The FP8 format each direction would be cast to in the usual recipe: the ``fp8`` ranking's SNR.
+FP8_RECIPE = {"fwd": "e4m3", "bwd": "e5m2"}
 
 
 def _clean(v: float) -> Optional[float]:
@@ -47,12 +51,24 @@ def profile(data: RunData, step: Optional[int]) -> Dict[str, Any]:
     return {"step": step, "steps": data.steps, "stats": sorted(data.values), "nodes": nodes, "ratios": ratios}
 
 
-def heatmap(data: RunData) -> Dict[str, Any]:
-    """log2 std of every node (rows, execution order) at every tracked step (columns), both directions."""
-    out: Dict[str, Any] = {"labels": data.labels, "steps": data.steps, "params": sorted(data.parameters)}
+def heatmap(data: RunData, stat: str = "std") -> Dict[str, Any]:
+    """``stat`` of every node (rows, execution order) at every tracked step (columns), both
+    directions: log2 for the magnitudes of ``LOG2_STATS``, as logged for the others.
+
+    Raises:
+        ValueError: ``stat`` is not a statistic the run logged.
+    """
+    if stat != "std" and stat not in data.values:
+        raise ValueError(f"`stat` must be one of the logged statistics {sorted(data.values)}, got {stat!r}")
+    log = stat in LOG2_STATS
+    out: Dict[str, Any] = {"labels": data.labels, "steps": data.steps, "params": sorted(data.parameters), "stat": stat, "log2": log, "stats": sorted(data.values)}
     for d in DIRS:
-        out[d] = [[_clean(headroom.log2(data.value("std", d, label, s))) for s in data.steps] for label in data.labels]
+        out[d] = [[_clean(_scaled(data.value(stat, d, label, s), log)) for s in data.steps] for label in data.labels]
     return out
+
+
+def _scaled(v: float, log: bool) -> float:
+    return headroom.log2(v) if log else v
 
 
 def series(data: RunData, label: str) -> Dict[str, Any]:
@@ -66,14 +82,19 @@ def series(data: RunData, label: str) -> Dict[str, Any]:
 
 
 def worst(data: RunData, step: Optional[int], by: str = "fp16", pattern: str = "", limit: int = 100) -> Dict[str, Any]:
-    """Node directions ranked by headroom to format ``by`` (least first) or by ``|drift|`` of log2 std
-    since the first tracked step (``by="drift"``, largest first), filtered by regex ``pattern``.
+    """Node directions ranked by headroom to format ``by`` (least first), by ``|drift|`` of log2 std
+    since the first tracked step (``by="drift"``, largest first) or by the FP8 what-if's SNR
+    (``by="fp8"``, lowest first: E4M3 forward, E5M2 backward, ``FP8_RECIPE``), filtered by
+    regex ``pattern``.
 
     Raises:
-        ValueError: ``by`` is not a format or ``"drift"``, or ``pattern`` is not a regex.
+        ValueError: ``by`` is not a format, ``"drift"`` or ``"fp8"`` (or ``"fp8"`` and the run
+            logged no FP8 SNR), or ``pattern`` is not a regex.
     """
     if by not in RANKINGS:
         raise ValueError(f"`by` must be one of {list(RANKINGS)}, got {by!r}")
+    if by == "fp8" and not any(f"fp8_{fmt}_snr_db" in data.values for fmt in FP8_RECIPE.values()):
+        raise ValueError("`by=fp8` needs the FP8 what-if logged: ScaleMonitor(statistics=[..., 'fp8_e4m3_snr_db', 'fp8_e5m2_snr_db'])")
     try:
         match = re.compile(pattern).search
     except re.error as e:
@@ -93,10 +114,18 @@ def worst(data: RunData, step: Optional[int], by: str = "fp16", pattern: str = "
             room = headroom.headroom(std, absmax, fmt)
             drift = headroom.log2(std) - headroom.log2(data.value("std", d, label, first))
             fractions = {k: data.value(f"{k}_{fmt}", d, label, step) for k in ("underflow", "below_normal", "overflow")}
-            rows.append({"label": label, "dir": d, "param": label in data.parameters, "log2_std": headroom.log2(std), "log2_absmax": headroom.log2(absmax), **room, "drift": drift, "abs_drift": abs(drift), **fractions})
-    ranked = headroom.rank(rows, "abs_drift", descending=True) if by == "drift" else headroom.rank(rows, "headroom")
+            fp8 = {f"fp8_{k}": data.value(f"fp8_{FP8_RECIPE[d]}_{k}", d, label, step) for k in ("snr_db", "flushed")}
+            row = {"label": label, "dir": d, "param": label in data.parameters, "log2_std": headroom.log2(std), "log2_absmax": headroom.log2(absmax), **room}
+            rows.append({**row, "drift": drift, "abs_drift": abs(drift), **fractions, "fp8_format": FP8_RECIPE[d], **fp8})
+    ranked = _ranked(rows, by)
     clean = [{k: (_clean(v) if isinstance(v, float) else v) for k, v in r.items()} for r in ranked[:limit]]
     return {"step": step, "steps": data.steps, "by": by, "format": fmt, "total": len(rows), "rows": clean}
+
+
+def _ranked(rows: List[Dict[str, Any]], by: str) -> List[Dict[str, Any]]:
+    if by == "drift":
+        return headroom.rank(rows, "abs_drift", descending=True)
+    return headroom.rank(rows, "fp8_snr_db" if by == "fp8" else "headroom")
 
 
 def code(data: RunData, step: Optional[int]) -> Dict[str, Any]:

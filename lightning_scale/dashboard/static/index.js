@@ -8,7 +8,7 @@ import { drawCode } from './code.js';
 
 const VIEWS = ['profile', 'heatmap', 'worst', 'code'];
 const TITLES = { profile: 'Profile', heatmap: 'Heatmap', worst: 'Worst nodes', code: 'Code' };
-const state = { run: null, prefix: '', view: 'profile', step: null, steps: [], by: 'fp16', regex: '' };
+const state = { run: null, prefix: '', view: 'profile', step: null, steps: [], by: 'fp16', regex: '', stat: 'std' };
 
 function shell() {
   const css = document.createElement('link');
@@ -19,8 +19,9 @@ function shell() {
       <label>Run <select id="run"></select></label>
       <label>Data <select id="prefix"></select></label>
       <span class="tabs">${VIEWS.map((v) => `<button class="tab" data-view="${v}">${TITLES[v]}</button>`).join('')}</span>
+      <label id="stat-control">Statistic <select id="stat"><option>std</option></select></label>
       <label class="step">Step <input id="step" type="range" min="0" max="0" value="0"><output id="step-value"></output></label>
-      <span id="worst-controls" hidden><label>Rank by <select id="by">${['fp16', 'bf16', 'e4m3', 'e5m2', 'drift'].map((b) => `<option>${b}</option>`).join('')}</select></label>
+      <span id="worst-controls" hidden><label>Rank by <select id="by">${['fp16', 'bf16', 'e4m3', 'e5m2', 'drift', 'fp8'].map((b) => `<option>${b}</option>`).join('')}</select></label>
       <label>Filter <input id="regex" placeholder="regex, e.g. attn"></label></span>
       <span id="status"></span>
     </div><div class="main"><div id="view"></div><div id="side"></div></div>`;
@@ -43,6 +44,7 @@ async function show() {
   const view = $('view');
   document.querySelectorAll('.tab').forEach((b) => b.classList.toggle('active', b.dataset.view === state.view));
   $('worst-controls').hidden = state.view !== 'worst';
+  $('stat-control').hidden = state.view !== 'profile' && state.view !== 'heatmap';
   $('step').disabled = state.view === 'heatmap';
   $('side').innerHTML = '';
   $('status').textContent = 'loading…';
@@ -50,10 +52,12 @@ async function show() {
     if (state.view === 'profile') {
       const data = await get('profile', { ...query(), step: state.step });
       setSteps(data.steps, data.step);
-      drawProfile(view, data);
+      fillStats(data.stats);
+      drawProfile(view, data, state.stat);
       drawRatios($('side'), data.ratios);
     } else if (state.view === 'heatmap') {
-      drawHeatmap(view, await get('heatmap', query()), query());
+      fillStats((await get('heatmap', query())).stats);
+      drawHeatmap(view, await get('heatmap', { ...query(), stat: state.stat }), query());
     } else if (state.view === 'worst') {
       const data = await get('worst', { ...query(), step: state.step, by: state.by, regex: state.regex });
       setSteps(data.steps, data.step);
@@ -67,6 +71,13 @@ async function show() {
     view.innerHTML = `<p class="error">${esc(e.message)}</p>`;
     $('status').textContent = '';
   }
+}
+
+// The statistics the run logged (std first); a statistic the run lacks falls back to std.
+function fillStats(stats) {
+  const names = ['std', ...(stats || []).filter((s) => s !== 'std')];
+  if (!names.includes(state.stat)) state.stat = 'std';
+  $('stat').innerHTML = names.map((s) => `<option${s === state.stat ? ' selected' : ''}>${esc(s)}</option>`).join('');
 }
 
 function fillPrefixes(runs) {
@@ -92,6 +103,7 @@ export async function render() {
   document.querySelectorAll('.tab').forEach((b) => b.addEventListener('click', () => { state.view = b.dataset.view; show(); }));
   $('step').addEventListener('input', () => { state.step = state.steps[+$('step').value]; $('step-value').textContent = state.step; show(); });
   $('by').addEventListener('change', () => { state.by = $('by').value; show(); });
+  $('stat').addEventListener('change', () => { state.stat = $('stat').value; show(); });
   let timer = null;
   $('regex').addEventListener('input', () => { clearTimeout(timer); timer = setTimeout(() => { state.regex = $('regex').value; show(); }, 250); });
   await show();

@@ -1,19 +1,30 @@
 // Profile at a step: every node in execution order, log2 std forward and backward on one
 // axis, absmax markers, parameters marked, format ranges labelled, collapsible by block.
+// Another statistic can be picked: magnitudes stay on the log2 axis with the format edges,
+// the others (FP8 SNR in dB, fractions) get a linear axis over their range.
 import { FORMATS, esc, fmt, sci } from './api.js';
 
 const ROW = 14, LABEL_W = 330, PLOT_W = 620, TOP = 44;
 const collapsed = new Set();
 
-function log2(v) { return v > 0 && Number.isFinite(v) ? Math.log2(v) : null; }
+const LOG2_STATS = ['std', 'absmax', 'rms', 'min_nonzero'];
 
-function xRange(nodes) {
-  let lo = -20, hi = 18;
+function log2(v) { return v > 0 && Number.isFinite(v) ? Math.log2(v) : null; }
+const finite = (v) => (v !== null && v !== undefined && Number.isFinite(v) ? v : null);
+
+// The plotted value of a node direction: log2 for magnitudes, as logged otherwise.
+function plotted(n, d, stat) { return LOG2_STATS.includes(stat) ? log2(n[d][stat]) : finite(n[d][stat]); }
+
+function xRange(nodes, stat) {
+  const log = LOG2_STATS.includes(stat);
+  let lo = Infinity, hi = -Infinity;
   for (const n of nodes) for (const d of ['fwd', 'bwd']) {
-    const s = log2(n[d].std), a = log2(n[d].absmax);
-    for (const v of [s, a]) if (v !== null) { lo = Math.min(lo, Math.floor(v) - 1); hi = Math.max(hi, Math.ceil(v) + 1); }
+    for (const v of [plotted(n, d, stat), stat === 'std' ? log2(n[d].absmax) : null]) if (v !== null) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
   }
-  return [Math.max(lo, -140), Math.min(hi, 140)];
+  if (log) return [Math.max(Math.min(-20, Math.floor(lo) - 1), -140), Math.min(Math.max(18, Math.ceil(hi) + 1), 140)];
+  if (!Number.isFinite(lo)) return [0, 1];
+  const pad = (hi - lo) * 0.05 || Math.abs(hi) * 0.05 || 1;
+  return [lo - pad, hi + pad];
 }
 
 function formatMarks(x, lo, hi, height) {
@@ -30,10 +41,16 @@ function formatMarks(x, lo, hi, height) {
   return out;
 }
 
-function axis(x, lo, hi, height) {
+// A 1, 2 or 5 times a power of ten near span / 8: about eight ticks on a linear axis.
+function niceStep(span) {
+  const p = 10 ** Math.floor(Math.log10(span / 8));
+  return [1, 2, 5, 10].map((m) => m * p).find((s) => span / s <= 10);
+}
+
+function axis(x, lo, hi, height, step = 4) {
   let out = '';
-  for (let t = Math.ceil(lo / 4) * 4; t <= hi; t += 4) {
-    out += `<line x1="${x(t)}" x2="${x(t)}" y1="${TOP}" y2="${height}" class="grid"/><text class="tick" x="${x(t)}" y="${TOP - 2}">${t}</text>`;
+  for (let t = Math.ceil(lo / step) * step; t <= hi; t += step) {
+    out += `<line x1="${x(t)}" x2="${x(t)}" y1="${TOP}" y2="${height}" class="grid"/><text class="tick" x="${x(t)}" y="${TOP - 2}">${+t.toPrecision(6)}</text>`;
   }
   return out;
 }
@@ -43,9 +60,10 @@ function tooltip(n) {
   return `<b>${esc(n.label)}</b> ${n.param ? '(parameter)' : '(activation)'}<table>${rows}</table>`;
 }
 
-export function drawProfile(root, data) {
+export function drawProfile(root, data, stat = 'std') {
   const nodes = data.nodes;
-  const [lo, hi] = xRange(nodes);
+  const log = LOG2_STATS.includes(stat);
+  const [lo, hi] = xRange(nodes, stat);
   const x = (v) => LABEL_W + ((v - lo) / (hi - lo)) * PLOT_W;
   let y = TOP, body = '', group = null;
   const visible = [];
@@ -58,12 +76,12 @@ export function drawProfile(root, data) {
     }
     if (collapsed.has(group)) continue;
     visible.push(n);
-    const f = log2(n.fwd.std), b = log2(n.bwd.std);
+    const f = plotted(n, 'fwd', stat), b = plotted(n, 'bwd', stat);
     body += `<g class="node${n.param ? ' param' : ''}" data-index="${visible.length - 1}" data-label="${esc(n.label)}" data-fwd="${f ?? ''}" data-bwd="${b ?? ''}" transform="translate(0,${y})">`;
     body += `<rect class="hit" x="0" y="0" width="${LABEL_W + PLOT_W}" height="${ROW}"/>`;
     body += `<text class="label" x="14" y="11">${n.param ? '◆ ' : ''}${esc(n.label)}</text>`;
     for (const [d, v] of [['fwd', f], ['bwd', b]]) {
-      const a = log2(n[d].absmax);
+      const a = stat === 'std' ? log2(n[d].absmax) : null;
       if (a !== null) body += `<path class="absmax ${d}" d="M${x(a)},2 v10"/>`;
       if (v !== null) body += n.param ? `<rect class="pt ${d}" x="${x(v) - 4}" y="3" width="8" height="8"/>` : `<circle class="pt ${d}" cx="${x(v)}" cy="7" r="4"/>`;
     }
@@ -71,8 +89,10 @@ export function drawProfile(root, data) {
     y += ROW;
   }
   const height = y + 10;
-  root.innerHTML = `<div class="legend"><span class="fwd">● forward</span> <span class="bwd">● backward</span> ◆/■ parameter · | absmax · x: log2 std · step ${data.step}${lo > FORMATS.bf16.min && hi < FORMATS.bf16.max ? ' · bf16 normal range 2^-126..2^128 spans the whole axis' : ''}</div>
-    <svg class="profile" width="${LABEL_W + PLOT_W + 20}" height="${height}">${axis(x, lo, hi, height)}${formatMarks(x, lo, hi, height)}${body}</svg><div class="tip" hidden></div>`;
+  const what = log ? `x: log2 ${esc(stat)}${stat === 'std' ? ' · | absmax' : ''}` : `x: ${esc(stat)} (missing or not finite, e.g. SNR +inf: not drawn)`;
+  const bf16 = log && lo > FORMATS.bf16.min && hi < FORMATS.bf16.max ? ' · bf16 normal range 2^-126..2^128 spans the whole axis' : '';
+  root.innerHTML = `<div class="legend"><span class="fwd">● forward</span> <span class="bwd">● backward</span> ◆/■ parameter · ${what} · step ${data.step}${bf16}</div>
+    <svg class="profile" data-stat="${esc(stat)}" width="${LABEL_W + PLOT_W + 20}" height="${height}">${axis(x, lo, hi, height, log ? 4 : niceStep(hi - lo))}${log ? formatMarks(x, lo, hi, height) : ''}${body}</svg><div class="tip" hidden></div>`;
   const tip = root.querySelector('.tip');
   const svg = root.querySelector('svg');
   svg.addEventListener('mousemove', (e) => {
@@ -89,7 +109,7 @@ export function drawProfile(root, data) {
     if (!t) return;
     const g = t.dataset.group;
     if (collapsed.has(g)) collapsed.delete(g); else collapsed.add(g);
-    drawProfile(root, data);
+    drawProfile(root, data, stat);
   });
 }
 

@@ -1,0 +1,106 @@
+"""The FP8 what-if in the `scales` dashboard, in a real browser: headless Chromium against a real
+`tensorboard` server serving a real Trainer run with the ``fp8`` group. The statistic picker
+redraws the profile and the heatmap with the FP8 SNR, and the worst-nodes view ranks by it;
+what each shows is compared with the logged numbers."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from typing import Any, Dict, Iterator, List, Tuple
+
+import pytest
+from _dashboard_logs import logged
+from test_dashboard_browser import CHROMIUM, ROOT, _entry_point_path, _free_port, _plugin_frame, _wait_for_plugin, sync_api
+from test_dashboard_fp8 import write_fp8_logs
+
+from lightning_scale.dashboard import metadata
+
+Scalars = Dict[str, Dict[int, float]]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tuple[Any, List[str], Scalars, List[str]]]:
+    """The plugin's frame at the profile, the node order, the logged scalars, the page's errors."""
+    log_dir = write_fp8_logs(tmp_path_factory.mktemp("logs"))
+    acc, scalars = logged(log_dir)
+    order = metadata.decode(acc.Tensors(metadata.TAG)[-1].tensor_proto.string_val[0])["labels"]
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), _entry_point_path(tmp_path_factory.mktemp("ep")), os.environ.get("PYTHONPATH", "")) if p))
+    cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(log_dir.parent.parent), "--host", "127.0.0.1", "--port", str(port), "--load_fast=false"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    errors: List[str] = []
+    try:
+        _wait_for_plugin(f"http://127.0.0.1:{port}", proc)
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+            pg = browser.new_page(viewport={"width": 1500, "height": 1000})
+            pg.on("pageerror", lambda e: errors.append(str(e)))
+            pg.goto(f"http://127.0.0.1:{port}/#scales")
+            frame = _plugin_frame(pg)
+            frame.wait_for_selector("svg.profile g.node", timeout=30_000)
+            yield frame, order, scalars, errors
+            browser.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def _value(scalars: Scalars, tag: str, step: int) -> Any:
+    """The logged value as a view draws it: None where missing or not finite (SNR +inf)."""
+    v = scalars.get(tag, {}).get(step)
+    return v if v is not None and math.isfinite(v) else None
+
+
+def test_profile_and_heatmap_draw_the_picked_fp8_statistic(served: Tuple[Any, List[str], Scalars, List[str]]) -> None:
+    frame, order, scalars, errors = served
+    options = frame.eval_on_selector_all("#stat option", "os => os.map(o => o.value)")
+    assert options[0] == "std" and {"fp8_e4m3_snr_db", "fp8_e5m2_flushed"} <= set(options)
+    frame.select_option("#stat", "fp8_e4m3_snr_db")
+    frame.wait_for_selector("svg.profile[data-stat=fp8_e4m3_snr_db]")
+    step = int(frame.inner_text("#step-value"))
+    rows = frame.eval_on_selector_all("svg.profile g.node", "gs => gs.map(g => [g.dataset.label, g.dataset.fwd, g.dataset.bwd])")
+    assert [r[0] for r in rows] == order
+    for label, fwd, bwd in rows:
+        for d, drawn in (("fwd", fwd), ("bwd", bwd)):
+            want = _value(scalars, f"fp8_e4m3_snr_db/{d}/{label}", step)
+            assert (drawn == "" and want is None) or float(drawn) == pytest.approx(want, abs=1e-4), (label, d)
+    assert "x: fp8_e4m3_snr_db" in frame.inner_text(".legend")
+    frame.click("button[data-view=heatmap]")  # the picked statistic carries over
+    frame.wait_for_selector("svg.heatmap rect.cell")
+    labels = frame.eval_on_selector_all("svg.heatmap[data-dir=bwd] text.row-label", "ts => ts.map(t => t.textContent)")
+    cells = frame.eval_on_selector_all("svg.heatmap[data-dir=bwd] rect.cell", "cs => cs.map(c => [+c.dataset.row, +c.dataset.col, c.dataset.v])")
+    steps = sorted({s for tag, series in scalars.items() if tag.startswith("scale/") for s in series})
+    for i, j, v in cells:
+        want = _value(scalars, f"fp8_e4m3_snr_db/bwd/{labels[i]}", steps[j])
+        assert (v == "" and want is None) or float(v) == pytest.approx(want, abs=1e-4), (labels[i], j)
+    assert sum(v != "" for _, _, v in cells) > 10
+    assert "fp8_e4m3_snr_db" in frame.inner_text(".legend")
+    # a cell's series: the picked statistic over the steps, one point per finite value
+    i = next(i for i, j, v in cells if v != "")
+    frame.locator(f"svg.heatmap[data-dir=bwd] rect.cell[data-row='{i}'][data-col='0']").click()
+    frame.wait_for_selector(".series-box polyline.bwd", state="attached")
+    assert labels[i] in frame.inner_text(".series-box h4") and "fp8_e4m3_snr_db" in frame.inner_text(".series-box h4")
+    points = frame.get_attribute(".series-box polyline.bwd", "points").split()
+    assert len(points) == sum(_value(scalars, f"fp8_e4m3_snr_db/bwd/{labels[i]}", s) is not None for s in steps)
+    assert not errors
+
+
+def test_worst_view_ranks_by_fp8_snr(served: Tuple[Any, List[str], Scalars, List[str]]) -> None:
+    frame, order, scalars, errors = served
+    frame.click("button[data-view=worst]")
+    frame.select_option("#by", "fp8")
+    frame.wait_for_function("document.querySelector('p.note') && document.querySelector('p.note').textContent.includes('FP8 what-if')")
+    step = int(frame.inner_text("#step-value"))
+    shown = frame.eval_on_selector_all("tr.worst-row", "rs => rs.map(r => [r.dataset.label, r.dataset.dir, r.dataset.snr])")
+    recipe = (("fwd", "e4m3"), ("bwd", "e5m2"))
+    want = sorted(
+        ((scalars[f"fp8_{fmt}_snr_db/{d}/{label}"][step], label, d) for label in order for d, fmt in recipe if f"scale/{d}/{label}" in scalars),
+        key=lambda r: r[0],
+    )  # stable: ties in execution order
+    assert [(l, d) for l, d, _ in shown] == [(l, d) for _, l, d in want]
+    for (_, _, snr), (v, _, _) in zip(shown, want):
+        assert (snr == "" and v == math.inf) or float(snr) == pytest.approx(v, abs=1e-4)
+    assert not errors
