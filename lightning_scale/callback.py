@@ -10,8 +10,6 @@ in their own modules; this one decides *when*.
 
 from __future__ import annotations
 
-import difflib
-import re
 from typing import Any, Dict, List, Literal, Optional, Tuple
 
 import lightning.pytorch as pl
@@ -25,15 +23,14 @@ from typing_extensions import override
 from lightning_scale import distributed, stats
 from lightning_scale.anomaly import AnomalyDetector, check_arguments
 from lightning_scale.capture import CAPTURE_MODES, Capture, capture
-from lightning_scale.recorder import Recorder, recording
+from lightning_scale.recorder import Recorder
 from lightning_scale.reporting import Reporter, StepData, UpdateRows
 from lightning_scale.schedule import Schedule
+from lightning_scale.selection import Matching, Selection, compile_pattern, resolve_submodule
+from lightning_scale.tracked_step import TrackedStep, fsdp_units, replicated_labels
 from lightning_scale.updates import UpdateTracker
 
 __all__ = ["ScaleMonitor"]
-
-_MISSING = object()
-
 
 class ScaleMonitor(Callback):
     r"""Records and logs the scale of every tensor in the model's forward and backward pass.
@@ -125,12 +122,12 @@ class ScaleMonitor(Callback):
             raise ValueError(f"`figure_every` must be a positive integer, got {figure_every!r}")
         if not isinstance(max_tags, int) or max_tags <= 0:
             raise ValueError(f"`max_tags` must be a positive integer, got {max_tags!r}")
-        self.include = _compile("include", include)
-        self.exclude = _compile("exclude", exclude)
-        self.value_histograms = _compile("value_histograms", value_histograms)
+        self.selection = Selection(include, exclude, prune_views)
+        self.include, self.exclude = self.selection.include, self.selection.exclude
+        self.value_histograms = compile_pattern("value_histograms", value_histograms)
         self.submodule = submodule
         self.capture_mode = capture
-        self.prune_views, self.track_validation = prune_views, track_validation
+        self.track_validation = track_validation
         self.leaf_modules = list(leaf_modules or [])
         check_arguments(anomaly_steps, anomaly_factor)
         self.anomaly_steps, self.anomaly_factor = anomaly_steps, float(anomaly_factor)
@@ -142,11 +139,11 @@ class ScaleMonitor(Callback):
         self.groups = sorted({stats.STATISTICS[s] for s in self.statistics} | {"moments"})
         self.last_tracked_step = -1
         self._captures: Dict[Tuple[bool, ...], Capture] = {}
-        self._active: Optional[_TrackedStep] = None
+        self._active: Optional[TrackedStep] = None
         self._disabled: Optional[str] = None
         self.reporter = Reporter(
             self.statistics, histograms, figure, figure_every, code, rank_spread, max_tags, unscale_gradients, self.value_histograms, rank_zero_warn, rank_zero_info,
-            coverage=include is None and exclude is None,
+            coverage=not self.selection.narrowed,
         )
 
     # ---- Lightning hooks ---------------------------------------------------------------
@@ -255,7 +252,7 @@ class ScaleMonitor(Callback):
     # ---- capture -------------------------------------------------------------------------
 
     def _target(self, pl_module: pl.LightningModule) -> nn.Module:
-        return _resolve_submodule(pl_module, self.submodule) if self.submodule else pl_module
+        return resolve_submodule(pl_module, self.submodule) if self.submodule else pl_module
 
     def _capture(self, target: nn.Module, train: bool, announce: bool = False) -> Optional[Capture]:
         flags = {m: m.training for m in target.modules()}
@@ -276,7 +273,7 @@ class ScaleMonitor(Callback):
                 m.training = flag
 
     def _new_capture(self, target: nn.Module) -> Capture:
-        units = _fsdp_units(target)
+        units = fsdp_units(target)
         return capture(target, self.capture_mode, leaf_modules=self.leaf_modules, units=units)
 
     def _disable(self, why: str) -> None:
@@ -292,8 +289,8 @@ class ScaleMonitor(Callback):
             return
         rec = Recorder(self.groups)
         if self.value_histograms is not None:
-            rec.histogram_keys = _Matching(self.value_histograms)  # type: ignore[assignment]  # dynamo labels appear as it compiles
-        self._active = _TrackedStep(step, prefix, cap, rec)
+            rec.histogram_keys = Matching(self.value_histograms)  # type: ignore[assignment]  # dynamo labels appear as it compiles
+        self._active = TrackedStep(step, prefix, cap, rec)
         self._active.install(target)
         if prefix == "":
             self.last_tracked_step = step
@@ -315,11 +312,10 @@ class ScaleMonitor(Callback):
         finally:
             active.recorder.clear()
 
-    def _report(self, trainer: pl.Trainer, active: "_TrackedStep") -> None:
+    def _report(self, trainer: pl.Trainer, active: TrackedStep) -> None:
         cap = active.capture
-        outputs = cap.module_outputs
-        labels = [l for l in cap.tags if self._selected(l, cap, outputs)]
-        replicated = _replicated_labels(self._target(trainer.lightning_module))
+        labels = self.selection.labels(cap)
+        replicated = replicated_labels(self._target(trainer.lightning_module))
         data = StepData(active.step, active.prefix, cap, active.recorder, labels, self.submodule or "", active.loss_scale, self._update_rows(trainer, active), replicated)
         try:
             pooled = self.reporter.pool(data, trainer.strategy.root_device, replicated)
@@ -333,14 +329,6 @@ class ScaleMonitor(Callback):
             self.reporter.report(data, pooled, trainer.is_global_zero, loggers, trainer.accumulate_grad_batches)
         except Exception as err:  # noqa: BLE001 - after the collective: a fault here stays here
             self.reporter.warn_once("report", f"ScaleMonitor: reporting step {active.step} failed ({type(err).__name__}: {err}); training continues")
-
-    def _selected(self, label: str, cap: Capture, module_outputs: "set[str]") -> bool:
-        if self.include is not None and not self.include.search(label):
-            return False
-        if self.exclude is not None and self.exclude.search(label):
-            return False
-        # a module's output shares its last node's record, but is how a layer is found: kept
-        return not (self.prune_views and label in cap.aliases and label not in module_outputs)
 
     # ---- anomaly-triggered tracking and update ratios (lightning_scale.anomaly, .updates)
 
@@ -387,76 +375,13 @@ class ScaleMonitor(Callback):
         assert self._active is not None
         return self.update_ratios and trainer.global_step == self._active.step
 
-    def _update_rows(self, trainer: pl.Trainer, active: "_TrackedStep") -> Optional[UpdateRows]:
+    def _update_rows(self, trainer: pl.Trainer, active: TrackedStep) -> Optional[UpdateRows]:
         if active.prefix or not self._updates.pending or self._updates.step != active.step:
             return None
         rows = UpdateRows(*self._updates.rows(self._target(trainer.lightning_module).named_parameters()))
         if self._updates.error is not None and active.recorder.error is None:
             active.recorder.error = self._updates.error  # pooled as this rank's failure flag: every rank drops the step
         return rows
-
-
-class _TrackedStep:
-    """What one tracked step swapped in, and how to put it back."""
-
-    def __init__(self, step: int, prefix: str, cap: Capture, recorder: Recorder) -> None:
-        self.step, self.prefix, self.capture, self.recorder = step, prefix, cap, recorder
-        self.loss_scale: Optional[Tensor] = None
-        self._saved: List[Tuple[nn.Module, Any]] = []
-
-    def install(self, target: nn.Module) -> None:
-        for path, fn in self.capture.parts():
-            module = target.get_submodule(path) if path else target
-            self._saved.append((module, module.__dict__.get("forward", _MISSING)))
-            module.forward = _recording(fn, self.recorder)  # type: ignore[method-assign]
-
-    def uninstall(self) -> None:
-        for module, previous in reversed(self._saved):
-            if previous is _MISSING:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous  # type: ignore[method-assign]
-        self._saved.clear()
-
-
-def _recording(fn: Any, rec: Recorder) -> Any:
-    def tracked_forward(*args: Any, **kwargs: Any) -> Any:
-        with recording(rec):
-            return fn(*args, **kwargs)
-
-    return tracked_forward
-
-
-class _Matching:
-    """The labels a regex matches, as a container (``label in matching``)."""
-
-    def __init__(self, pattern: "re.Pattern[str]") -> None:
-        self.pattern = pattern
-
-    def __contains__(self, label: object) -> bool:
-        return isinstance(label, str) and self.pattern.search(label) is not None
-
-    def __bool__(self) -> bool:
-        return True
-
-
-def _compile(name: str, pattern: Optional[str]) -> Optional["re.Pattern[str]"]:
-    if pattern is None:
-        return None
-    try:
-        return re.compile(pattern)
-    except re.error as err:
-        raise ValueError(f"`{name}` must be a valid regular expression, got {pattern!r} ({err})") from err
-
-
-def _resolve_submodule(root: nn.Module, path: str) -> nn.Module:
-    try:
-        return root.get_submodule(path)
-    except AttributeError:
-        names = [n for n, _ in root.named_modules() if n]
-        near = difflib.get_close_matches(path, names, n=5, cutoff=0.3)
-        hint = f"; nearest: {near}" if near else f"; submodules include {names[:8]}"
-        raise ValueError(f"`submodule` {path!r} is not a submodule of {type(root).__name__}{hint}") from None
 
 
 def _writable_loggers(trainer: pl.Trainer) -> List[Any]:
@@ -466,16 +391,3 @@ def _writable_loggers(trainer: pl.Trainer) -> List[Any]:
     for logger in loggers:
         getattr(logger, "experiment", None)
     return loggers
-
-
-def _replicated_labels(target: nn.Module) -> "set[str]":
-    """Parameter and buffer paths: under data parallelism every rank holds them whole."""
-    return {n for n, _ in target.named_parameters()} | {n for n, _ in target.named_buffers()}
-
-
-def _fsdp_units(target: nn.Module) -> List[str]:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return []
-    return [name for name, m in target.named_modules() if name and isinstance(m, FSDPModule)]
