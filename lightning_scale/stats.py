@@ -119,7 +119,8 @@ def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Opt
         out[_MEAN], out[_M2] = 0.0, 0.0
         return out
     if host_reads:
-        _host_moments(x, out)
+        if not _fast_host_moments(x, n, out):
+            _host_moments(x, out)
         if "formats" in groups:
             out[_ZEROS:_FP80], absmax = _format_counts_host(x, out[_NAN])  # type: ignore[arg-type]
         if "range" in groups:  # (without NaN, the formats' max |x| is the absmax)
@@ -186,6 +187,28 @@ def _host_moments(x: Tensor, out: List[Entry]) -> None:
             return
     mean, m2, _ = _scaled_moments(y, _host_sum, own=own)
     out[_MEAN], out[_M2], out[_NAN], out[_INF] = float(mean), float(m2), 0.0, 0.0
+
+
+def _fast_host_moments(x: Tensor, n: int, out: List[Entry]) -> bool:
+    """``_host_moments`` of the common case, with no generic machinery: a contiguous
+    float32/float64 tensor of whole 512-element rows above ``_DOT_MAX`` elements, finite
+    and well conditioned. The same kernels, so the same values; four torch calls instead
+    of about a dozen (per-record overhead was a third of a record's cost at 128K
+    elements). False, with ``out`` untouched, where the generic path must answer."""
+    if n <= _DOT_MAX or n % _ROW or x.dtype not in _WIDE or not x.is_contiguous():
+        return False
+    total = float(x.sum())
+    norms = torch.linalg.vector_norm(x.view(-1, _ROW), dim=1)
+    if n > _ROW * _DOT_MAX:  # as _sum_of_squares: a float32 dot of more norms loses bits
+        norms = norms.double()
+    sumsq = float(torch.dot(norms, norms))
+    if not (math.isfinite(total) and math.isfinite(sumsq)):
+        return False
+    m2 = sumsq - total * (total / n)
+    if not (sumsq >= n * _TINY[x.dtype] and _CONDITION * m2 >= sumsq):
+        return False
+    out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, m2, 0.0, 0.0
+    return True
 
 
 def _dense(y: Tensor) -> Tensor:
