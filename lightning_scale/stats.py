@@ -197,11 +197,11 @@ def _fast_host_moments(x: Tensor, n: int, out: List[Entry]) -> bool:
     elements). False, with ``out`` untouched, where the generic path must answer."""
     if n <= _DOT_MAX or n % _ROW or x.dtype not in _WIDE or not x.is_contiguous():
         return False
-    total = float(x.sum())
     norms = torch.linalg.vector_norm(x.view(-1, _ROW), dim=1)
     if n > _ROW * _DOT_MAX:  # as _sum_of_squares: a float32 dot of more norms loses bits
         norms = norms.double()
     sumsq = float(torch.dot(norms, norms))
+    total = float(x.sum())
     if not (math.isfinite(total) and math.isfinite(sumsq)):
         return False
     m2 = sumsq - total * (total / n)
