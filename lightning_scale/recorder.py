@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_scale import stats
-from lightning_scale.short_records import ShortRecords, batchable
+from lightning_scale.short_records import MAX_ELEMENTS, ShortRecords, batchable
 
 __all__ = ["BACKWARD", "FORWARD", "HOST_READS_ENV", "Recorder", "active", "observe", "recording"]
 
@@ -77,7 +77,9 @@ class Recorder:
 
     def observe(self, key: Hashable, x: Tensor) -> None:
         """Record ``x`` (forward) now and its gradient (backward) when it arrives."""
-        slot = self.slot(key)
+        slot = self._slots.get(key)  # (one lookup: this runs after every node of a tracked step)
+        if slot is None:
+            slot = self.slot(key)
         prev = self._previous
         version = -1 if x.is_inference() else x._version  # inference tensors have no counter
         if prev is not None and prev[0]() is x and prev[1] == version >= 0 and prev[2] != slot:
@@ -112,7 +114,8 @@ class Recorder:
             seen, version = self._grads.get(id(grad)), grad._version
             if seen is not None and seen[0]() is grad and seen[1] == version:
                 self._rows.append((slot, BACKWARD, seen[2]))
-                self._histogram(slot, BACKWARD, grad)
+                if self.histogram_keys:
+                    self._histogram(slot, BACKWARD, grad)
                 return
             self._grads[id(grad)] = (weakref.ref(grad), version, self._add(slot, BACKWARD, grad))
         except Exception as err:  # noqa: BLE001 - never break the user's backward
@@ -121,16 +124,18 @@ class Recorder:
     def _add(self, slot: int, direction: int, x: Tensor) -> List[stats.Entry]:
         if self.device is None:
             self.device = x.device
-        host = x.device.type == "cpu" if self.host_reads is None else self.host_reads
-        self._host_only = self._host_only and host
-        entry = self._short.add(x) if host and batchable(x, self.groups) else stats.record_of(x, self.groups, host)
+        host = x.is_cpu if self.host_reads is None else self.host_reads
+        if host and x.numel() <= MAX_ELEMENTS and batchable(x, self.groups):  # (numel first: most tensors are long)
+            entry = self._short.add(x)
+        else:
+            self._host_only = self._host_only and host
+            entry = stats.record_of(x, self.groups, host)
         self._rows.append((slot, direction, entry))
-        self._histogram(slot, direction, x)
+        if self.histogram_keys:
+            self._histogram(slot, direction, x)
         return entry
 
     def _histogram(self, slot: int, direction: int, x: Tensor) -> None:
-        if not self.histogram_keys:
-            return
         key = self._keys[slot]
         if key in self.histogram_keys:
             h = stats.log2_histogram(x)

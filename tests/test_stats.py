@@ -344,3 +344,24 @@ def test_mean_with_an_infinity_beside_values_whose_float32_sum_overflows(host_re
     x[[1, -1]], x[26] = 3.3182e38, -math.inf  # float32: 3.3e38 + 3.3e38 = inf, inf - inf = NaN
     got = measured(x, host_reads)
     assert got["mean"] == float(x.double().mean()) == -math.inf and got["inf"] == 1.0
+
+
+@pytest.mark.parametrize("case", ["centred", "mean_dominated", "tiny", "float64", "with_inf"])
+def test_contiguous_shortcut_equals_the_generic_path_bit_for_bit(case: str) -> None:
+    # A contiguous tensor of whole 512-element rows takes _host_moments' shortcut; the
+    # same memory seen through a transpose takes the generic path (_dense lays it back
+    # out, _sum_of_squares picks its kernels): the same sums, so the same record, in
+    # every regime (fast formula, shifted, scaled, non-finite).
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(64, 1024, generator=g)
+    x = {
+        "centred": x,
+        "mean_dominated": x + 5.0,
+        "tiny": x * 1e-30,
+        "float64": x.double() + 2.0,
+        "with_inf": x.index_fill(1, torch.tensor([3]), math.inf),
+    }[case]
+    generic = x.t()
+    assert x.is_contiguous() and not generic.is_contiguous()
+    # (not fp8: its float64 sums of the scaled error follow the memory order)
+    torch.testing.assert_close(record(x, True, MERGEABLE), record(generic, True, MERGEABLE), rtol=0, atol=0, equal_nan=True)
