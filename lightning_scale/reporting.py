@@ -5,15 +5,17 @@ update rows (``lightning_scale.updates``) in one collective (one device-to-host
 transfer). ``Reporter.report`` then decides, on the training thread, what little must be
 decided there (anomaly warnings, which nodes to write, the ``max_tags`` cap; all on the
 pooled host copy) and hands the rest (unscaling, annotated code, scalars, histograms,
-figure, text, update ratios) to a ``Worker``; ``Reporter.log_anomaly`` queues an anomaly
-event there too. Nothing here imports Lightning: the callback passes loggers, the rank
+figure, text, update ratios) to a ``Worker`` for TensorBoard loggers;
+``Reporter.log_anomaly`` queues an anomaly event there too. Other loggers (CSV, W&B,
+MLflow, ...) are not safe to call from a second thread while Lightning logs: they get
+their scalars through ``log_metrics`` on the training thread. Nothing here imports Lightning: the callback passes loggers, the rank
 and the accumulation factor in.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -26,7 +28,7 @@ from lightning_scale.capture import Capture
 from lightning_scale.interpreter import ScalePair
 from lightning_scale.recorder import BACKWARD, FORWARD, Recorder
 from lightning_scale.report import annotate_code
-from lightning_scale.tensorboard import ScaleWriter
+from lightning_scale.tensorboard import ScaleWriter, is_tensorboard
 from lightning_scale.worker import Worker
 
 __all__ = ["PooledStep", "Reporter", "StepData", "UpdateRows", "scale_backward"]
@@ -197,13 +199,29 @@ class Reporter:
             {f"{'fwd' if d == FORWARD else 'bwd'}/{l}": pooled.histograms[i, d] for i, l in enumerate(hist_labels) for d in (FORWARD, BACKWARD)},
             loss_scale, _updates(data, step), list(zip(data.capture.graphs, data.capture.labels)) if self.code else None,
         )  # fmt: skip
-        writer = self._writer(loggers, data.prefix, data.parameters)
-        self.worker.submit(f"step {data.step}", _write, writer, job, list(loggers), {l: i for i, l in enumerate(labels)}, records)
+        boards, others = _split(loggers)
+        if boards:
+            writer = self._writer(boards, data.prefix, data.parameters, "boards")
+            self.worker.submit(f"step {data.step}", _write, writer, job, boards, {l: i for i, l in enumerate(labels)}, records)
+        if others:  # not thread-safe: their scalars go out here, now
+            writer = self._writer(others, data.prefix, data.parameters, "others")
+            self._here(f"step {data.step}", _write, writer, replace(job, code=None, histograms={}), others, {}, records)
 
     def log_anomaly(self, loggers: Sequence[Any], found: Anomaly) -> None:
-        """Queue the scalar ``anomaly/loss`` and the text ``anomaly/event`` at the anomalous step."""
-        if loggers:
-            self.worker.submit(f"anomaly at step {found.step}", _write_anomaly, list(loggers), found)
+        """Log the scalar ``anomaly/loss`` and the text ``anomaly/event`` at the anomalous step
+        (queued for TensorBoard, at once for other loggers)."""
+        boards, others = _split(loggers)
+        if boards:
+            self.worker.submit(f"anomaly at step {found.step}", _write_anomaly, boards, found)
+        if others:
+            self._here(f"anomaly at step {found.step}", _write_anomaly, others, found)
+
+    def _here(self, what: str, fn: Callable[..., None], *args: Any) -> None:
+        """Write on the training thread; a failing logger is warned once, never raised."""
+        try:
+            fn(*args)
+        except Exception as err:  # noqa: BLE001 - a logger's fault must not stop training
+            self.warn_once("logger", f"ScaleMonitor: writing {what} failed ({type(err).__name__}: {err}); training continues")
 
     def _coverage(self, data: StepData, recorded: List[str]) -> None:
         """Once per run, after the first tracked training step (dynamo compiles lazily)."""
@@ -232,13 +250,25 @@ class Reporter:
         )
         return keep[: self.max_tags]
 
-    def _writer(self, loggers: Sequence[Any], prefix: str, parameters: Collection[str]) -> ScaleWriter:
-        if prefix not in self._writers:
-            self._writers[prefix] = ScaleWriter(loggers, self.statistics, self.histograms, self.figure, prefix, self.figure_every, parameters=parameters)
-        return self._writers[prefix]
+    def _writer(self, loggers: Sequence[Any], prefix: str, parameters: Collection[str], kind: str) -> ScaleWriter:
+        """One writer per tag prefix and kind: ``boards`` is used on the worker only,
+        ``others`` on the training thread only (neither shares its caches across threads)."""
+        key = f"{kind}:{prefix}"
+        if key not in self._writers:
+            self._writers[key] = ScaleWriter(loggers, self.statistics, self.histograms, self.figure, prefix, self.figure_every, parameters=parameters)
+        return self._writers[key]
 
 
-# ---- on the worker ------------------------------------------------------------------------
+def _split(loggers: Sequence[Any]) -> Tuple[List[Any], List[Any]]:
+    """(TensorBoard loggers, the others). A ``SummaryWriter`` may be written from the worker
+    while Lightning logs from the training thread; other loggers may not (Lightning's
+    ``CSVLogger.save()`` on the training thread fails if a row with new columns arrives
+    from another thread while it writes), so they are only called on the training thread."""
+    boards = [logger for logger in loggers if is_tensorboard(logger)]
+    return boards, [logger for logger in loggers if not is_tensorboard(logger)]
+
+
+# ---- on the worker (TensorBoard), or on the training thread (other loggers) ---------------
 
 
 def _write(writer: ScaleWriter, job: _Written, loggers: List[Any], index: Dict[str, int], all_records: Tensor) -> None:

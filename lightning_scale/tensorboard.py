@@ -32,7 +32,7 @@ from lightning_scale.dashboard import headroom, layout, metadata
 from lightning_scale.figure import scale_figure
 from lightning_scale.recorder import BACKWARD, FORWARD
 
-__all__ = ["DIRECTIONS", "ScaleWriter", "fast_record_checksums", "scale_figure", "scalar_metrics", "summary_metrics", "worst_table"]
+__all__ = ["DIRECTIONS", "ScaleWriter", "fast_record_checksums", "is_tensorboard", "scale_figure", "scalar_metrics", "summary_metrics", "worst_table"]
 
 DIRECTIONS = (("fwd", FORWARD), ("bwd", BACKWARD))
 
@@ -208,6 +208,12 @@ def _masked_crc32c(data: bytes) -> int:
     return (((x >> 15) | ((x << 17) & 0xFFFFFFFF)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
+def is_tensorboard(logger: Any) -> bool:
+    """Whether ``logger`` writes TensorBoard events (its experiment is a ``SummaryWriter``)."""
+    exp = getattr(logger, "experiment", None)
+    return exp is not None and hasattr(exp, "add_histogram_raw")
+
+
 class ScaleWriter:
     """Writes one tracked step's pooled records to the trainer's loggers.
 
@@ -292,8 +298,7 @@ class ScaleWriter:
         return self._tag_list
 
     def _tensorboards_of(self, logger: Any) -> bool:
-        exp = getattr(logger, "experiment", None)
-        return exp is not None and hasattr(exp, "add_histogram_raw")
+        return is_tensorboard(logger)
 
     def _spread(self, labels: Sequence[str], per_rank: Tensor) -> Dict[str, float]:
         std = stats.statistic(per_rank, "std")  # (world, n, 2)

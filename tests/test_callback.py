@@ -5,6 +5,7 @@ optimization, resume, validation, other loggers, argument errors, failures, dyna
 from __future__ import annotations
 
 import csv
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.plugins import MixedPrecision
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
@@ -405,6 +406,50 @@ def test_csv_logger_gets_scalars(tmp_path: Path) -> None:
     assert {"scale/fwd/net.0/linear", "scale/bwd/net.0/linear", "scale/fwd/x"} <= columns
     logged = {int(r["step"]) for r in rows if r["scale/fwd/net.0/linear"]}
     assert logged == {0, 2}
+
+
+class ThreadRecordingLogger(Logger):
+    """A non-TensorBoard logger that notes the thread of every ``log_metrics`` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: List[Tuple[int, int, Dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "threads"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics: Dict[str, float], step: Optional[int] = None) -> None:
+        self.calls.append((threading.get_ident(), -1 if step is None else step, dict(metrics)))
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def test_other_loggers_are_only_called_on_the_training_thread(tmp_path: Path) -> None:
+    # Loggers other than TensorBoard are not thread-safe: Lightning's CSVLogger.save() on
+    # the training thread fails when a row with new columns arrives from the writer thread
+    # while it writes. Their scalars must be logged on the training thread; TensorBoard's
+    # still go through the background writer, and both get the same values.
+    torch.manual_seed(0)
+    other = ThreadRecordingLogger()
+    monitor = ScaleMonitor(every_n_steps=2, update_ratios=True)
+    fit(MLP(), tmp_path, [monitor], logger=[TensorBoardLogger(tmp_path, name="tb"), other])
+    ours = [(thread, step, m) for thread, step, m in other.calls if any(k.startswith(("scale/", "update_ratio/")) for k in m)]
+    assert {step for _, step, _ in ours} == {0, 2}
+    assert {thread for thread, _, _ in ours} == {threading.get_ident()}
+    assert any("update_ratio/net.0.weight" in m for _, _, m in ours)
+    acc = EventAccumulator(str(next(tmp_path.glob("tb/version_*"))), size_guidance={"scalars": 0})
+    acc.Reload()
+    for _, step, metrics in ours:
+        for tag in ("scale/fwd/net.0/linear", "scale/bwd/net.0/linear"):
+            if tag in metrics:
+                event = next(e for e in acc.Scalars(tag) if e.step == step)
+                assert event.value == pytest.approx(metrics[tag], rel=1e-6)
 
 
 def test_no_logger_is_an_error_at_fit(tmp_path: Path) -> None:
