@@ -10,6 +10,7 @@ in their own modules; this one decides *when*.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, List, Literal, Optional, Tuple
 
 import lightning.pytorch as pl
@@ -123,7 +124,6 @@ class ScaleMonitor(Callback):
         if not isinstance(max_tags, int) or max_tags <= 0:
             raise ValueError(f"`max_tags` must be a positive integer, got {max_tags!r}")
         self.selection = Selection(include, exclude, prune_views)
-        self.include, self.exclude = self.selection.include, self.selection.exclude
         self.value_histograms = compile_pattern("value_histograms", value_histograms)
         self.submodule = submodule
         self.capture_mode = capture
@@ -145,6 +145,16 @@ class ScaleMonitor(Callback):
             self.statistics, histograms, figure, figure_every, code, rank_spread, max_tags, unscale_gradients, self.value_histograms, rank_zero_warn, rank_zero_info,
             coverage=not self.selection.narrowed,
         )
+
+    @property
+    def include(self) -> Optional["re.Pattern[str]"]:
+        """The compiled ``include`` regex (None: every node)."""
+        return self.selection.include
+
+    @property
+    def exclude(self) -> Optional["re.Pattern[str]"]:
+        """The compiled ``exclude`` regex (None: none left out)."""
+        return self.selection.exclude
 
     # ---- Lightning hooks ---------------------------------------------------------------
 

@@ -205,7 +205,7 @@ class Reporter:
             self.worker.submit(f"step {data.step}", _write, writer, job, boards, {l: i for i, l in enumerate(labels)}, records)
         if others:  # not thread-safe: their scalars go out here, now
             writer = self._writer(others, data.prefix, data.parameters, "others")
-            self._here(f"step {data.step}", _write, writer, replace(job, code=None, histograms={}), others, {}, records)
+            self.worker.run_now(f"step {data.step}", _write, writer, replace(job, code=None, histograms={}), others, {}, records)
 
     def log_anomaly(self, loggers: Sequence[Any], found: Anomaly) -> None:
         """Log the scalar ``anomaly/loss`` and the text ``anomaly/event`` at the anomalous step
@@ -214,14 +214,7 @@ class Reporter:
         if boards:
             self.worker.submit(f"anomaly at step {found.step}", _write_anomaly, boards, found)
         if others:
-            self._here(f"anomaly at step {found.step}", _write_anomaly, others, found)
-
-    def _here(self, what: str, fn: Callable[..., None], *args: Any) -> None:
-        """Write on the training thread; a failing logger is warned once, never raised."""
-        try:
-            fn(*args)
-        except Exception as err:  # noqa: BLE001 - a logger's fault must not stop training
-            self.warn_once("logger", f"ScaleMonitor: writing {what} failed ({type(err).__name__}: {err}); training continues")
+            self.worker.run_now(f"anomaly at step {found.step}", _write_anomaly, others, found)
 
     def _coverage(self, data: StepData, recorded: List[str]) -> None:
         """Once per run, after the first tracked training step (dynamo compiles lazily)."""
@@ -264,8 +257,11 @@ def _split(loggers: Sequence[Any]) -> Tuple[List[Any], List[Any]]:
     while Lightning logs from the training thread; other loggers may not (Lightning's
     ``CSVLogger.save()`` on the training thread fails if a row with new columns arrives
     from another thread while it writes), so they are only called on the training thread."""
-    boards = [logger for logger in loggers if is_tensorboard(logger)]
-    return boards, [logger for logger in loggers if not is_tensorboard(logger)]
+    boards: List[Any] = []
+    others: List[Any] = []
+    for logger in loggers:
+        (boards if is_tensorboard(logger) else others).append(logger)
+    return boards, others
 
 
 # ---- on the worker (TensorBoard), or on the training thread (other loggers) ---------------

@@ -101,7 +101,7 @@ def records_of_many(values: "np.ndarray", sizes: List[int], groups: Collection[s
 
 def _format_fields(a: "np.ndarray", starts: "np.ndarray", sizes: List[int], nan: "np.ndarray", out: "np.ndarray") -> None:
     """zeros, min_nonzero and the format counts into ``out``, from |x| (float32)."""
-    bounds, low, high = stats._BOUNDS[torch.float32]  # noqa: SLF001 - the one definition of the boundaries
+    bounds = stats._BOUNDS[torch.float32][0]  # noqa: SLF001 - the one definition of the boundaries
     clean = np.where(np.isnan(a), np.float32(0), a)  # NaN joins the zeros' bucket; subtracted below
     bucket = np.searchsorted(np.asarray(bounds, dtype=np.float32), clean, side="right")
     width = len(bounds) + 1
@@ -110,7 +110,4 @@ def _format_fields(a: "np.ndarray", starts: "np.ndarray", sizes: List[int], nan:
     zeros = cum[:, 0] - nan  # cum[:, k] = #{|x| < bounds[k]}: bounds[0] is the smallest positive float32
     out[:, _IX["zeros"]] = zeros
     out[:, _IX["min_nonzero"]] = np.minimum.reduceat(np.where(clean > 0, clean, np.float32(math.inf)), starts)
-    k = len(stats.FORMATS)
-    below = (cum[:, low] - cum[:, :1]).reshape(-1, k, 2)  # nonzero values under each format's two thresholds
-    over = (cum[:, -1:] - cum[:, high]).reshape(-1, k, 1)
-    out[:, _FMT] = np.concatenate([below, over], axis=2).reshape(-1, 3 * k)
+    out[:, _FMT] = stats._format_fields_of_cumulative(cum, torch.float32)  # noqa: SLF001 - shared with record_of's host path

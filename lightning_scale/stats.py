@@ -440,14 +440,23 @@ def _format_counts_small(a: "np.ndarray") -> Tuple[List[Entry], float]:
     """``_format_counts_host`` of a short |x| without NaN: the bucket of each element
     among the sorted boundaries (as ``_format_counts_device``), counted in one call."""
     bounds = _NUMPY_BOUNDS[a.dtype]
-    _, low, high = _BOUNDS[torch.float64 if a.dtype == np.float64 else torch.float32]
-    cum = np.bincount(np.searchsorted(bounds, a, side="right"), minlength=bounds.size + 1).cumsum().tolist()
-    zeros = cum[0]  # cum[k] = #{|x| < bounds[k]}; bounds[0], the smallest positive number: zeros
+    cum = np.bincount(np.searchsorted(bounds, a, side="right"), minlength=bounds.size + 1).cumsum()
+    zeros = int(cum[0])  # cum[k] = #{|x| < bounds[k]}; bounds[0], the smallest positive number: zeros
     positive = a[a > 0] if zeros else a
-    res: List[Entry] = [float(zeros), float(positive.min()) if positive.size else math.inf]
-    for k in range(len(FORMATS)):
-        res += [float(cum[low[2 * k]] - zeros), float(cum[low[2 * k + 1]] - zeros), float(a.size - cum[high[k]])]
-    return res, float(a.max())
+    fields = _format_fields_of_cumulative(cum[None, :], torch.float64 if a.dtype == np.float64 else torch.float32)
+    return [float(zeros), float(positive.min()) if positive.size else math.inf, *fields[0].tolist()], float(a.max())
+
+
+def _format_fields_of_cumulative(cum: "np.ndarray", dtype: torch.dtype) -> "np.ndarray":
+    """The format counts (FIELDS order, float64) of each row of ``cum``, cumulative bucket
+    counts among ``_BOUNDS[dtype]`` (``cum[:, k]`` = #{|x| < bounds[k]}, NaN counted in
+    bucket 0): the nonzero values under each format's two lower thresholds and those above
+    its max. Shared by the host paths, one tensor or many (``short_records``)."""
+    _, low, high = _BOUNDS[dtype]
+    k = len(FORMATS)
+    below = (cum[:, low] - cum[:, :1]).reshape(-1, k, 2)
+    over = (cum[:, -1:] - cum[:, high]).reshape(-1, k, 1)
+    return np.concatenate([below, over], axis=2).reshape(-1, 3 * k).astype(np.float64)
 
 
 # ---------------------------------------------------------------------------------------

@@ -53,6 +53,11 @@ class Worker:
         self._ensure_thread()
         self._queue.put((what, fn, args))
 
+    def run_now(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` now, on the calling thread, with a job's failure handling (for
+        loggers that must not be called from another thread)."""
+        self._call(what, fn, args)
+
     def flush(self) -> None:
         """Block until every job submitted so far has run."""
         if self._thread is not None and self._thread.is_alive():

@@ -189,3 +189,18 @@ def test_worker_runs_jobs_in_order_and_survives_errors() -> None:
     worker.flush()
     assert seen[-1][0] == 6
     worker.close()
+
+
+def test_worker_run_now_runs_on_the_calling_thread_and_warns_errors() -> None:
+    worker, seen = Worker(), []
+
+    def job(i: int) -> None:
+        if i < 0:
+            raise ValueError("bad logger")
+        seen.append((i, threading.get_ident()))
+
+    worker.run_now("step 1", job, 1)
+    with pytest.warns(UserWarning, match=r"ScaleMonitor: writing step 2 failed \(ValueError: bad logger\)"):
+        worker.run_now("step 2", job, -1)
+    assert seen == [(1, threading.get_ident())] and worker.errors == 1
+    assert worker._thread is None  # no thread was started for it
