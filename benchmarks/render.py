@@ -383,10 +383,9 @@ def profile_table(res: Results) -> List[str]:
         f"| part | {heads} |",
         "|---|" + "---|" * len(res.profiles),
     ]
-    for part in res.profiles[0].parts:
-        rows.append(f"| {part} | " + " | ".join(f"{p.parts[part]:.2f}" for p in res.profiles) + " |")
-    rows.append("| writing, on the writer thread (wall) | " + " | ".join(f"{p.writer_ms:.2f}" for p in res.profiles) + " |")
-    rows.append("| a tracked step under the profiler (wall) | " + " | ".join(f"{p.step_ms:.2f}" for p in res.profiles) + " |")
+    rows += [_ms_row(part, [p.parts[part] for p in res.profiles]) for part in res.profiles[0].parts]
+    rows.append(_ms_row("writing, on the writer thread (wall)", [p.writer_ms for p in res.profiles]))
+    rows.append(_ms_row("a tracked step under the profiler (wall)", [p.step_ms for p in res.profiles]))
     records, elements = res.recorded
     return rows + [""] + breakdown_table(res) + [
         "",
@@ -407,6 +406,11 @@ def profile_table(res: Results) -> List[str]:
     ]
 
 
+def _ms_row(part: str, values: List[float]) -> str:
+    """A table row: the part, then one millisecond figure per column."""
+    return f"| {part} | " + " | ".join(f"{v:.2f}" for v in values) + " |"
+
+
 def breakdown_table(res: Results) -> List[str]:
     """CPU per tracked step by part, on thread clocks (``benchmarks/breakdown.py``)."""
     if not res.breakdowns:
@@ -421,9 +425,8 @@ def breakdown_table(res: Results) -> List[str]:
         f"| part, CPU ms per tracked step | {heads} |",
         "|---|" + "---|" * len(res.breakdowns),
     ]
-    for part in res.breakdowns[0].ms:
-        rows.append(f"| {part} | " + " | ".join(f"{b.ms[part]:.2f}" for b in res.breakdowns) + " |")
-    rows.append("| sum of the parts | " + " | ".join(f"{sum(b.ms.values()):.2f}" for b in res.breakdowns) + " |")
+    rows += [_ms_row(part, [b.ms[part] for b in res.breakdowns]) for part in res.breakdowns[0].ms]
+    rows.append(_ms_row("sum of the parts", [sum(b.ms.values()) for b in res.breakdowns]))
     if res.tracked is not None:
         t = res.tracked
         plain = _kind(t, "plain").median
