@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_scale import native
+
 __all__ = [
     "FIELDS",
     "FORMATS",
@@ -119,11 +121,14 @@ def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Opt
         out[_MEAN], out[_M2] = 0.0, 0.0
         return out
     if host_reads:
-        _host_moments(x, out)
+        top = _host_moments(x, out, with_max="range" in groups and "formats" not in groups)
         if "formats" in groups:
             out[_ZEROS:_FP80], absmax = _format_counts_host(x, out[_NAN])  # type: ignore[arg-type]
         if "range" in groups:  # (without NaN, the formats' max |x| is the absmax)
-            out[_ABSMAX] = absmax if "formats" in groups and not out[_NAN] else _host_absmax(x)
+            if top is not None:
+                out[_ABSMAX] = top
+            else:
+                out[_ABSMAX] = absmax if "formats" in groups and not out[_NAN] else _host_absmax(x)
     else:
         absmax = _device_moments(x, out)
         if "range" in groups:
@@ -163,9 +168,20 @@ _TINY = {torch.float32: 2.0**-100, torch.float64: 2.0**-900}
 _CONDITION = 4.0
 
 
-def _host_moments(x: Tensor, out: List[Entry]) -> None:
+def _host_moments(x: Tensor, out: List[Entry], with_max: bool = False, one_read: bool = True) -> Optional[float]:
+    """Fills mean, m2, nan and inf of ``x`` on the host. Returns max |x| where it came
+    with the sums (``with_max`` and the native kernel, ``one_read``), else None."""
     n = x.numel()
     own = x.dtype not in _WIDE
+    one_pass = native.sums(x, with_max) if one_read and n > _DOT_MAX else None
+    if one_pass is not None:  # one read (native kernel): the checks below as for torch's sums
+        total, sumsq, top = one_pass
+        if math.isfinite(total) and math.isfinite(sumsq):
+            m2 = sumsq - total * (total / n)
+            if sumsq >= n * _TINY[torch.float32] and _CONDITION * m2 >= sumsq:
+                out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, m2, 0.0, 0.0
+                return top if with_max else None
+        return _host_moments(x, out, one_read=False)  # (rare: non-finite, tiny or mean-dominated values)
     if not own and n > _DOT_MAX and n % _ROW == 0 and x.is_contiguous():
         # The common case, straight to the kernels `_sum_of_squares` would pick (the same
         # values) without its checks: ~150 tensors a tracked step pay them. Row norms
@@ -181,19 +197,20 @@ def _host_moments(x: Tensor, out: List[Entry]) -> None:
         m2 = sumsq - total * (total / n)
         if sumsq >= n * _TINY[y.dtype] and _CONDITION * m2 >= sumsq:
             out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, m2, 0.0, 0.0
-            return
+            return None
         shifted = _shifted_moments(y, total / n, sumsq)
         if shifted is not None:
             out[_MEAN], out[_M2], out[_NAN], out[_INF] = *shifted, 0.0, 0.0
-            return
+            return None
     else:
         nan, inf = float(torch.isnan(x).sum()), float(torch.isinf(x).sum())
         if nan or inf:  # as torch.mean in float64: inf for [inf, 1, 2], NaN with a NaN or both infinities
             # (float64: finite values whose float32 sum overflows must not turn -inf into NaN)
             out[_MEAN], out[_M2], out[_NAN], out[_INF] = float(x.sum(dtype=torch.float64)) / n, math.nan, nan, inf
-            return
+            return None
     mean, m2, _ = _scaled_moments(y, _host_sum, own=own)
     out[_MEAN], out[_M2], out[_NAN], out[_INF] = float(mean), float(m2), 0.0, 0.0
+    return None
 
 
 def _dense(y: Tensor) -> Tensor:
@@ -227,13 +244,15 @@ def _shifted_moments(y: Tensor, mean: float, sumsq: float) -> Optional[Tuple[flo
     return (c + s1 / n, m2) if math.isfinite(s2) and _CONDITION * m2 >= s2 else None
 
 
-_DOT_MAX = 4096  # a BLAS dot x.x stays within ~2.5e-7 up to here (measured: 3e-5 at 512K)
+_DOT_MAX = 4096  # up to here a sum of squares is one float64 dot (above: vectorised float32 row norms)
 
 
 def _sum_of_squares(y: Tensor) -> float:
     n = y.numel()
-    if n <= _DOT_MAX and y.is_contiguous():  # one kernel: small tensors are overhead-bound
-        flat = y.view(-1)
+    if n <= _DOT_MAX and y.is_contiguous():  # small tensors are overhead-bound: one copy, one dot
+        # (in float64: a float32 dot adds every square into one of a few running sums,
+        # ~1e-6 off where one square dominates, such as an outlier among values near it)
+        flat = y.view(-1).double()
         return float(torch.dot(flat, flat))
     if n % _ROW == 0 and y.is_contiguous():  # the common case: no copy, no tail
         rows = y.view(-1, _ROW)

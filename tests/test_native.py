@@ -1,0 +1,187 @@
+"""The native one-read kernel (lightning_scale.native): its numbers against float64 for
+every layout it accepts, the layouts it refuses, the statistics it feeds against torch's
+kernels and numpy float64, and each way it falls back (switched off, no working compiler,
+a kernel that fails its self-check, two processes building at once)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_scale import native, stats
+
+from test_stats_property import check_against_reference, fields, sample
+
+needs_compiler = pytest.mark.skipif(native._compiler() is None, reason="no C compiler on this machine: the native kernel cannot be built")
+
+
+@pytest.fixture
+def kernels():
+    k = native.load()
+    if k is None:
+        pytest.skip(native.status())
+    return k
+
+
+@pytest.fixture
+def serial(monkeypatch):
+    """Take the kernel for any size, whatever number of threads torch runs."""
+    monkeypatch.setattr(native, "SERIAL_THREADS", 1 << 30)
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """A module state that has tried nothing yet, and an empty cache."""
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_reason", None)
+    monkeypatch.setenv("LIGHTNING_SCALE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(native.ENV, raising=False)
+    return tmp_path
+
+
+@needs_compiler
+def test_the_kernel_builds_and_loads_where_there_is_a_compiler(fresh):
+    assert native.load() is not None, native.status()
+    assert "in use" in native.status()
+    built = os.listdir(fresh / "cache")
+    assert len(built) == 1 and built[0].startswith("sums-") and built[0].endswith(".so")
+
+
+def _reference(t: torch.Tensor):
+    v = t.double()
+    return float(v.sum()), float((v * v).sum()), float(v.abs().max()), float(v.abs().sum())
+
+
+LAYOUTS = {
+    "contiguous": lambda n, d: torch.randn(n, dtype=torch.float64).mul(3).add(0.5).to(d),
+    # a transpose of a dense tensor: read as one row in storage order
+    "transposed": lambda n, d: torch.randn(3, n, dtype=torch.float64).to(d).t(),
+    # q of a fused qkv projection: rows of a wider tensor
+    "strided rows": lambda n, d: torch.randn(4, 3 * n + 5, dtype=torch.float64).to(d)[:, 2 : n + 2],
+    # broadcast rows (stride 0): each row read again, as the tensor's elements are
+    "expanded": lambda n, d: torch.randn(1, n, dtype=torch.float64).to(d).expand(5, n),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("n", [1, 7, 31, 32, 33, 255, 256, 257, 4097, 100_003])
+def test_sums_match_float64(kernels, serial, dtype, layout, n):
+    x = LAYOUTS[layout](n, dtype)
+    total, squares, top, magnitudes = _reference(x)
+    for with_max in (False, True):
+        got = native.sums(x, with_max)
+        assert got is not None
+        assert abs(got[0] - total) <= 1e-6 * magnitudes
+        assert abs(got[1] - squares) <= 1e-6 * squares
+        assert got[2] == (top if with_max else -1.0)
+
+
+def test_it_declines_what_it_cannot_read(kernels, monkeypatch):
+    assert native.sums(torch.randn(100, 10)[:, ::2]) is None  # no contiguous rows
+    assert native.sums(torch.randn(1000, dtype=torch.float64)) is None
+    assert native.sums(torch.randn(1000).half()) is None
+    assert native.sums(torch.randn(1000)) is not None
+    # torch splits a large tensor over its threads: above SERIAL_THREADS threads it is left to torch
+    monkeypatch.setattr(native, "SERIAL_THREADS", 0)
+    assert native.sums(torch.randn(native.SERIAL_MAX + 1)) is None
+    assert native.sums(torch.randn(native.SERIAL_MAX)) is not None
+
+
+@st.composite
+def long_tensors(draw):
+    """Tensors the kernel reads (above stats' 4096-element small path), with outliers and
+    special values, as test_stats_property's ``sample`` makes them."""
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    n = draw(st.integers(4097, 40_000))
+    offset = draw(st.sampled_from([0.0, 0.5, 3.0, 10.0, 1e2, 1e3, 1e4]))
+    log2_std = draw(st.integers(-60, 60))
+    specials = draw(st.lists(st.sampled_from(["zero", "subnormal", "huge", "inf", "nan"]), max_size=3))
+    x = sample(dtype, n, offset, log2_std, specials, draw(st.integers(0, 2**16)))
+    if draw(st.booleans()):  # an outlier among values near each other
+        x[draw(st.integers(0, n - 1))] = float(x[0]) * draw(st.sampled_from([-1e4, 1e3, 0.0]))
+    return x
+
+
+@settings(max_examples=120, deadline=None)
+@given(long_tensors(), st.sampled_from([("moments",), ("moments", "range"), ("moments", "range", "formats")]))
+def test_statistics_with_the_kernel_match_float64_and_torch_kernels(x, groups):
+    if native.load() is None:
+        pytest.skip(native.status())
+    saved = native.SERIAL_THREADS
+    native.SERIAL_THREADS = 1 << 30
+    try:
+        with_kernel = fields(x, True, groups)
+        check_against_reference(x, True)
+    finally:
+        native.SERIAL_THREADS = saved
+    loaded = native._loaded
+    native._loaded = None
+    native._reason = "switched off by this test"
+    try:
+        without = fields(x, True, groups)
+    finally:
+        native._loaded, native._reason = loaded, None
+    for name, value in without.items():
+        if name in ("mean", "m2"):
+            continue
+        assert value == with_kernel[name] or (math.isnan(value) and math.isnan(with_kernel[name])), name
+    if math.isfinite(without["m2"]):
+        assert abs(with_kernel["m2"] - without["m2"]) <= 2e-6 * without["m2"]
+
+
+def test_switched_off_by_the_environment(fresh, monkeypatch):
+    monkeypatch.setenv(native.ENV, "0")
+    assert native.load() is None
+    assert f"{native.ENV}=0" in native.status()
+    assert native.sums(torch.randn(10_000)) is None
+    assert not os.path.exists(fresh / "cache")  # nothing built
+
+
+def test_a_failing_compiler_falls_back_to_torch(fresh, monkeypatch):
+    monkeypatch.setenv("CC", "false")  # found, exits 1
+    assert native.load() is None
+    assert "false failed" in native.status()
+    x = torch.randn(50_000) * 3 + 1
+    got = stats.assemble([stats.record_of(x, ("moments", "range"), True)])
+    v = x.double()
+    assert abs(float(stats.statistic(got, "std")[0]) - float(v.std())) <= 1e-6 * float(v.std())
+    assert float(stats.statistic(got, "absmax")[0]) == float(v.abs().max())
+
+
+@needs_compiler
+def test_a_kernel_that_fails_its_self_check_is_not_used(fresh, monkeypatch):
+    source = (fresh / "wrong.c")
+    with open(native._SOURCE) as f:
+        text = f.read()
+    # one wrong number: the sum of squares off by one part in a thousand
+    source.write_text(text.replace("out[1] = squares;", "out[1] = squares * 1.001;"))
+    monkeypatch.setattr(native, "_SOURCE", str(source))
+    assert native.load() is None
+    assert "self-check failed" in native.status()
+
+
+@needs_compiler
+def test_two_processes_building_at_once_both_load(tmp_path):
+    env = {**os.environ, "LIGHTNING_SCALE_CACHE": str(tmp_path / "cache")}
+    env.pop(native.ENV, None)
+    code = textwrap.dedent(
+        """
+        from lightning_scale import native
+        assert native.load() is not None, native.status()
+        print(native._loaded.path)
+        """
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert outs[0][0] == outs[1][0]  # the same file
+    assert [n for n in os.listdir(tmp_path / "cache") if not n.startswith(".")] == [os.path.basename(outs[0][0].strip())]
