@@ -16,6 +16,7 @@ noise-free measure of the callback's per-step work.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import tempfile
@@ -31,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from timing import Samples, Stopwatch
 from workload import Size, Workload  # puts the repository root on sys.path
 
-from lightning_scale import ScaleMonitor, stats
+from lightning_scale import ScaleMonitor, native, stats
 
 #: "Every statistic group" of issue 10's goal: moments, range and formats (std, absmax,
 #: zeros, min_nonzero, the format fractions); the opt-in ``fp8`` what-if is measured apart.
@@ -170,7 +171,10 @@ def measure(size: Size, rounds: int = 5, steps: int = 30, skip: int = 5, budget_
 
 
 #: Kinds of kept step in ``TrackedFits.steps``.
-TRACKED_KINDS = ("plain", "untracked", "tracked", "after_tracked", "tracked_figure", "after_figure", "tracked_all", "after_all", "tracked_fp8", "after_fp8")
+TRACKED_KINDS = (
+    "plain", "untracked", "tracked", "after_tracked", "tracked_figure", "after_figure", "tracked_all", "after_all",
+    "tracked_fp8", "after_fp8", "tracked_torch", "after_torch",
+)  # fmt: skip
 
 
 @dataclass
@@ -208,7 +212,8 @@ def measure_tracked(
     step and every 10th after it); and four fits of ``steps`` steps tracking every
     ``every_n_steps``-th step: std without the figure; std with the figure every
     ``figure_every``-th tracked step (kept apart: the figure's drawing on the writer
-    thread spills into the next steps); every statistic group; std and the fp8 what-if.
+    thread spills into the next steps); every statistic group; std and the fp8 what-if;
+    std again with torch's kernels instead of the native one-read kernel (``native.switched_off``).
     Of the whole fits, ``trainer.fit()`` is timed (capture at fit start included); of the
     short fits, every kept step period (``global_step >= skip``) is sorted by kind (see
     ``_sort_steps``) and compared with the kept step periods of the plain whole fit. The
@@ -230,11 +235,14 @@ def measure_tracked(
                 ("fit_tracked_figure", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, figure=True, figure_every=figure_every)),
                 ("fit_tracked_all", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, statistics=EVERY_GROUP)),
                 ("fit_tracked_fp8", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, statistics=WITH_FP8)),
+                # std as fit_tracked, with torch's kernels instead of the native one-read kernel
+                ("fit_tracked_torch", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, figure=False)),
             ]
             for name, n, make in jobs[r % len(jobs):] + jobs[: r % len(jobs)]:  # no place bias
                 gc.collect()
                 monitor = make()
-                timer = _fit(size, n, monitor, root)
+                with native.switched_off() if name == "fit_tracked_torch" else contextlib.nullcontext():
+                    timer = _fit(size, n, monitor, root)
                 if name in out.totals:
                     out.totals[name].wall.append(timer.total[0])
                     out.totals[name].cpu.append(timer.total[1])

@@ -28,6 +28,7 @@ import format_bytes
 import fit_loop
 import memory
 import render
+from lightning_scale import native
 from timing import CLOCKS, Summary, between_noise_floor, interleaved, load_average, noise_floor
 from workload import MAIN, SIZES, VARIANTS, Size, Workload
 
@@ -59,6 +60,7 @@ def machine() -> Dict[str, str]:
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
         "cpu": cpu, "cores": cores, "memory": mem, "python": platform.python_version(),
         "torch": torch.__version__, "lightning": _version("lightning"), "unit_scaling": _version("unit-scaling"),
+        "native": (native.load(), native.status())[1],
     }  # fmt: skip
 
 
@@ -107,7 +109,7 @@ def tracked_fit_times(res: render.Results, quick: bool) -> None:
     _log(f"tracked fit steps: std {render.tracked_ratio(t, 'tracked'):.2f}x CPU {render.tracked_ratio(t, 'tracked', clock='wall'):.2f}x wall, "
          f"every group {render.tracked_ratio(t, 'tracked_all'):.2f}x CPU {render.tracked_ratio(t, 'tracked_all', clock='wall'):.2f}x wall, "
          f"after it {render.tracked_ratio(t, 'after_all'):.2f}x CPU, after std {render.tracked_ratio(t, 'after_tracked'):.2f}x CPU, "
-         f"fp8 {render.tracked_ratio(t, 'tracked_fp8'):.2f}x CPU, "
+         f"fp8 {render.tracked_ratio(t, 'tracked_fp8'):.2f}x CPU, torch kernels {render.tracked_ratio(t, 'tracked_torch'):.2f}x CPU, "
          f"with the figure {render.tracked_ratio(t, 'tracked_figure'):.2f}x; "
          f"whole {t.whole_steps}-step fit with ScaleMonitor(): {render.whole_ratio(t):.3f}x CPU ({t.rounds} rounds, {t.seconds:.0f} s)")  # fmt: skip
 
@@ -147,7 +149,7 @@ def memory_peaks(res: render.Results, quick: bool) -> None:
     peaks = memory.measure(jobs, steps=res.memory_steps)
     for size in SIZES:
         res.memory[size] = {v: [p for job, p in zip(jobs, peaks) if job == (size.dim, size.layers, v)] for v in ("plain", "tracked")}
-        _log(f"memory {size.name}: training {render.memory_ratio(res, size, 'training_kb'):.3f}x")
+        _log(f"memory {size.name}: steps {render.memory_ratio(res, size, 'steps_kb'):.3f}x, training with the capture {render.memory_ratio(res, size, 'training_kb'):.3f}x")
 
 
 def row_labels() -> Dict[str, str]:
@@ -160,6 +162,7 @@ def row_labels() -> Dict[str, str]:
         "fit_tracked_all": "tracked step in a Trainer fit, every statistic group (moments, range, formats), no figure",
         "fit_tracked_fp8": "tracked step in a Trainer fit, std and the `fp8` what-if, no figure",
         "fit_tracked_figure": "tracked step in a Trainer fit, `ScaleMonitor(every_n_steps=5)`, drawing the figure",
+        "fit_tracked_torch": "tracked step in a Trainer fit, `ScaleMonitor(every_n_steps=5)`, no figure, torch's kernels (native kernel off)",
         render.UNTRACKED: "untracked step, `ScaleMonitor(every_n_steps=10**9)` installed",
     }
     return {k: labels[k] for k in order}

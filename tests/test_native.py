@@ -90,6 +90,8 @@ def test_it_declines_what_it_cannot_read(kernels, monkeypatch):
     assert native.sums(torch.randn(1000, dtype=torch.float64)) is None
     assert native.sums(torch.randn(1000).half()) is None
     assert native.sums(torch.randn(1000)) is not None
+    assert native.sums(torch.nn.Parameter(torch.randn(1000))) is None  # a subclass: left to torch
+    assert native.sums(torch._neg_view(torch.randn(1000))) is None  # its memory holds -x
     # torch splits a large tensor over its threads: above SERIAL_THREADS threads it is left to torch
     monkeypatch.setattr(native, "SERIAL_THREADS", 0)
     assert native.sums(torch.randn(native.SERIAL_MAX + 1)) is None

@@ -29,12 +29,14 @@ import sys
 import sysconfig
 import tempfile
 import threading
-from typing import List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Iterator, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ENV", "SERIAL_MAX", "SERIAL_THREADS", "load", "status", "sums"]
+__all__ = ["ENV", "SERIAL_MAX", "SERIAL_THREADS", "load", "status", "sums", "switched_off"]
 
 #: Environment switch: ``0`` never builds nor uses the native kernel.
 ENV = "LIGHTNING_SCALE_NATIVE"
@@ -68,10 +70,13 @@ class _Kernels:
         self._out = threading.local()
 
     def run(self, x: Tensor, rows: int, cols: int, stride: int, with_max: bool) -> Tuple[float, float, float]:
+        return self.call(x.dtype, x.data_ptr(), rows, cols, stride, with_max)
+
+    def call(self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, with_max: bool) -> Tuple[float, float, float]:
         out = getattr(self._out, "buf", None)
         if out is None:
             out = self._out.buf = (ctypes.c_double * 3)()
-        self.by_dtype[x.dtype][with_max](x.data_ptr(), rows, cols, stride, ctypes.addressof(out))
+        self.by_dtype[dtype][with_max](address, rows, cols, stride, ctypes.addressof(out))
         return out[0], out[1], out[2]
 
 
@@ -84,6 +89,8 @@ def sums(x: Tensor, with_max: bool = False) -> Optional[Tuple[float, float, floa
     Without ``with_max`` the third number is -1."""
     kernels = _loaded if _loaded is not None else (None if _reason is not None else load())
     if kernels is None or x.device.type != "cpu" or x.dtype not in kernels.by_dtype:
+        return None
+    if type(x) is not Tensor or x.layout != torch.strided or x.is_neg():  # (subclasses such as DTensor: torch)
         return None
     n = x.numel()
     if n > SERIAL_MAX and torch.get_num_threads() > SERIAL_THREADS:
@@ -142,6 +149,19 @@ def status() -> str:
     return "native kernel not loaded yet"
 
 
+@contextmanager
+def switched_off() -> Iterator[None]:
+    """Within this block (in this process) ``sums`` returns None: torch's kernels, for
+    comparisons. Not thread-safe against concurrent ``load()``."""
+    global _loaded, _reason
+    saved = _loaded, _reason
+    _loaded, _reason = None, "switched off by native.switched_off()"
+    try:
+        yield
+    finally:
+        _loaded, _reason = saved
+
+
 class _Unavailable(Exception):
     pass
 
@@ -196,22 +216,24 @@ def _cache_dir() -> str:
 
 def _self_check(kernels: _Kernels) -> None:
     """Every kernel against float64 on values that exercise the vector body, the chunk
-    boundaries and the scalar tail, contiguous and in strided rows."""
-    base = (torch.arange(-1300, 1301, dtype=torch.float64) / 7.0) ** 3 / 1e4
+    boundaries and the scalar tail, contiguous and in strided rows. In numpy, on numpy
+    arrays: no torch op runs here (their first use would page in code, counted as memory
+    by whoever measures the first tracked step)."""
+    values = (np.arange(-1300, 1301, dtype=np.float64) / 7.0) ** 3 / 1e4
+    f32 = values.astype(np.float32)
+    data = {torch.float32: f32, torch.bfloat16: (f32.view(np.uint32) >> 16).astype(np.uint16)}  # bf16: truncated
+    exact = {torch.float32: f32.astype(np.float64), torch.bfloat16: ((data[torch.bfloat16].astype(np.uint32) << 16).view(np.float32)).astype(np.float64)}
     for dtype in kernels.by_dtype:
-        x = base.to(dtype)
-        ref = x.double()
-        want = (float(ref.sum()), float((ref * ref).sum()), float(ref.abs().max()), float(ref.abs().sum()))
-        wide = torch.zeros(3, 1000, dtype=dtype)
-        wide[:, :867] = x[: 3 * 867].view(3, 867)
-        strided = wide[:, :867]
-        sref = strided.double()
-        want_strided = (float(sref.sum()), float((sref * sref).sum()), float(sref.abs().max()), float(sref.abs().sum()))
+        flat, ref = data[dtype], exact[dtype]
+        wide = np.zeros((3, 1000), dtype=flat.dtype)  # rows of 867 in rows of 1000
+        wide[:, :867] = flat[: 3 * 867].reshape(3, 867)
+        ref_rows = ref[: 3 * 867]
+        cases = ((flat, (1, flat.size, flat.size), ref), (wide, (3, 867, 1000), ref_rows))
         for with_max in (False, True):
-            for t, layout, expect in ((x, (1, x.numel(), x.numel()), want), (strided, (3, 867, 1000), want_strided)):
-                got = kernels.run(t, *layout, with_max)
+            for array, layout, want in cases:
+                got = kernels.call(dtype, array.ctypes.data, *layout, with_max)
                 # (the sum within 1e-6 of the sum of magnitudes: these values cancel)
-                ok = abs(got[0] - expect[0]) <= 1e-6 * expect[3] and abs(got[1] - expect[1]) <= 1e-6 * expect[1]
-                ok = ok and (got[2] == expect[2] if with_max else got[2] == -1.0)
+                ok = abs(got[0] - want.sum()) <= 1e-6 * np.abs(want).sum() and abs(got[1] - (want * want).sum()) <= 1e-6 * (want * want).sum()
+                ok = ok and got[2] == (np.abs(want).max() if with_max else -1.0)
                 if not ok:
-                    raise _Unavailable(f"self-check failed for {dtype} (max: {with_max}): got {got}, expected {expect[:3]}")
+                    raise _Unavailable(f"self-check failed for {dtype} (max: {with_max}): got {got}, expected {(want.sum(), (want * want).sum(), np.abs(want).max())}")
