@@ -58,6 +58,7 @@ class Recorder:
         self._same: Dict[int, List[int]] = {}  # slot -> slots that returned the same tensor
         self._grads: Dict[int, Tuple[Any, int, List[stats.Entry]]] = {}  # id -> (weakref, version, entry)
         self._short = ShortRecords(self.groups)  # host tensors of a few elements: taken together
+        self._fast = stats.fast_host_record(self.groups)  # host tensors above them: one read, few steps
         self.error: Optional[BaseException] = None
         #: keys whose values' log2 histogram (``stats.log2_histogram``) is also taken
         self.histogram_keys: set = set()
@@ -125,11 +126,13 @@ class Recorder:
         if self.device is None:
             self.device = x.device
         host = x.is_cpu if self.host_reads is None else self.host_reads
-        if host and x.numel() <= MAX_ELEMENTS and batchable(x, self.groups):  # (numel first: most tensors are long)
+        n = x.numel()
+        if host and n <= MAX_ELEMENTS and batchable(x, self.groups):  # (numel first: most tensors are long)
             entry = self._short.add(x)
         else:
             self._host_only = self._host_only and host
-            entry = stats.record_of(x, self.groups, host)
+            fast = self._fast(x) if host and n > MAX_ELEMENTS and self._fast is not None else None
+            entry = fast if fast is not None else stats.record_of(x, self.groups, host)
         self._rows.append((slot, direction, entry))
         if self.histogram_keys:
             self._histogram(slot, direction, x)

@@ -31,6 +31,7 @@ __all__ = [
     "FloatFormat",
     "merge",
     "merge_rows",
+    "fast_host_record",
     "record_of",
     "statistic",
     "summarise",
@@ -139,6 +140,38 @@ def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Opt
         fp8 = _fp8_fields(x, _host_sum if host_reads else _sum64)
         out[_FP80:] = [float(v) for v in fp8] if host_reads else fp8
     return out
+
+
+def fast_host_record(groups: Collection[str]) -> Optional[Callable[[Tensor], Optional[List[Entry]]]]:
+    """For groups within moments and range: a function giving ``record_of(x, groups, True)``
+    of a tensor above 4096 elements from one read of the native kernel
+    (``lightning_scale.native``), with fewer steps than ``record_of`` takes (a tracked step
+    calls it for every recorded tensor), or None where that does not apply (the kernel
+    declines the tensor, or its values are not finite, tiny or mean-dominated: the cases
+    ``record_of`` hands to its other passes). None for other groups."""
+    if not set(groups) <= {"moments", "range"}:
+        return None
+    with_max = "range" in groups
+    tiny = _TINY[torch.float32]  # (the kernel squares in float32, bfloat16 included)
+
+    def record(x: Tensor) -> Optional[List[Entry]]:
+        got = native.sums(x, with_max)
+        if got is None:
+            return None
+        total, sumsq, top = got
+        n = x.numel()
+        if not (math.isfinite(total) and math.isfinite(sumsq)):
+            return None
+        m2 = sumsq - total * (total / n)
+        if not (sumsq >= n * tiny and _CONDITION * m2 >= sumsq):
+            return None
+        out = _NAN_ROW.copy()
+        out[_COUNT], out[_MEAN], out[_M2], out[_NAN], out[_INF] = float(n), total / n, m2, 0.0, 0.0
+        if with_max:
+            out[_ABSMAX] = top
+        return out
+
+    return record
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:

@@ -160,6 +160,19 @@ def test_a_failing_compiler_falls_back_to_torch(fresh, monkeypatch):
 
 
 @needs_compiler
+def test_without_per_cpu_variants_where_the_toolchain_refuses_them(fresh, monkeypatch):
+    # a compiler that fails as one without ifunc support would, unless asked for the plain build
+    wrapper = fresh / "cc-no-ifunc"
+    real = native._compiler()
+    wrapper.write_text(f'#!/bin/sh\ncase "$*" in *-DLS_NO_CLONES*) exec {" ".join(real)} "$@";; esac\necho "target_clones: no ifunc here" >&2\nexit 1\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    assert native.load() is not None, native.status()
+    x = torch.randn(10_000)
+    assert abs(native.sums(x)[1] - float((x.double() ** 2).sum())) <= 1e-6 * float((x.double() ** 2).sum())
+
+
+@needs_compiler
 def test_a_kernel_that_fails_its_self_check_is_not_used(fresh, monkeypatch):
     source = (fresh / "wrong.c")
     with open(native._SOURCE) as f:
@@ -187,3 +200,31 @@ def test_two_processes_building_at_once_both_load(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     assert outs[0][0] == outs[1][0]  # the same file
     assert [n for n in os.listdir(tmp_path / "cache") if not n.startswith(".")] == [os.path.basename(outs[0][0].strip())]
+
+
+@pytest.mark.parametrize("groups", [("moments",), ("moments", "range")])
+def test_the_recorders_short_path_gives_record_ofs_numbers(kernels, serial, groups):
+    """``Recorder`` takes ``stats.fast_host_record`` for long host tensors: the very numbers
+    of ``record_of``, its fallbacks included (mean-dominated, non-finite, huge values)."""
+    from lightning_scale.recorder import BACKWARD, FORWARD, Recorder
+
+    g = torch.Generator().manual_seed(0)
+    cases = {
+        "randn": torch.randn(8, 1024, generator=g),
+        "strided q": torch.randn(4, 64, 384, generator=g)[..., :128],
+        "transposed": torch.randn(96, 64, generator=g).t(),
+        "bf16": torch.randn(10_000, generator=g).bfloat16(),
+        "mean-dominated": torch.randn(9000, generator=g) + 1e4,
+        "with inf": torch.cat([torch.randn(5000, generator=g), torch.tensor([math.inf])]),
+        "huge": torch.cat([torch.randn(5000, generator=g), torch.tensor([3e38])]),
+        "float64": torch.randn(5000, generator=g, dtype=torch.float64),
+    }
+    rec = Recorder(groups, host_reads=True)
+    assert rec._fast is not None
+    for key, x in cases.items():
+        rec.observe(key, x)
+    got = rec.records(list(cases))
+    for i, (key, x) in enumerate(cases.items()):
+        want = stats.assemble([stats.record_of(x, groups, True)])[0]
+        torch.testing.assert_close(got[i, FORWARD], want, rtol=0, atol=0, equal_nan=True, msg=key)
+        assert got[i, BACKWARD, 0] == 0  # (no gradient)

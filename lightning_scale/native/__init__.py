@@ -30,7 +30,7 @@ import sysconfig
 import tempfile
 import threading
 from contextlib import contextmanager
-from typing import Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -58,47 +58,52 @@ _reason: Optional[str] = None  # why there is no kernel, once tried
 class _Kernels:
     def __init__(self, lib: ctypes.CDLL, path: str) -> None:
         self.path = path
-        args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-        self.by_dtype = {}
+        args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_double)]
+        #: (dtype, with max |x|) -> the C function
+        self.fns: Dict[Tuple[torch.dtype, bool], Any] = {}
         for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
-            pair = []
-            for name in (f"ls_sums_{suffix}", f"ls_sums_max_{suffix}"):
+            for with_max, name in ((False, f"ls_sums_{suffix}"), (True, f"ls_sums_max_{suffix}")):
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = args, None
-                pair.append(fn)
-            self.by_dtype[dtype] = tuple(pair)
-        self._out = threading.local()
-
-    def run(self, x: Tensor, rows: int, cols: int, stride: int, with_max: bool) -> Tuple[float, float, float]:
-        return self.call(x.dtype, x.data_ptr(), rows, cols, stride, with_max)
+                self.fns[(dtype, with_max)] = fn
+        self.dtypes = {dtype for dtype, _ in self.fns}
 
     def call(self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, with_max: bool) -> Tuple[float, float, float]:
-        out = getattr(self._out, "buf", None)
-        if out is None:
-            out = self._out.buf = (ctypes.c_double * 3)()
-        self.by_dtype[dtype][with_max](address, rows, cols, stride, ctypes.addressof(out))
+        out = (ctypes.c_double * 3)()  # (one per call: thread-safe)
+        self.fns[(dtype, with_max)](address, rows, cols, stride, out)
         return out[0], out[1], out[2]
 
 
 def sums(x: Tensor, with_max: bool = False) -> Optional[Tuple[float, float, float]]:
     """(sum, sum of squares, max |x|) of a float32 or bfloat16 CPU tensor in one read, or
     None where the kernel is not available or does not fit (another dtype or device, a
-    layout other than rows of contiguous elements, a large tensor that torch would split
-    over its threads). Squares are float32's: an element above ~1.8e19 in magnitude makes
-    the sum of squares inf, and max |x| is meaningful only where both sums are finite.
-    Without ``with_max`` the third number is -1."""
-    kernels = _loaded if _loaded is not None else (None if _reason is not None else load())
-    if kernels is None or x.device.type != "cpu" or x.dtype not in kernels.by_dtype:
-        return None
-    if type(x) is not Tensor or x.layout != torch.strided or x.is_neg():  # (subclasses such as DTensor: torch)
+    tensor subclass, a layout other than rows of contiguous elements, a large tensor that
+    torch would split over its threads). Squares are float32's: an element above ~1.8e19
+    in magnitude makes the sum of squares inf, and max |x| is meaningful only where both
+    sums are finite. Without ``with_max`` the third number is -1.
+
+    Runs once per recorded tensor of a tracked step: kept to a few attribute reads."""
+    kernels = _loaded
+    if kernels is None:
+        if _reason is not None or (kernels := load()) is None:
+            return None
+    fn = kernels.fns.get((x.dtype, with_max))
+    # (subclasses such as DTensor, sparse layouts and negated views: torch's kernels)
+    if fn is None or type(x) is not Tensor or not x.is_cpu or x.layout is not torch.strided or x.is_neg():
         return None
     n = x.numel()
     if n > SERIAL_MAX and torch.get_num_threads() > SERIAL_THREADS:
         return None
-    layout = _rows(x)
-    if layout is None:
-        return None
-    return kernels.run(x, *layout, with_max)
+    if x.is_contiguous():
+        rows, cols, stride = 1, n, n
+    else:
+        layout = _rows(x)
+        if layout is None:
+            return None
+        rows, cols, stride = layout
+    out = (ctypes.c_double * 3)()
+    fn(x.data_ptr(), rows, cols, stride, out)
+    return out[0], out[1], out[2]
 
 
 def _rows(x: Tensor) -> Optional[Tuple[int, int, int]]:
@@ -174,20 +179,17 @@ def _build_and_load() -> _Kernels:
     compiler = _compiler()
     if compiler is None:
         raise _Unavailable("no C compiler found: set CC, or install cc, gcc or clang")
-    key = hashlib.sha256(b"\0".join([source, " ".join(compiler + _FLAGS).encode(), platform.machine().encode(), sys.platform.encode()])).hexdigest()[:16]
     folder = _cache_dir()
-    path = os.path.join(folder, f"sums-{key}.so")
-    if not os.path.exists(path):
-        fd, tmp = tempfile.mkstemp(prefix=".sums-", suffix=".so", dir=folder)
-        os.close(fd)
-        try:
-            done = subprocess.run([*compiler, *_FLAGS, "-o", tmp, _SOURCE], capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                raise _Unavailable(f"{' '.join(compiler)} failed: {done.stderr.strip()[-500:]}")
-            os.replace(tmp, path)  # atomic: another process loads the old file or the new one
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+    errors = []
+    # (without per-CPU variants where the toolchain has no ifunc support, e.g. musl)
+    for extra in ([], ["-DLS_NO_CLONES"]):
+        flags = _FLAGS + extra
+        key = hashlib.sha256(b"\0".join([source, " ".join(compiler + flags).encode(), platform.machine().encode(), sys.platform.encode()])).hexdigest()[:16]
+        path = os.path.join(folder, f"sums-{key}.so")
+        if os.path.exists(path) or _compile(compiler, flags, folder, path, errors):
+            break
+    else:
+        raise _Unavailable(f"{' '.join(compiler)} failed: {errors[0]}")
     lib = ctypes.CDLL(path)
     lib.ls_abi.restype = ctypes.c_int
     if lib.ls_abi() != _ABI:
@@ -195,6 +197,23 @@ def _build_and_load() -> _Kernels:
     kernels = _Kernels(lib, path)
     _self_check(kernels)
     return kernels
+
+
+def _compile(compiler: List[str], flags: List[str], folder: str, path: str, errors: List[str]) -> bool:
+    """Compile ``_SOURCE`` to ``path`` (atomically: another process loads the old file or
+    the new one); False, with the compiler's message in ``errors``, where it fails."""
+    fd, tmp = tempfile.mkstemp(prefix=".sums-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run([*compiler, *flags, "-o", tmp, _SOURCE], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            errors.append(done.stderr.strip()[-500:] or f"exit status {done.returncode}")
+            return False
+        os.replace(tmp, path)
+        return True
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _compiler() -> Optional[List[str]]:
@@ -223,7 +242,7 @@ def _self_check(kernels: _Kernels) -> None:
     f32 = values.astype(np.float32)
     data = {torch.float32: f32, torch.bfloat16: (f32.view(np.uint32) >> 16).astype(np.uint16)}  # bf16: truncated
     exact = {torch.float32: f32.astype(np.float64), torch.bfloat16: ((data[torch.bfloat16].astype(np.uint32) << 16).view(np.float32)).astype(np.float64)}
-    for dtype in kernels.by_dtype:
+    for dtype in kernels.dtypes:
         flat, ref = data[dtype], exact[dtype]
         wide = np.zeros((3, 1000), dtype=flat.dtype)  # rows of 867 in rows of 1000
         wide[:, :867] = flat[: 3 * 867].reshape(3, 867)

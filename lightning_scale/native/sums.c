@@ -20,7 +20,7 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(LS_NO_CLONES)
 #define LS_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define LS_CLONES
