@@ -291,7 +291,8 @@ def _sort_steps(out: TrackedFits, timer: Any, monitor: Any, group: str) -> None:
 PROFILE_PARTS = (
     ("recording in the forward (`observe`, its statistics included)", "observe", "lightning_scale/recorder.py"),
     ("recording gradients (`Recorder._on_grad`, its statistics included)", "_on_grad", "lightning_scale/recorder.py"),
-    ("of which the statistics one tensor at a time (`stats.record_of`), both directions", "record_of", "lightning_scale/stats.py"),
+    ("of which the statistics one tensor at a time, native kernel's short path (`stats.fast_host_record`), both directions", "record", "lightning_scale/stats.py"),
+    ("of which the statistics one tensor at a time, general path (`stats.record_of`), both directions", "record_of", "lightning_scale/stats.py"),
     ("assembling the records (`Recorder.records`)", "records", "lightning_scale/recorder.py"),
     ("of which the short tensors' statistics, all at once (`ShortRecords.flush`)", "flush", "lightning_scale/short_records.py"),
     ("pooling, the one transfer (`distributed.pool_step`)", "pool_step", "lightning_scale/distributed.py"),
