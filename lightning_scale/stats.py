@@ -122,6 +122,12 @@ def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Opt
         out[_MEAN], out[_M2] = 0.0, 0.0
         return out
     if host_reads:
+        if "formats" in groups and n > _DOT_MAX and _native_every_group(x, out):
+            if "range" not in groups:
+                out[_ABSMAX] = math.nan
+            if "fp8" in groups:
+                out[_FP80:] = [float(v) for v in _fp8_fields(x, _host_sum)]
+            return out
         top = _host_moments(x, out, with_max="range" in groups and "formats" not in groups)
         if "formats" in groups:
             out[_ZEROS:_FP80], absmax = _format_counts_host(x, out[_NAN])  # type: ignore[arg-type]
@@ -143,12 +149,26 @@ def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Opt
 
 
 def fast_host_record(groups: Collection[str]) -> Optional[Callable[[Tensor], Optional[List[Entry]]]]:
-    """For groups within moments and range: a function giving ``record_of(x, groups, True)``
-    of a tensor above 4096 elements from one read of the native kernel
-    (``lightning_scale.native``), with fewer steps than ``record_of`` takes (a tracked step
-    calls it for every recorded tensor), or None where that does not apply (the kernel
-    declines the tensor, or its values are not finite, tiny or mean-dominated: the cases
-    ``record_of`` hands to its other passes). None for other groups."""
+    """For groups within moments, range and formats: a function giving
+    ``record_of(x, groups, True)`` of a tensor above 4096 elements from one read of the
+    native kernel (``lightning_scale.native``), with fewer steps than ``record_of`` takes
+    (a tracked step calls it for every recorded tensor), or None where that does not apply
+    (the kernel declines the tensor; without formats, also where its values are not
+    finite, tiny or mean-dominated: the cases ``record_of`` hands to its other passes).
+    None for other groups (fp8)."""
+    if set(groups) == {"moments", "formats"} or set(groups) == {"moments", "range", "formats"}:
+        keep_max = "range" in groups
+
+        def every(x: Tensor) -> Optional[List[Entry]]:
+            out = _NAN_ROW.copy()
+            if not _native_every_group(x, out):
+                return None
+            out[_COUNT] = float(x.numel())
+            if not keep_max:
+                out[_ABSMAX] = math.nan
+            return out
+
+        return every
     if not set(groups) <= {"moments", "range"}:
         return None
     with_max = "range" in groups
@@ -172,6 +192,29 @@ def fast_host_record(groups: Collection[str]) -> Optional[Callable[[Tensor], Opt
         return out
 
     return record
+
+
+def _native_every_group(x: Tensor, out: List[Entry]) -> bool:
+    """Fills the moments, absmax and the formats group of ``x`` from one read of the
+    native kernel (``native.every_group``); False, with nothing filled, where it declines
+    ``x``. Moments the one-pass sums cannot give (non-finite, tiny or mean-dominated
+    values) come from ``_host_moments``'s other passes."""
+    got = native.every_group(x, _NATIVE_BOUNDS)
+    if got is None:
+        return False
+    (total, sumsq, top, least, nan), counts = got
+    n = x.numel()
+    m2 = sumsq - total * (total / n)
+    if math.isfinite(total) and math.isfinite(sumsq) and sumsq >= n * _TINY[torch.float32] and _CONDITION * m2 >= sumsq:
+        out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, m2, 0.0, 0.0
+    else:
+        _host_moments(x, out, one_read=False)
+    # counts[k] = #{|x| < bound k} without NaN; NaN-free total last, as the helper expects
+    cum = np.append(counts, n - int(nan))[None, :]
+    out[_ZEROS], out[_MINNZ] = float(counts[0]), float(least)
+    out[_FMT0:_FP80] = _format_fields_of_cumulative(cum, torch.float32)[0].tolist()
+    out[_ABSMAX] = float(top)
+    return True
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
@@ -398,6 +441,8 @@ def _format_bounds(dtype: torch.dtype) -> Tuple[List[float], List[int], List[int
 
 _BOUNDS = {dt: _format_bounds(dt) for dt in (torch.float32, torch.float64)}
 _DEVICE_BOUNDS: Dict[Tuple[torch.dtype, torch.device], Tuple[Tensor, Tensor, Tensor]] = {}
+#: The float32 format bounds as the bits the native kernel compares |x|'s bits with.
+_NATIVE_BOUNDS = np.array(_BOUNDS[torch.float32][0], dtype=np.float32).view(np.int32)
 
 
 def _bounds_on(dtype: torch.dtype, device: torch.device) -> Tuple[Tensor, Tensor, Tensor]:

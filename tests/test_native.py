@@ -202,7 +202,7 @@ def test_two_processes_building_at_once_both_load(tmp_path):
     assert [n for n in os.listdir(tmp_path / "cache") if not n.startswith(".")] == [os.path.basename(outs[0][0].strip())]
 
 
-@pytest.mark.parametrize("groups", [("moments",), ("moments", "range")])
+@pytest.mark.parametrize("groups", [("moments",), ("moments", "range"), ("moments", "formats"), ("moments", "range", "formats")])
 def test_the_recorders_short_path_gives_record_ofs_numbers(kernels, serial, groups):
     """``Recorder`` takes ``stats.fast_host_record`` for long host tensors: the very numbers
     of ``record_of``, its fallbacks included (mean-dominated, non-finite, huge values)."""
@@ -217,6 +217,8 @@ def test_the_recorders_short_path_gives_record_ofs_numbers(kernels, serial, grou
         "mean-dominated": torch.randn(9000, generator=g) + 1e4,
         "with inf": torch.cat([torch.randn(5000, generator=g), torch.tensor([math.inf])]),
         "huge": torch.cat([torch.randn(5000, generator=g), torch.tensor([3e38])]),
+        "nan and zeros": torch.cat([torch.randn(5000, generator=g), torch.tensor([math.nan, 0.0, 0.0, -math.inf])]),
+        "tiny": torch.randn(6000, generator=g) * 1e-41,
         "float64": torch.randn(5000, generator=g, dtype=torch.float64),
     }
     rec = Recorder(groups, host_reads=True)
@@ -228,3 +230,20 @@ def test_the_recorders_short_path_gives_record_ofs_numbers(kernels, serial, grou
         want = stats.assemble([stats.record_of(x, groups, True)])[0]
         torch.testing.assert_close(got[i, FORWARD], want, rtol=0, atol=0, equal_nan=True, msg=key)
         assert got[i, BACKWARD, 0] == 0  # (no gradient)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_group_of_a_big_tensor_matches_numpy(kernels, serial, dtype):
+    """Format counts, zeros, least nonzero and absmax exact, moments within 1e-6, over 1M
+    elements spanning every format's range (subnormal to overflow), zeros and infinities."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1 << 20, generator=g, dtype=torch.float64) * torch.pow(2.0, torch.randint(-140, 127, (1 << 20,), generator=g).double())
+    x[::1000] = 0.0
+    x = x.to(dtype)
+    assert native.every_group(x, stats._NATIVE_BOUNDS) is not None
+    check_against_reference(x, True)
+    y = x.clone()
+    y[7], y[70_000] = math.inf, -math.inf
+    check_against_reference(y, True)
+    y[123] = math.nan
+    check_against_reference(y, True)

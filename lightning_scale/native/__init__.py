@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ENV", "SERIAL_MAX", "SERIAL_THREADS", "load", "status", "sums", "switched_off"]
+__all__ = ["ENV", "SERIAL_MAX", "SERIAL_THREADS", "every_group", "load", "status", "sums", "switched_off"]
 
 #: Environment switch: ``0`` never builds nor uses the native kernel.
 ENV = "LIGHTNING_SCALE_NATIVE"
@@ -46,7 +46,7 @@ ENV = "LIGHTNING_SCALE_NATIVE"
 #: torch's two reads take 10.3 ms on one thread, 8.2 ms on two; ours 5.2 ms.)
 SERIAL_MAX = 32768
 SERIAL_THREADS = 2
-_ABI = 1
+_ABI = 2
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sums.c")
 _FLAGS = ["-O3", "-shared", "-fPIC"]
 
@@ -67,6 +67,18 @@ class _Kernels:
                 fn.argtypes, fn.restype = args, None
                 self.fns[(dtype, with_max)] = fn
         self.dtypes = {dtype for dtype, _ in self.fns}
+        #: dtype -> the C function of every statistic group
+        self.all_fns: Dict[torch.dtype, Any] = {}
+        every = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
+        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            fn = getattr(lib, f"ls_all_{suffix}")
+            fn.argtypes, fn.restype = every, None
+            self.all_fns[dtype] = fn
+
+    def call_all(self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, bounds: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        out, counts = np.empty(5), np.empty(len(bounds), dtype=np.int64)
+        self.all_fns[dtype](address, rows, cols, stride, bounds.ctypes.data, len(bounds), counts.ctypes.data, out.ctypes.data)
+        return out, counts
 
     def call(self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, with_max: bool) -> Tuple[float, float, float]:
         out = (ctypes.c_double * 3)()  # (one per call: thread-safe)
@@ -104,6 +116,29 @@ def sums(x: Tensor, with_max: bool = False) -> Optional[Tuple[float, float, floa
     out = (ctypes.c_double * 3)()
     fn(x.data_ptr(), rows, cols, stride, out)
     return out[0], out[1], out[2]
+
+
+def every_group(x: Tensor, bounds: np.ndarray) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    """Every statistic group of a float32 or bfloat16 CPU tensor in one read (twice per
+    256-element chunk where a format bound falls inside the chunk's range, the second
+    time from cache), or None as for ``sums``. ``bounds``: at most 16 positive float32
+    thresholds as an int32 numpy array of their bits. Returns ``(out, counts)``: out =
+    [sum, sum of squares, max |x| (NaN with a NaN), least nonzero |x| (inf if none; NaN
+    left out), NaN count]; ``counts[k]`` = #{|x| < bound k} among the non-NaN elements."""
+    kernels = _loaded
+    if kernels is None:
+        if _reason is not None or (kernels := load()) is None:
+            return None
+    fn = kernels.all_fns.get(x.dtype)
+    if fn is None or type(x) is not Tensor or not x.is_cpu or x.layout is not torch.strided or x.is_neg() or len(bounds) > 16:
+        return None
+    n = x.numel()
+    if n > SERIAL_MAX and torch.get_num_threads() > SERIAL_THREADS:
+        return None
+    layout = (1, n, n) if x.is_contiguous() else _rows(x)
+    if layout is None:
+        return None
+    return kernels.call_all(x.dtype, x.data_ptr(), *layout, bounds)
 
 
 def _rows(x: Tensor) -> Optional[Tuple[int, int, int]]:
@@ -256,3 +291,19 @@ def _self_check(kernels: _Kernels) -> None:
                 ok = ok and got[2] == (np.abs(want).max() if with_max else -1.0)
                 if not ok:
                     raise _Unavailable(f"self-check failed for {dtype} (max: {with_max}): got {got}, expected {(want.sum(), (want * want).sum(), np.abs(want).max())}")
+        # every group: a zero, thresholds below, inside and above the values, both layouts
+        with_zero = flat.copy()
+        with_zero[1300] = 0  # (the middle value, 0 already: and one more)
+        with_zero[5] = 0
+        bounds = np.array([1, 0x3A800000, 0x3F800000, 0x42C80000, 0x7F000000], dtype=np.int32)  # tiny, 2**-10, 1, 100, 2**127
+        for array, layout, want in ((with_zero, (1, flat.size, flat.size), None), (wide, (3, 867, 1000), ref_rows)):
+            vals = exact[dtype].copy() if want is None else want
+            if want is None:
+                vals[1300] = vals[5] = 0.0
+            out, counts = kernels.call_all(dtype, array.ctypes.data, *layout, bounds)
+            mags = np.abs(vals)
+            expect_counts = [(mags < b).sum() for b in bounds.view(np.float32).astype(np.float64)]
+            ok = list(counts) == expect_counts and out[2] == mags.max() and out[3] == mags[mags > 0].min() and out[4] == 0
+            ok = ok and abs(out[0] - vals.sum()) <= 1e-6 * mags.sum() and abs(out[1] - (vals * vals).sum()) <= 1e-6 * (vals * vals).sum()
+            if not ok:
+                raise _Unavailable(f"self-check failed for {dtype} (every group): got {list(out)}, {list(counts)}, expected counts {expect_counts}")

@@ -12,7 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define LS_ABI 1
+#define LS_ABI 2
 #define CHUNK 256
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -56,6 +56,11 @@ static inline v8i abs_bits(v8f v) {
 /* max of bit patterns of non-negative floats: the same order as their values */
 static inline v8i imax(v8i a, v8i b) {
     v8i m = a > b;
+    return (a & m) | (b & ~m);
+}
+
+static inline v8i imin(v8i a, v8i b) {
+    v8i m = a < b;
     return (a & m) | (b & ~m);
 }
 
@@ -125,3 +130,97 @@ LS_KERNEL(ls_sums_f32, float, load_f32, scalar_f32, 0)
 LS_KERNEL(ls_sums_bf16, uint16_t, load_bf16, scalar_bf16, 0)
 LS_KERNEL(ls_sums_max_f32, float, load_f32, scalar_f32, 1)
 LS_KERNEL(ls_sums_max_bf16, uint16_t, load_bf16, scalar_bf16, 1)
+
+/* Every statistic group in one read (moments, range, formats): out[0] = sum, out[1] = sum
+ * of squares (as above), out[2] = max |x| as a float (NaN where any element is NaN),
+ * out[3] = the smallest nonzero |x| (+inf where there is none; NaN elements left out),
+ * out[4] = the NaN count; counts[k] = #{|x| < bound[k]} over the non-NaN elements, for
+ * the `nbounds` (at most 16) positive float32 bit patterns `bounds` (a non-negative float
+ * compares as its bits). Per chunk of 256 elements, a first pass takes the moments, the
+ * extremes and the NaN and zero counts; a bound at or below the chunk's least nonzero |x|
+ * has exactly its zeros below it, one above its largest every element: only the bounds in
+ * between are counted, by a second pass over the chunk (in cache). On activations and
+ * gradients that is one or two of the 13 format bounds a chunk.
+ */
+#define LS_ALL(NAME, T, LOAD, SCALAR)                                                        \
+    LS_CLONES void NAME(const T *x, int64_t rows, int64_t cols, int64_t stride, const int32_t *bounds, \
+                        int32_t nbounds, int64_t *counts, double *out) {                    \
+        double total = 0.0, squares = 0.0;                                                 \
+        int64_t nan = 0;                                                                   \
+        int32_t top = 0, least = 0x7f800000; /* +inf */                                    \
+        for (int k = 0; k < nbounds; k++) counts[k] = 0;                                   \
+        const v8i inf = (v8i){0} + 0x7f800000;                                             \
+        for (int64_t r = 0; r < rows; r++) {                                               \
+            const T *p = x + r * stride;                                                   \
+            int64_t i = 0;                                                                 \
+            while (cols - i >= 8) {                                                        \
+                v8i m = {0}, lo = inf, nans = {0}, zeros = {0};                            \
+                int64_t start = i;                                                         \
+                int64_t end = cols - i >= CHUNK ? i + CHUNK : cols - (cols - i) % 8;        \
+                while (i < end) { /* moments: 8 elements a lane, then float64 */          \
+                    v8f s = {0}, q = {0};                                                  \
+                    int64_t part = end - i >= 64 ? i + 64 : end;                            \
+                    for (; i < part; i += 8) {                                             \
+                        v8f a = LOAD(p + i);                                               \
+                        s += a;                                                            \
+                        q += a * a;                                                        \
+                        v8i b = abs_bits(a);                                               \
+                        v8i isnan = b > inf;                                               \
+                        v8i iszero = b == 0;                                               \
+                        nans -= isnan;                                                     \
+                        zeros -= iszero;                                                   \
+                        m = imax(m, b);                                                    \
+                        v8i out_ = iszero | isnan; /* out of the least nonzero */          \
+                        lo = imin(lo, (b & ~out_) | (inf & out_));                         \
+                    }                                                                      \
+                    total += hsum(s);                                                      \
+                    squares += hsum(q);                                                    \
+                }                                                                          \
+                int64_t chunk_nan = 0, chunk_zeros = 0;                                    \
+                int32_t chunk_top = 0, chunk_least = 0x7f800000;                           \
+                for (int j = 0; j < 8; j++) {                                              \
+                    chunk_nan += nans[j];                                                  \
+                    chunk_zeros += zeros[j];                                               \
+                    chunk_top = m[j] > chunk_top ? m[j] : chunk_top;                       \
+                    chunk_least = lo[j] < chunk_least ? lo[j] : chunk_least;               \
+                }                                                                          \
+                nan += chunk_nan;                                                          \
+                top = chunk_top > top ? chunk_top : top;                                   \
+                least = chunk_least < least ? chunk_least : least;                         \
+                for (int k = 0; k < nbounds; k++) {                                        \
+                    int32_t bk = bounds[k];                                                \
+                    if (bk <= chunk_least) {                                               \
+                        counts[k] += chunk_zeros;                                          \
+                    } else if (bk > chunk_top) { /* (NaN bits are above every bound) */    \
+                        counts[k] += (end - start) - chunk_nan;                            \
+                    } else {                                                               \
+                        v8i below = {0}, bound = (v8i){0} + bk;                            \
+                        for (int64_t t = start; t < end; t += 8)                           \
+                            below -= abs_bits(LOAD(p + t)) < bound;                        \
+                        for (int j = 0; j < 8; j++) counts[k] += below[j];                 \
+                    }                                                                      \
+                }                                                                          \
+            }                                                                              \
+            for (; i < cols; i++) {                                                        \
+                float v = SCALAR(p[i]);                                                    \
+                total += v;                                                                \
+                squares += (double)(v * v);                                                \
+                int32_t b = (int32_t)(to_bits(v) & 0x7fffffffu);                           \
+                top = b > top ? b : top;                                                   \
+                if (b > 0x7f800000) {                                                      \
+                    nan++;                                                                 \
+                    continue;                                                              \
+                }                                                                          \
+                if (b != 0 && b < least) least = b;                                        \
+                for (int k = 0; k < nbounds; k++) counts[k] += b < bounds[k];              \
+            }                                                                              \
+        }                                                                                  \
+        out[0] = total;                                                                    \
+        out[1] = squares;                                                                  \
+        out[2] = from_bits((uint32_t)top);                                                 \
+        out[3] = from_bits((uint32_t)least);                                               \
+        out[4] = (double)nan;                                                              \
+    }
+
+LS_ALL(ls_all_f32, float, load_f32, scalar_f32)
+LS_ALL(ls_all_bf16, uint16_t, load_bf16, scalar_bf16)
