@@ -458,7 +458,7 @@ def whole_table(res: Results) -> List[str]:
         f"start, every step), plain and with `ScaleMonitor()`: every 50th step tracked (here steps "
         f"{', '.join(map(str, tracked))}), the figure on the first tracked step and every 10th after it (here step 0 only). "
         f"{t.rounds} rounds, each with one fit of each (the order rotates, as above). {n} steps and at most 3 rounds keep "
-        f"this section and the previous one, which share the rounds, to about a minute and a half of `make bench` ({t.seconds:.0f} s in this run); a longer fit dilutes the first figure and the capture (see the estimate below).",
+        f"this section and the previous one, which share the rounds, to about three minutes of `make bench` ({t.seconds:.0f} s in this run); a longer fit dilutes the first figure and the capture (see the estimate below).",
         "",
         "| fit | CPU s, median | each round, CPU s | x plain fit | wall s, median | x plain fit |",
         "|---|---|---|---|---|---|",

@@ -143,25 +143,30 @@ def every_group(x: Tensor, bounds: np.ndarray) -> Optional[Tuple[np.ndarray, np.
 
 def _rows(x: Tensor) -> Optional[Tuple[int, int, int]]:
     """(rows, cols, row stride) describing exactly ``x``'s elements from ``x.data_ptr()``,
-    in some order (sums do not depend on it), or None."""
+    in some order (sums do not depend on it), or None. Rows of the last dimension where
+    the outer dimensions merge into one (checked on the strides: no view made, no
+    exception raised), else one row if a permutation of ``x`` is dense."""
     n = x.numel()
-    if x.is_contiguous():
-        return 1, n, n
+    shape, strides = x.shape, x.stride()
+    if len(shape) >= 2 and strides[-1] == 1 and shape[-1] > 0:
+        outer = [(size, st) for size, st in zip(shape[:-1], strides[:-1]) if size != 1]
+        if all(outer[i][1] == outer[i + 1][1] * outer[i + 1][0] for i in range(len(outer) - 1)):
+            return n // shape[-1], shape[-1], (outer[-1][1] if outer else shape[-1])
     if _dense_permutation(x):  # (data_ptr() is then its lowest address)
         return 1, n, n
-    if x.dim() >= 2 and x.stride(-1) == 1:
-        try:
-            v = x.view(-1, x.size(-1))
-        except RuntimeError:  # the outer dimensions do not merge
-            return None
-        return v.size(0), v.size(1), v.stride(0)
     return None
 
 
 def _dense_permutation(x: Tensor) -> bool:
-    """Whether some permutation of ``x`` is contiguous (a transpose of a dense tensor)."""
-    order = sorted(range(x.dim()), key=lambda i: -x.stride(i))
-    return x.permute(order).is_contiguous()
+    """Whether some permutation of ``x`` is contiguous (a transpose of a dense tensor):
+    its dimensions, by decreasing stride, each span the next (arithmetic on the strides)."""
+    dims = sorted(((st, size) for st, size in zip(x.stride(), x.shape) if size != 1), reverse=True)
+    span = 1
+    for st, size in reversed(dims):
+        if st != span:
+            return False
+        span *= size
+    return True
 
 
 def load() -> Optional[_Kernels]:

@@ -4,7 +4,8 @@
  * The tensor is `rows` rows of `cols` contiguous elements, row r at x + r * stride.
  * Elements are added in float32 vector lanes, 32 lanes, 8 elements a lane at a time
  * (chunks of 256 elements), and the chunks' totals in float64: a positive sum of 8
- * float32 values is within 8 * 2**-24 relative, whatever the tensor's size.
+ * float32 values is within 8 * 2**-24 relative, whatever the tensor's size. (Rows whose
+ * length is not a multiple of 32 add their last elements in float64 one by one.)
  * out[0] = sum, out[1] = sum of squares (of the float32 squares), out[2] = max |x| for the
  * ls_sums_max_* kernels, -1 for the others; max |x| is meaningful only where both sums
  * are finite (every element finite, no square overflowing).
@@ -82,32 +83,33 @@ static inline uint32_t to_bits(float f) {
     return u;
 }
 
-/* WITH_MAX: also max |x| (four more vector ops per 32 elements) */
+/* WITH_MAX: also max |x| (four more vector ops per 32 elements). The vector lanes carry
+ * on from row to row (strided rows of a wider tensor, such as q of a fused qkv projection,
+ * are as fast as contiguous ones) and are added in float64 every CHUNK elements. */
 #define LS_KERNEL(NAME, T, LOAD, SCALAR, WITH_MAX)                                         \
     LS_CLONES void NAME(const T *x, int64_t rows, int64_t cols, int64_t stride, double *out) { \
         double total = 0.0, squares = 0.0;                                                 \
         uint32_t top = 0;                                                                  \
+        v8f s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                        \
+        v8f q0 = {0}, q1 = {0}, q2 = {0}, q3 = {0};                                        \
+        v8i m = {0};                                                                       \
+        int64_t pending = 0; /* elements in the lanes since they were last added up */    \
         for (int64_t r = 0; r < rows; r++) {                                               \
             const T *p = x + r * stride;                                                   \
             int64_t i = 0;                                                                 \
-            while (cols - i >= 32) {                                                       \
-                v8f s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};                                \
-                v8f q0 = {0}, q1 = {0}, q2 = {0}, q3 = {0};                                \
-                v8i m = {0};                                                               \
-                int64_t end = cols - i >= CHUNK ? i + CHUNK : cols - (cols - i) % 32;       \
-                for (; i < end; i += 32) {                                                 \
-                    v8f a = LOAD(p + i), b = LOAD(p + i + 8);                              \
-                    v8f c = LOAD(p + i + 16), d = LOAD(p + i + 24);                        \
-                    s0 += a; s1 += b; s2 += c; s3 += d;                                    \
-                    q0 += a * a; q1 += b * b; q2 += c * c; q3 += d * d;                    \
-                    if (WITH_MAX)                                                          \
-                        m = imax(m, imax(imax(abs_bits(a), abs_bits(b)), imax(abs_bits(c), abs_bits(d)))); \
-                }                                                                          \
-                total += hsum((s0 + s1) + (s2 + s3));                                      \
-                squares += hsum((q0 + q1) + (q2 + q3));                                    \
-                if (WITH_MAX) {                                                            \
-                    uint32_t t = hmax(m);                                                  \
-                    top = t > top ? t : top;                                               \
+            for (; cols - i >= 32; i += 32) {                                              \
+                v8f a = LOAD(p + i), b = LOAD(p + i + 8);                                  \
+                v8f c = LOAD(p + i + 16), d = LOAD(p + i + 24);                            \
+                s0 += a; s1 += b; s2 += c; s3 += d;                                        \
+                q0 += a * a; q1 += b * b; q2 += c * c; q3 += d * d;                        \
+                if (WITH_MAX)                                                              \
+                    m = imax(m, imax(imax(abs_bits(a), abs_bits(b)), imax(abs_bits(c), abs_bits(d)))); \
+                pending += 32;                                                             \
+                if (pending >= CHUNK) {                                                    \
+                    total += hsum((s0 + s1) + (s2 + s3));                                  \
+                    squares += hsum((q0 + q1) + (q2 + q3));                                \
+                    s0 = s1 = s2 = s3 = q0 = q1 = q2 = q3 = (v8f){0};                      \
+                    pending = 0;                                                           \
                 }                                                                          \
             }                                                                              \
             for (; i < cols; i++) {                                                        \
@@ -117,6 +119,12 @@ static inline uint32_t to_bits(float f) {
                 uint32_t t = to_bits(v) & 0x7fffffffu;                                     \
                 top = t > top ? t : top;                                                   \
             }                                                                              \
+        }                                                                                  \
+        total += hsum((s0 + s1) + (s2 + s3));                                              \
+        squares += hsum((q0 + q1) + (q2 + q3));                                            \
+        if (WITH_MAX) {                                                                    \
+            uint32_t t = hmax(m);                                                          \
+            top = t > top ? t : top;                                                       \
         }                                                                                  \
         out[0] = total;                                                                    \
         out[1] = squares;                                                                  \
