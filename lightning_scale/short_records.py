@@ -82,15 +82,21 @@ def records_of_many(values: "np.ndarray", sizes: List[int], groups: Collection[s
     out = np.full((len(sizes), len(stats.FIELDS)), math.nan)
     out[:, _IX["count"]] = n
     x = values.astype(np.float64)
-    nan = np.add.reduceat(np.isnan(x), starts, dtype=np.int64)
-    inf = np.add.reduceat(np.isinf(x), starts, dtype=np.int64)
     with np.errstate(invalid="ignore"):  # inf - inf: NaN, as torch.mean
-        mean = np.add.reduceat(x, starts) / n
+        total = np.add.reduceat(x, starts)
+        mean = total / n
         dev = x - np.repeat(mean, sizes)
         m2 = np.add.reduceat(dev * dev, starts)
+    if np.isfinite(total).all():  # (float64 sums of float32 values: finite iff every value is)
+        nan = inf = np.zeros(len(sizes), dtype=np.int64)
+    else:
+        nan = np.add.reduceat(np.isnan(x), starts, dtype=np.int64)
+        inf = np.add.reduceat(np.isinf(x), starts, dtype=np.int64)
     out[:, _IX["mean"]] = mean
     out[:, _IX["m2"]] = np.where((nan > 0) | (inf > 0), math.nan, m2)
     out[:, _IX["nan"]], out[:, _IX["inf"]] = nan, inf
+    if not ("range" in groups or "formats" in groups):
+        return out.tolist()
     a = np.abs(values)
     if "range" in groups:
         out[:, _IX["absmax"]] = np.maximum.reduceat(a, starts)  # NaN with a NaN, as aminmax
