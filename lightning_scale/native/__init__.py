@@ -95,10 +95,9 @@ def sums(x: Tensor, with_max: bool = False) -> Optional[Tuple[float, float, floa
     sums are finite. Without ``with_max`` the third number is -1.
 
     Runs once per recorded tensor of a tracked step: kept to a few attribute reads."""
-    kernels = _loaded
+    kernels = _loaded if _loaded is not None else _try_load()
     if kernels is None:
-        if _reason is not None or (kernels := load()) is None:
-            return None
+        return None
     fn = kernels.fns.get((x.dtype, with_max))
     # (subclasses such as DTensor, sparse layouts and negated views: torch's kernels)
     if fn is None or type(x) is not Tensor or not x.is_cpu or x.layout is not torch.strided or x.is_neg():
@@ -125,10 +124,9 @@ def every_group(x: Tensor, bounds: np.ndarray) -> Optional[Tuple[np.ndarray, np.
     thresholds as an int32 numpy array of their bits. Returns ``(out, counts)``: out =
     [sum, sum of squares, max |x| (NaN with a NaN), least nonzero |x| (inf if none; NaN
     left out), NaN count]; ``counts[k]`` = #{|x| < bound k} among the non-NaN elements."""
-    kernels = _loaded
+    kernels = _loaded if _loaded is not None else _try_load()
     if kernels is None:
-        if _reason is not None or (kernels := load()) is None:
-            return None
+        return None
     fn = kernels.all_fns.get(x.dtype)
     if fn is None or type(x) is not Tensor or not x.is_cpu or x.layout is not torch.strided or x.is_neg() or len(bounds) > 16:
         return None
@@ -139,6 +137,11 @@ def every_group(x: Tensor, bounds: np.ndarray) -> Optional[Tuple[np.ndarray, np.
     if layout is None:
         return None
     return kernels.call_all(x.dtype, x.data_ptr(), *layout, bounds)
+
+
+def _try_load() -> Optional[_Kernels]:
+    """The kernels, built and loaded on first use; None once that failed (not retried)."""
+    return None if _reason is not None else load()
 
 
 def _rows(x: Tensor) -> Optional[Tuple[int, int, int]]:

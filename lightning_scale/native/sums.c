@@ -71,6 +71,12 @@ static inline uint32_t hmax(v8i v) {
     return m;
 }
 
+/* one element of a row's tail (its length past the last full vector), in float64 */
+static inline void add_scalar(float v, double *total, double *squares) {
+    *total += v;
+    *squares += (double)(v * v);
+}
+
 static inline float from_bits(uint32_t u) {
     float f;
     memcpy(&f, &u, sizeof f);
@@ -114,8 +120,7 @@ static inline uint32_t to_bits(float f) {
             }                                                                              \
             for (; i < cols; i++) {                                                        \
                 float v = SCALAR(p[i]);                                                    \
-                total += v;                                                                \
-                squares += (double)(v * v);                                                \
+                add_scalar(v, &total, &squares);                                           \
                 uint32_t t = to_bits(v) & 0x7fffffffu;                                     \
                 top = t > top ? t : top;                                                   \
             }                                                                              \
@@ -211,8 +216,7 @@ LS_KERNEL(ls_sums_max_bf16, uint16_t, load_bf16, scalar_bf16, 1)
             }                                                                              \
             for (; i < cols; i++) {                                                        \
                 float v = SCALAR(p[i]);                                                    \
-                total += v;                                                                \
-                squares += (double)(v * v);                                                \
+                add_scalar(v, &total, &squares);                                           \
                 int32_t b = (int32_t)(to_bits(v) & 0x7fffffffu);                           \
                 top = b > top ? b : top;                                                   \
                 if (b > 0x7f800000) {                                                      \
