@@ -172,23 +172,15 @@ def fast_host_record(groups: Collection[str]) -> Optional[Callable[[Tensor], Opt
     if not set(groups) <= {"moments", "range"}:
         return None
     with_max = "range" in groups
-    tiny = _TINY[torch.float32]  # (the kernel squares in float32, bfloat16 included)
 
-    def record(x: Tensor) -> Optional[List[Entry]]:
-        got = native.sums(x, with_max)
-        if got is None:
-            return None
-        total, sumsq, top = got
-        n = x.numel()
-        if not (math.isfinite(total) and math.isfinite(sumsq)):
-            return None
-        m2 = sumsq - total * (total / n)
-        if not (sumsq >= n * tiny and _CONDITION * m2 >= sumsq):
-            return None
+    def record(x: Tensor) -> Optional[List[Entry]]:  # (the name the benchmarks profile)
         out = _NAN_ROW.copy()
-        out[_COUNT], out[_MEAN], out[_M2], out[_NAN], out[_INF] = float(n), total / n, m2, 0.0, 0.0
+        taken, top = _native_moments(x, out, with_max)
+        if not taken:
+            return None
+        out[_COUNT] = float(x.numel())
         if with_max:
-            out[_ABSMAX] = top
+            out[_ABSMAX] = top if top is not None else _host_absmax(x)
         return out
 
     return record
@@ -204,20 +196,16 @@ def _native_every_group(x: Tensor, out: List[Entry]) -> bool:
         return False
     (total, sumsq, top, least, nan), counts = got
     n = x.numel()
-    m2 = sumsq - total * (total / n)
-    if math.isfinite(total) and math.isfinite(sumsq) and sumsq >= n * _TINY[torch.float32] and _CONDITION * m2 >= sumsq:
+    m2 = _one_pass_m2(total, sumsq, n, _TINY[torch.float32])
+    if m2 is not None:
         out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, m2, 0.0, 0.0
     else:
         _host_moments(x, out, one_read=False)
-    # counts[k] = #{|x| < bound k} without NaN (the fields as _format_fields_of_cumulative
-    # derives them, on one row of 13 numbers: in Python, ~10 us less a tensor than numpy)
+    # counts[k] = #{|x| < bound k} without NaN; the non-NaN count last, as cumulative counts end
     cum = counts.tolist()
-    zeros, finite_or_inf = cum[0], n - int(nan)
-    out[_ZEROS], out[_MINNZ], out[_ABSMAX] = float(zeros), float(least), float(top)
-    fields = []
-    for i in range(len(FORMATS)):
-        fields += [float(cum[_LOW_IX[2 * i]] - zeros), float(cum[_LOW_IX[2 * i + 1]] - zeros), float(finite_or_inf - cum[_HIGH_IX[i]])]
-    out[_FMT0:_FP80] = fields
+    cum.append(n - int(nan))
+    out[_ZEROS], out[_MINNZ], out[_ABSMAX] = float(cum[0]), float(least), float(top)
+    out[_FMT0:_FP80] = _format_fields_of_row(cum, torch.float32)
     return True
 
 
@@ -252,16 +240,11 @@ def _host_moments(x: Tensor, out: List[Entry], with_max: bool = False, one_read:
     """Fills mean, m2, nan and inf of ``x`` on the host. Returns max |x| where it came
     with the sums (``with_max`` and the native kernel, ``one_read``), else None."""
     n = x.numel()
+    if one_read and n > _DOT_MAX:
+        taken, top = _native_moments(x, out, with_max)
+        if taken:
+            return top
     own = x.dtype not in _WIDE
-    one_pass = native.sums(x, with_max) if one_read and n > _DOT_MAX else None
-    if one_pass is not None:  # one read (native kernel): the checks below as for torch's sums
-        total, sumsq, top = one_pass
-        if math.isfinite(total) and math.isfinite(sumsq):
-            m2 = sumsq - total * (total / n)
-            if sumsq >= n * _TINY[torch.float32] and _CONDITION * m2 >= sumsq:
-                out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, m2, 0.0, 0.0
-                return top if with_max else None
-        return _host_moments(x, out, one_read=False)  # (rare: non-finite, tiny or mean-dominated values)
     if not own and n > _DOT_MAX and n % _ROW == 0 and x.is_contiguous():
         # The common case, straight to the kernels `_sum_of_squares` would pick (the same
         # values) without its checks: ~150 tensors a tracked step pay them. Row norms
@@ -274,8 +257,8 @@ def _host_moments(x: Tensor, out: List[Entry], with_max: bool = False, one_read:
         total = float(y.sum())
         sumsq = _sum_of_squares(y)
     if math.isfinite(total) and math.isfinite(sumsq):
-        m2 = sumsq - total * (total / n)
-        if sumsq >= n * _TINY[y.dtype] and _CONDITION * m2 >= sumsq:
+        m2 = _one_pass_m2(total, sumsq, n, _TINY[y.dtype])
+        if m2 is not None:
             out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, m2, 0.0, 0.0
             return None
         shifted = _shifted_moments(y, total / n, sumsq)
@@ -291,6 +274,35 @@ def _host_moments(x: Tensor, out: List[Entry], with_max: bool = False, one_read:
     mean, m2, _ = _scaled_moments(y, _host_sum, own=own)
     out[_MEAN], out[_M2], out[_NAN], out[_INF] = float(mean), float(m2), 0.0, 0.0
     return None
+
+
+def _one_pass_m2(total: float, sumsq: float, n: int, tiny: float) -> Optional[float]:
+    """``m2 = sumsq - total * mean`` where the one-pass sums can be trusted: finite, a mean
+    square above ``tiny`` (no square lost bits) and ``sumsq <= _CONDITION * m2`` (the
+    sums' error amplified at most that much); else None."""
+    if not (math.isfinite(total) and math.isfinite(sumsq)):
+        return None
+    m2 = sumsq - total * (total / n)
+    return m2 if sumsq >= n * tiny and _CONDITION * m2 >= sumsq else None
+
+
+def _native_moments(x: Tensor, out: List[Entry], with_max: bool) -> Tuple[bool, Optional[float]]:
+    """Mean, m2, nan and inf of ``x`` from one read of the native kernel, torch's other
+    passes where its sums cannot be trusted (non-finite, tiny or mean-dominated values).
+    Returns (whether the kernel took ``x``; nothing is filled where not, and max |x|
+    where ``with_max`` and the sums are finite, so that it is exact, else None)."""
+    got = native.sums(x, with_max)
+    if got is None:
+        return False, None
+    total, sumsq, top = got
+    n = x.numel()
+    m2 = _one_pass_m2(total, sumsq, n, _TINY[torch.float32])  # (the kernel squares in float32, bfloat16 too)
+    if m2 is not None:
+        out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, m2, 0.0, 0.0
+    else:
+        _host_moments(x, out, one_read=False)  # (its own reads: rare)
+    exact = with_max and math.isfinite(total) and math.isfinite(sumsq)
+    return True, top if exact else None
 
 
 def _dense(y: Tensor) -> Tensor:
@@ -445,11 +457,8 @@ def _format_bounds(dtype: torch.dtype) -> Tuple[List[float], List[int], List[int
 
 _BOUNDS = {dt: _format_bounds(dt) for dt in (torch.float32, torch.float64)}
 _DEVICE_BOUNDS: Dict[Tuple[torch.dtype, torch.device], Tuple[Tensor, Tensor, Tensor]] = {}
-#: The float32 format bounds as the bits the native kernel compares |x|'s bits with, and
-#: (as ``_format_bounds``) the bound index of each format's two lower thresholds and of
-#: the next float above its max.
+#: The float32 format bounds as the bits the native kernel compares |x|'s bits with.
 _NATIVE_BOUNDS = np.array(_BOUNDS[torch.float32][0], dtype=np.float32).view(np.int32)
-_, _LOW_IX, _HIGH_IX = _BOUNDS[torch.float32]
 
 
 def _bounds_on(dtype: torch.dtype, device: torch.device) -> Tuple[Tensor, Tensor, Tensor]:
@@ -544,23 +553,44 @@ def _format_counts_small(a: "np.ndarray") -> Tuple[List[Entry], float]:
     """``_format_counts_host`` of a short |x| without NaN: the bucket of each element
     among the sorted boundaries (as ``_format_counts_device``), counted in one call."""
     bounds = _NUMPY_BOUNDS[a.dtype]
-    cum = np.bincount(np.searchsorted(bounds, a, side="right"), minlength=bounds.size + 1).cumsum()
-    zeros = int(cum[0])  # cum[k] = #{|x| < bounds[k]}; bounds[0], the smallest positive number: zeros
+    cum = np.bincount(np.searchsorted(bounds, a, side="right"), minlength=bounds.size + 1).cumsum().tolist()
+    zeros = cum[0]  # cum[k] = #{|x| < bounds[k]}; bounds[0], the smallest positive number: zeros
     positive = a[a > 0] if zeros else a
-    fields = _format_fields_of_cumulative(cum[None, :], torch.float64 if a.dtype == np.float64 else torch.float32)
-    return [float(zeros), float(positive.min()) if positive.size else math.inf, *fields[0].tolist()], float(a.max())
+    fields = _format_fields_of_row(cum, torch.float64 if a.dtype == np.float64 else torch.float32)
+    return [float(zeros), float(positive.min()) if positive.size else math.inf, *fields], float(a.max())
+
+
+def _format_pairs(dtype: torch.dtype) -> Tuple[List[int], List[int]]:
+    """Column pairs (plus, minus) of cumulative bucket counts among ``_BOUNDS[dtype]``, one
+    per format field in FIELDS order: field = cum[plus] - cum[minus], with ``cum[k]`` =
+    #{|x| < bounds[k]} and the last column the count of all (NaN counted in bucket 0, or
+    left out of every column): the nonzero values under each format's two lower thresholds
+    (minus the zeros, column 0) and those at or above the next float after its max."""
+    _, low, high = _BOUNDS[dtype]
+    last = len(_BOUNDS[dtype][0])
+    plus: List[int] = []
+    minus: List[int] = []
+    for k in range(len(FORMATS)):
+        plus += [low[2 * k], low[2 * k + 1], last]
+        minus += [0, 0, high[k]]
+    return plus, minus
+
+
+_FORMAT_PAIRS = {dt: _format_pairs(dt) for dt in (torch.float32, torch.float64)}
 
 
 def _format_fields_of_cumulative(cum: "np.ndarray", dtype: torch.dtype) -> "np.ndarray":
-    """The format counts (FIELDS order, float64) of each row of ``cum``, cumulative bucket
-    counts among ``_BOUNDS[dtype]`` (``cum[:, k]`` = #{|x| < bounds[k]}, NaN counted in
-    bucket 0): the nonzero values under each format's two lower thresholds and those above
-    its max. Shared by the host paths, one tensor or many (``short_records``)."""
-    _, low, high = _BOUNDS[dtype]
-    k = len(FORMATS)
-    below = (cum[:, low] - cum[:, :1]).reshape(-1, k, 2)
-    over = (cum[:, -1:] - cum[:, high]).reshape(-1, k, 1)
-    return np.concatenate([below, over], axis=2).reshape(-1, 3 * k).astype(np.float64)
+    """The format counts (FIELDS order, float64) of each row of ``cum`` (see
+    ``_format_pairs``). Shared by the host paths, one tensor or many (``short_records``)."""
+    plus, minus = _FORMAT_PAIRS[dtype]
+    return (cum[:, plus] - cum[:, minus]).astype(np.float64)
+
+
+def _format_fields_of_row(cum: List[int], dtype: torch.dtype) -> List[float]:
+    """``_format_fields_of_cumulative`` of one row as a list (in Python: on 14 numbers it
+    costs ~10 us less than numpy, and it runs once per recorded tensor)."""
+    plus, minus = _FORMAT_PAIRS[dtype]
+    return [float(cum[p] - cum[m]) for p, m in zip(plus, minus)]
 
 
 # ---------------------------------------------------------------------------------------

@@ -58,62 +58,48 @@ _reason: Optional[str] = None  # why there is no kernel, once tried
 class _Kernels:
     def __init__(self, lib: ctypes.CDLL, path: str) -> None:
         self.path = path
-        args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_double)]
-        #: (dtype, with max |x|) -> the C function
+        sums_args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_double)]
+        all_args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
+        #: (dtype, with max |x|) -> the sums kernel; dtype -> the kernel of every group
         self.fns: Dict[Tuple[torch.dtype, bool], Any] = {}
-        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
-            for with_max, name in ((False, f"ls_sums_{suffix}"), (True, f"ls_sums_max_{suffix}")):
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = args, None
-                self.fns[(dtype, with_max)] = fn
-        self.dtypes = {dtype for dtype, _ in self.fns}
-        #: dtype -> the C function of every statistic group
         self.all_fns: Dict[torch.dtype, Any] = {}
-        every = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
         for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
-            fn = getattr(lib, f"ls_all_{suffix}")
-            fn.argtypes, fn.restype = every, None
-            self.all_fns[dtype] = fn
-
-    def call_all(self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, bounds: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        out, counts = np.empty(5), np.empty(len(bounds), dtype=np.int64)
-        self.all_fns[dtype](address, rows, cols, stride, bounds.ctypes.data, len(bounds), counts.ctypes.data, out.ctypes.data)
-        return out, counts
+            self.fns[(dtype, False)] = _bind(lib, f"ls_sums_{suffix}", sums_args)
+            self.fns[(dtype, True)] = _bind(lib, f"ls_sums_max_{suffix}", sums_args)
+            self.all_fns[dtype] = _bind(lib, f"ls_all_{suffix}", all_args)
+        self.dtypes = list(self.all_fns)
 
     def call(self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, with_max: bool) -> Tuple[float, float, float]:
         out = (ctypes.c_double * 3)()  # (one per call: thread-safe)
         self.fns[(dtype, with_max)](address, rows, cols, stride, out)
         return out[0], out[1], out[2]
 
+    def call_all(self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, bounds: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        out, counts = np.empty(5), np.empty(len(bounds), dtype=np.int64)
+        self.all_fns[dtype](address, rows, cols, stride, bounds.ctypes.data, len(bounds), counts.ctypes.data, out.ctypes.data)
+        return out, counts
+
+
+def _bind(lib: ctypes.CDLL, name: str, args: List[Any]) -> Any:
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = args, None
+    return fn
+
 
 def sums(x: Tensor, with_max: bool = False) -> Optional[Tuple[float, float, float]]:
     """(sum, sum of squares, max |x|) of a float32 or bfloat16 CPU tensor in one read, or
-    None where the kernel is not available or does not fit (another dtype or device, a
-    tensor subclass, a layout other than rows of contiguous elements, a large tensor that
-    torch would split over its threads). Squares are float32's: an element above ~1.8e19
-    in magnitude makes the sum of squares inf, and max |x| is meaningful only where both
-    sums are finite. Without ``with_max`` the third number is -1.
+    None where the kernel is not available or does not fit (see ``_layout``). Squares are
+    float32's: an element above ~1.8e19 in magnitude makes the sum of squares inf, and
+    max |x| is meaningful only where both sums are finite. Without ``with_max`` the third
+    number is -1.
 
     Runs once per recorded tensor of a tracked step: kept to a few attribute reads."""
     kernels = _loaded if _loaded is not None else _try_load()
-    if kernels is None:
+    layout = _layout(x, kernels.fns.get((x.dtype, with_max))) if kernels is not None else None
+    if layout is None:
         return None
-    fn = kernels.fns.get((x.dtype, with_max))
-    # (subclasses such as DTensor, sparse layouts and negated views: torch's kernels)
-    if fn is None or type(x) is not Tensor or not x.is_cpu or x.layout is not torch.strided or x.is_neg():
-        return None
-    n = x.numel()
-    if n > SERIAL_MAX and torch.get_num_threads() > SERIAL_THREADS:
-        return None
-    if x.is_contiguous():
-        rows, cols, stride = 1, n, n
-    else:
-        layout = _rows(x)
-        if layout is None:
-            return None
-        rows, cols, stride = layout
-    out = (ctypes.c_double * 3)()
-    fn(x.data_ptr(), rows, cols, stride, out)
+    out = (ctypes.c_double * 3)()  # (as _Kernels.call, without its second lookup)
+    kernels.fns[(x.dtype, with_max)](x.data_ptr(), *layout, out)  # type: ignore[union-attr]
     return out[0], out[1], out[2]
 
 
@@ -125,18 +111,23 @@ def every_group(x: Tensor, bounds: np.ndarray) -> Optional[Tuple[np.ndarray, np.
     [sum, sum of squares, max |x| (NaN with a NaN), least nonzero |x| (inf if none; NaN
     left out), NaN count]; ``counts[k]`` = #{|x| < bound k} among the non-NaN elements."""
     kernels = _loaded if _loaded is not None else _try_load()
-    if kernels is None:
+    layout = _layout(x, kernels.all_fns.get(x.dtype)) if kernels is not None and len(bounds) <= 16 else None
+    if layout is None:
         return None
-    fn = kernels.all_fns.get(x.dtype)
-    if fn is None or type(x) is not Tensor or not x.is_cpu or x.layout is not torch.strided or x.is_neg() or len(bounds) > 16:
+    return kernels.call_all(x.dtype, x.data_ptr(), *layout, bounds)  # type: ignore[union-attr]
+
+
+def _layout(x: Tensor, fn: Any) -> Optional[Tuple[int, int, int]]:
+    """(rows, cols, row stride) for kernel ``fn`` (None: none for ``x``'s dtype) to read
+    ``x`` with, or None where it may not: another device, a tensor subclass (DTensor), a
+    sparse layout or a negated view, a layout that is not rows of contiguous elements, or
+    a large tensor that torch would split over its threads."""
+    if fn is None or type(x) is not Tensor or not x.is_cpu or x.layout is not torch.strided or x.is_neg():
         return None
     n = x.numel()
     if n > SERIAL_MAX and torch.get_num_threads() > SERIAL_THREADS:
         return None
-    layout = (1, n, n) if x.is_contiguous() else _rows(x)
-    if layout is None:
-        return None
-    return kernels.call_all(x.dtype, x.data_ptr(), *layout, bounds)
+    return (1, n, n) if x.is_contiguous() else _rows(x)
 
 
 def _try_load() -> Optional[_Kernels]:
@@ -282,36 +273,29 @@ def _self_check(kernels: _Kernels) -> None:
     arrays: no torch op runs here (their first use would page in code, counted as memory
     by whoever measures the first tracked step)."""
     values = (np.arange(-1300, 1301, dtype=np.float64) / 7.0) ** 3 / 1e4
+    values[5] = 0.0  # (with the middle one, two zeros)
     f32 = values.astype(np.float32)
     data = {torch.float32: f32, torch.bfloat16: (f32.view(np.uint32) >> 16).astype(np.uint16)}  # bf16: truncated
     exact = {torch.float32: f32.astype(np.float64), torch.bfloat16: ((data[torch.bfloat16].astype(np.uint32) << 16).view(np.float32)).astype(np.float64)}
+    bounds = np.array([1, 0x3A800000, 0x3F800000, 0x42C80000, 0x7F000000], dtype=np.int32)  # tiny, 2**-10, 1, 100, 2**127
     for dtype in kernels.dtypes:
         flat, ref = data[dtype], exact[dtype]
         wide = np.zeros((3, 1000), dtype=flat.dtype)  # rows of 867 in rows of 1000
         wide[:, :867] = flat[: 3 * 867].reshape(3, 867)
-        ref_rows = ref[: 3 * 867]
-        cases = ((flat, (1, flat.size, flat.size), ref), (wide, (3, 867, 1000), ref_rows))
-        for with_max in (False, True):
-            for array, layout, want in cases:
+        for array, layout, want in ((flat, (1, flat.size, flat.size), ref), (wide, (3, 867, 1000), ref[: 3 * 867])):
+            mags = np.abs(want)
+            for with_max in (False, True):
                 got = kernels.call(dtype, array.ctypes.data, *layout, with_max)
-                # (the sum within 1e-6 of the sum of magnitudes: these values cancel)
-                ok = abs(got[0] - want.sum()) <= 1e-6 * np.abs(want).sum() and abs(got[1] - (want * want).sum()) <= 1e-6 * (want * want).sum()
-                ok = ok and got[2] == (np.abs(want).max() if with_max else -1.0)
-                if not ok:
-                    raise _Unavailable(f"self-check failed for {dtype} (max: {with_max}): got {got}, expected {(want.sum(), (want * want).sum(), np.abs(want).max())}")
-        # every group: a zero, thresholds below, inside and above the values, both layouts
-        with_zero = flat.copy()
-        with_zero[1300] = 0  # (the middle value, 0 already: and one more)
-        with_zero[5] = 0
-        bounds = np.array([1, 0x3A800000, 0x3F800000, 0x42C80000, 0x7F000000], dtype=np.int32)  # tiny, 2**-10, 1, 100, 2**127
-        for array, layout, want in ((with_zero, (1, flat.size, flat.size), None), (wide, (3, 867, 1000), ref_rows)):
-            vals = exact[dtype].copy() if want is None else want
-            if want is None:
-                vals[1300] = vals[5] = 0.0
+                if not (_sums_close(got, want) and got[2] == (mags.max() if with_max else -1.0)):
+                    raise _Unavailable(f"self-check failed for {dtype} (max: {with_max}): got {got}, expected {(want.sum(), (want * want).sum(), mags.max())}")
             out, counts = kernels.call_all(dtype, array.ctypes.data, *layout, bounds)
-            mags = np.abs(vals)
             expect_counts = [(mags < b).sum() for b in bounds.view(np.float32).astype(np.float64)]
-            ok = list(counts) == expect_counts and out[2] == mags.max() and out[3] == mags[mags > 0].min() and out[4] == 0
-            ok = ok and abs(out[0] - vals.sum()) <= 1e-6 * mags.sum() and abs(out[1] - (vals * vals).sum()) <= 1e-6 * (vals * vals).sum()
-            if not ok:
+            if not (_sums_close(out, want) and list(counts) == expect_counts and out[2] == mags.max() and out[3] == mags[mags > 0].min() and out[4] == 0):
                 raise _Unavailable(f"self-check failed for {dtype} (every group): got {list(out)}, {list(counts)}, expected counts {expect_counts}")
+
+
+def _sums_close(got: Any, want: np.ndarray) -> bool:
+    """A kernel's sum within 1e-6 of the sum of magnitudes (these values cancel) and its
+    sum of squares within 1e-6 of float64's."""
+    squares = (want * want).sum()
+    return bool(abs(got[0] - want.sum()) <= 1e-6 * np.abs(want).sum() and abs(got[1] - squares) <= 1e-6 * squares)
