@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_scale import native
+from lightning_scale.record import kernels
 
 __all__ = [
     "FIELDS",
@@ -95,7 +96,7 @@ _NAN_ROW: List[Entry] = [math.nan] * len(FIELDS)
 _Sum = Callable[[Tensor], Tensor]
 
 
-def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Optional[bool] = None) -> List[Entry]:
+def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Optional[bool] = None, kernel: Optional[str] = None) -> List[Entry]:
     """Statistics of ``x`` as a list of ``len(FIELDS)`` entries (floats or 0-dim tensors).
 
     Args:
@@ -106,6 +107,9 @@ def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Opt
             skip work (cheap only where the tensor lives in host memory). Defaults to
             ``x.device.type == "cpu"``. With host reads every entry is a float; without,
             every entry stays a 0-dim tensor on the device and nothing is read back.
+        kernel: without host reads, which kernel (``kernels.CHOICES``; default: the
+            ``LIGHTNING_SCALE_KERNEL`` environment variable, ``auto``): the fused Triton
+            kernel writes the whole record in one read (two with fp8).
 
     Example:
         >>> rec = assemble([record_of(torch.tensor([1.0, 2.0, 3.0]))])
@@ -121,6 +125,10 @@ def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Opt
     if n == 0:
         out[_MEAN], out[_M2] = 0.0, 0.0
         return out
+    if not host_reads and kernels.uses_triton(x, kernel):
+        row = torch.empty(len(FIELDS), dtype=torch.float64, device=x.device)
+        kernels.record_into(x, groups, row)
+        return list(row.unbind(0))
     if host_reads:
         if "formats" in groups and n > _DOT_MAX and _native_every_group(x, out):
             if "range" not in groups:
@@ -643,8 +651,11 @@ def _widen(q: Tensor) -> Tensor:
 # Assembly, merging and derived statistics on float64 record tensors.
 
 
-def assemble(rows: Sequence[Sequence[Entry]], device: Optional[torch.device] = None, host_only: bool = False) -> Tensor:
+def assemble(rows: Sequence[Union[Sequence[Entry], Tensor]], device: Optional[torch.device] = None, host_only: bool = False) -> Tensor:
     """Stack per-tensor entry lists into one float64 ``[N, len(FIELDS)]`` tensor.
+
+    A row may also be a float64 tensor of ``len(FIELDS)`` elements (a record the fused
+    kernel wrote into the step's buffer): those are stacked at once.
 
     Host-known floats are placed first; device entries are stacked (a handful of kernel
     launches in total, whatever N) and scattered in. Nothing is read back to the host.
@@ -653,6 +664,18 @@ def assemble(rows: Sequence[Sequence[Entry]], device: Optional[torch.device] = N
     if host_only:  # (numpy builds it from Python floats ~3x faster than torch.tensor)
         out = torch.from_numpy(np.array(rows, dtype=np.float64).reshape(len(rows), len(FIELDS)))
         return out if device is None else out.to(device)
+    whole = [r for r, row in enumerate(rows) if isinstance(row, Tensor)]
+    if whole:  # rows the fused kernel wrote: one stack
+        stacked = torch.stack([rows[r] for r in whole])  # type: ignore[misc]
+        if len(whole) == len(rows):
+            return stacked if device is None else stacked.to(device)
+        rest = [row for row in rows if not isinstance(row, Tensor)]
+        out = assemble(rest, stacked.device if device is None else device)
+        keep = [r for r, row in enumerate(rows) if not isinstance(row, Tensor)]
+        full = torch.empty(len(rows), len(FIELDS), dtype=torch.float64, device=out.device)
+        full[index_tensor(whole, out.device)] = stacked.to(out.device)
+        full[index_tensor(keep, out.device)] = out
+        return full
     template = torch.tensor([[v if isinstance(v, float) else 0.0 for v in row] for row in rows], dtype=torch.float64).reshape(len(rows), len(FIELDS))
     by_dtype: Dict[torch.dtype, Tuple[List[int], List[Tensor]]] = {}
     for r, row in enumerate(rows):
