@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_scale.stats import FIELDS, FORMATS
+from lightning_scale.record.stats.fields import FIELDS, FORMATS
 
 __all__ = ["GPU_BLOCK", "INTERPRETER_BLOCK", "interpreted", "record_into"]
 
