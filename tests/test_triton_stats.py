@@ -181,7 +181,7 @@ def test_groups_not_asked_for_are_nan(groups: tuple) -> None:
 def test_record_of_and_recorder_take_the_kernel_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(2)
     w = torch.randn(64, 96, generator=g, requires_grad=True)
-    xs = [torch.randn(40, 64, generator=g), torch.randn(3, generator=g)]
+    xs = [torch.randn(40, 64, generator=g), torch.randn(3, generator=g), torch.randn(7, generator=g, dtype=torch.float64)]  # (float64: torch's kernels, rows of both kinds)
     records = {}
     for kernel in ("torch", "triton"):
         monkeypatch.setenv(kernels.ENV, kernel)

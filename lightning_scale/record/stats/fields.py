@@ -117,13 +117,15 @@ def assemble(rows: Sequence[Union[Sequence[Entry], Tensor]], device: Optional[to
     whole = [r for r, row in enumerate(rows) if isinstance(row, Tensor)]
     if whole:  # rows the fused kernel wrote: one stack
         stacked = torch.stack([rows[r] for r in whole])  # type: ignore[misc]
+        dev = stacked.device if device is None else torch.device(device)
+        stacked = stacked if stacked.device == dev else stacked.to(dev)  # (the same device: no move at all)
         if len(whole) == len(rows):
-            return stacked if device is None else stacked.to(device)
+            return stacked
         keep = [r for r, row in enumerate(rows) if not isinstance(row, Tensor)]
-        rest = assemble([rows[r] for r in keep], stacked.device if device is None else device)  # type: ignore[misc]
-        full = torch.empty(len(rows), len(FIELDS), dtype=torch.float64, device=rest.device)
-        full[index_tensor(whole, rest.device)] = stacked.to(rest.device)
-        full[index_tensor(keep, rest.device)] = rest
+        rest = assemble([rows[r] for r in keep], dev)  # type: ignore[misc]
+        full = torch.empty(len(rows), len(FIELDS), dtype=torch.float64, device=dev)
+        full[index_tensor(whole, dev)] = stacked
+        full[index_tensor(keep, dev)] = rest
         return full
     template = torch.tensor([[v if isinstance(v, float) else 0.0 for v in row] for row in rows], dtype=torch.float64).reshape(len(rows), len(FIELDS))
     by_dtype: Dict[torch.dtype, Tuple[List[int], List[Tensor]]] = {}
