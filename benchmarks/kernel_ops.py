@@ -107,7 +107,7 @@ def measure() -> Dict[str, Dict[str, float]]:
 
 def table(res: Dict[str, Dict[str, float]]) -> str:
     lines = [
-        f"| groups | kernel | dtype | aten ops / record | of which launch a torch kernel | full-size ops / record | Triton launches | bytes allocated / element |",
+        "| groups | kernel | dtype | aten ops / record | of which launch a torch kernel | full-size ops / record | Triton launches | bytes allocated / element |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for key, r in res.items():

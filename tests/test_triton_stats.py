@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from typing import Callable, Dict, List
+from typing import Callable, Dict
 
 import pytest
 import torch

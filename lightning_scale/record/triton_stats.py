@@ -35,7 +35,9 @@ a thread), 65536 under Triton's interpreter (``TRITON_INTERPRET=1``, how the ker
 tested on CPU), where each tile costs a few numpy calls and larger tiles are faster
 (1M elements: ~5 s at 1024, ~0.1 s at 64K).
 
-Import it only where Triton is importable (``lightning_scale.record.kernels`` decides).
+Each variant (input dtype, groups, stride specialisations) is compiled by Triton the
+first time it runs (a second or so, cached on disk after that). Import this module only
+where Triton is importable (``lightning_scale.record.kernels`` decides).
 """
 
 from __future__ import annotations
@@ -339,6 +341,9 @@ def record_into(x: Tensor, groups: Collection[str], row: Tensor, block: Optional
         block: elements per tile, a power of two >= 256 (default ``GPU_BLOCK``, or
             ``INTERPRETER_BLOCK`` under the interpreter).
     """
+    if x.is_cuda and x.device != torch.device("cuda", torch.cuda.current_device()):
+        with torch.cuda.device(x.device):  # (Triton launches on the current device)
+            return record_into(x, groups, row, block)
     block = block or (INTERPRETER_BLOCK if interpreted() else GPU_BLOCK)
     block = min(block, max(_BC, triton.next_power_of_2(x.numel())))  # (short tensors: no empty lanes)
     lay = layout(x)
