@@ -26,7 +26,11 @@ def _device_moments(x: Tensor, out: List[Entry]) -> Tensor:
     acc = _acc_dtype(x)
     absmax = torch.linalg.vector_norm(x, ord=math.inf).to(acc)  # NaN with a NaN, inf with an inf
     s = _inverse_power_of_two(absmax)
-    y = x * s if x.dtype == acc else x.to(acc).mul_(s)  # one temporary; exact (a power of two, in acc: half types would underflow)
+    # one contiguous temporary; exact (a power of two, in acc: half types would underflow)
+    if x.dtype == acc:
+        y = torch.mul(x, s, out=torch.empty(x.shape, dtype=acc, device=x.device))
+    else:
+        y = x.to(dtype=acc, memory_format=torch.contiguous_format).mul_(s)
     total = _rows_sum64(y)  # float64: the scaled sum, inf/NaN with non-finite values
     shift = (total / n).to(acc)
     y.sub_(shift)
