@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from typing import Callable, Dict
+from typing import Any, Callable, Dict
 
 import pytest
 import torch
@@ -295,3 +295,46 @@ def test_kernels_compile_for_nvidia_gpus_and_cpu_needs_the_interpreter() -> None
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.nn.functional.gelu(self.fc(x))
+
+
+def _fit(root: str) -> None:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_scale import ScaleMonitor
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _Tiny()
+
+        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(torch.randn(16, 8)), batch_size=8)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, callbacks=[ScaleMonitor(every_n_steps=1)], default_root_dir=root,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(Module(), data)
+
+
+def test_a_fit_logs_the_kernel_and_refuses_a_bad_value(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("LIGHTNING_SCALE_HOST_READS", "0")
+    monkeypatch.setenv(kernels.ENV, "triton")
+    with caplog.at_level("INFO"):
+        _fit(str(tmp_path / "a"))
+    assert "ScaleMonitor: device statistics: fused Triton kernel under Triton's interpreter" in caplog.text
+    monkeypatch.setenv(kernels.ENV, "fast")
+    with pytest.raises(ValueError, match=r"`LIGHTNING_SCALE_KERNEL` must be one of auto, triton, torch; got 'fast'"):
+        _fit(str(tmp_path / "b"))
