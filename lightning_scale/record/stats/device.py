@@ -17,42 +17,67 @@ from lightning_scale.record.stats.fields import _INF, _M2, _MEAN, _NAN, Entry, _
 
 def _device_moments(x: Tensor, out: List[Entry]) -> Tensor:
     """Mean, m2, nan and inf of ``x`` by torch's kernels (no Triton), nothing read back;
-    returns absmax. The scaled two-pass of ``_scaled_moments`` without its hidden copies:
-    max |x| by one ``vector_norm``, sums as float32 partial sums of rows (``_ROW``)
-    added in float64, squares in place, counts by ``count_nonzero`` of a mask (no int64
-    copy). Temporaries: ``x * s`` in float32 (float64 for float64 ``x``), the row sums
-    (1/16 byte an element) and a one-byte mask."""
-    n = x.numel()
+    returns absmax. Six full-size ops and one temporary (``y``, float32, float64 for
+    float64 ``x``), none of the copies ATen makes inside ``sum(dtype=...)`` or a bool
+    mask's ``sum()``:
+
+    1. max |x| by ``vector_norm(x, inf)`` (NaN with a NaN, inf with an inf);
+    2. ``y = x * s - c``: ``s`` the power of two that brings max |x| to [1, 2) (exact:
+       squares neither overflow nor underflow), ``c`` the first element scaled (finite,
+       else 0), so that a mean far above the spread cancels here, exactly near ``c``;
+    3. ``var_mean`` of rows of ``_ROW`` elements of ``y`` (in float32 on accelerators,
+       short rows), merged in float64 by Chan's formula;
+    4. the NaN, +Inf and -Inf counts: each a comparison written into ``y`` as 0/1 and
+       float32 row sums (exact) added in float64."""
     acc = _acc_dtype(x)
-    absmax = torch.linalg.vector_norm(x, ord=math.inf).to(acc)  # NaN with a NaN, inf with an inf
+    absmax = torch.linalg.vector_norm(x, ord=math.inf).to(acc)
     s = _inverse_power_of_two(absmax)
-    # one contiguous temporary; exact (a power of two, in acc: half types would underflow)
-    if x.dtype == acc:
-        y = torch.mul(x, s, out=torch.empty(x.shape, dtype=acc, device=x.device))
-    else:
-        y = x.to(dtype=acc, memory_format=torch.contiguous_format).mul_(s)
-    total = _rows_sum64(y)  # float64: the scaled sum, inf/NaN with non-finite values
-    shift = (total / n).to(acc)
-    y.sub_(shift)
-    s1 = _rows_sum64(y)  # (total - n * shift would carry the float32 partial sums' error)
-    s2 = _rows_sum64(y.square_())
-    m2 = (s2 - s1 * s1 / n).clamp(min=0)
+    first = x[(0,) * x.dim()].to(acc)  # (a view of one element: no read)
+    c = torch.where(torch.isfinite(first), first * s, torch.zeros_like(first))
+    if x.dtype == acc:  # one contiguous temporary, one pass
+        y = torch.addcmul(-c, x, s, out=torch.empty(x.shape, dtype=acc, device=x.device))
+    else:  # (half types: widened first, so that x * s cannot underflow)
+        y = x.to(dtype=acc, memory_format=torch.contiguous_format).mul_(s).sub_(c)
+    mean_y, m2_y = _rows_moments64(y)
     s64 = s.double()
-    out[_MEAN], out[_M2] = total / n / s64, m2 / s64 / s64  # (s64 * s64 can underflow)
-    out[_NAN], out[_INF] = torch.count_nonzero(torch.isnan(x)).double(), torch.count_nonzero(torch.isinf(x)).double()
+    mean, m2 = (mean_y + c.double()) / s64, m2_y / s64 / s64  # (s64 * s64 can underflow)
+    nan = _rows_sum64(torch.ne(x, x, out=y))
+    pos = _rows_sum64(torch.eq(x, math.inf, out=y))
+    neg = _rows_sum64(torch.eq(x, -math.inf, out=y))
+    # as torch.mean of the float64 values: NaN with a NaN or both infinities, else the infinity
+    nan_, inf_ = torch.full_like(mean, math.nan), torch.full_like(mean, math.inf)
+    mean = torch.where(pos > 0, inf_, torch.where(neg > 0, -inf_, mean))
+    mean = torch.where((nan > 0) | ((pos > 0) & (neg > 0)), nan_, mean)
+    out[_MEAN], out[_M2] = mean, torch.where(nan + pos + neg > 0, nan_, m2.clamp(min=0))
+    out[_NAN], out[_INF] = nan, pos + neg
     return absmax.double()
 
 
-# Float32 partial sums of this many elements, added in float64. Short: a row holding one
-# value far above the others (an outlier among deviations) adds the small ones to a
-# large running sum in each vector lane, 4-8 times per lane here, not 64-128 times (rows of
-# 1024: 4e-6 off on such a tensor; tests/test_stats_property.py).
-_ROW = 64
+_ROW = 256  # rows of this many elements: float32 row results, merged in float64
+
+
+def _rows_moments64(y: Tensor) -> Tuple[Tensor, Tensor]:
+    """(mean, m2) of a contiguous ``y`` as float64 0-dim tensors: ``var_mean`` of its
+    rows of ``_ROW`` (and of the tail), merged by Chan's formula in its vector form."""
+    flat = y.view(-1)
+    n = flat.numel()
+    m = n // _ROW * _ROW
+    parts = []  # (count, means, variances)
+    if m:
+        var, mu = torch.var_mean(flat[:m].view(-1, _ROW), dim=1, correction=0)
+        parts.append((_ROW, mu.double(), var.double()))
+    if m < n:
+        var, mu = torch.var_mean(flat[m:], correction=0)
+        parts.append((n - m, mu.double().view(1), var.double().view(1)))
+    mean = sum(k * mu.sum() for k, mu, _ in parts) / n
+    m2 = sum(k * (var.sum() + ((mu - mean) ** 2).sum()) for k, mu, var in parts)
+    return mean, m2  # type: ignore[return-value]
 
 
 def _rows_sum64(y: Tensor) -> Tensor:
-    """Float64 sum of a contiguous ``y``: float32 sums of rows of ``_ROW``, added in float64
-    (``sum(dtype=float64)`` would copy the whole of ``y`` to float64 first)."""
+    """Float64 sum of a contiguous ``y``: sums of rows of ``_ROW`` in ``y``'s dtype, added
+    in float64 (``sum(dtype=float64)`` would copy the whole of ``y`` to float64 first).
+    Exact for 0/1 masks."""
     if y.dtype == torch.float64:
         return y.sum()
     flat = y.view(-1)
