@@ -46,7 +46,7 @@ from lightning_scale.record.stats.fields import (
     summarise,
 )  # fmt: skip
 from lightning_scale.record.stats.formats import _format_counts_device, _format_counts_host
-from lightning_scale.record.stats.fp8 import _fp8_fields
+from lightning_scale.record.stats.fp8 import CHUNK, _fp8_fields
 from lightning_scale.record.stats.host import _DOT_MAX, _host_absmax, _host_moments, _native_every_group, fast_host_record
 
 __all__ = [
@@ -126,6 +126,6 @@ def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Opt
         if "formats" in groups:
             out[_ZEROS:_FP80] = _format_counts_device(x, out[_NAN])  # type: ignore[arg-type]
     if "fp8" in groups:
-        fp8 = _fp8_fields(x, _host_sum if host_reads else _sum64)
+        fp8 = _fp8_fields(x, _host_sum) if host_reads else _fp8_fields(x, _sum64, CHUNK)
         out[_FP80:] = [float(v) for v in fp8] if host_reads else fp8
     return out
