@@ -6,7 +6,6 @@ and read back once.
 
 from __future__ import annotations
 
-import math
 from typing import List, Tuple
 
 import torch
