@@ -1,29 +1,50 @@
-"""Pool statistics records across ranks in one collective.
+"""Pool statistics records across ranks with reductions: bytes per rank independent of the
+world size, no padding, exact.
 
-Every rank gathers every rank's records and value histograms (one flat ``all_gather``
-per tracked step, then one device-to-host copy) and
-merges them exactly (``stats.merge_rows``), so the pooled record of a node is the record
-of the concatenation of all ranks' tensors. Tensors that every rank holds whole and equal
-(parameters and buffers under data parallelism) are one tensor, not ``world`` copies: their
-forward record is taken from rank 0 when all ranks agree on it. A header row carries the
-row count, a fingerprint of the node labels and a failure flag, so ranks that captured
-different graphs, or whose statistics failed, raise the same error on every rank instead
-of logging nonsense or leaving the others waiting in the collective.
+A tracked step pools in at most four collectives, each a fixed number of float64 entries
+per node whatever the world size:
+
+1. **Header**, ``all_reduce(MAX)`` of 8 numbers: the node count and the fingerprint of
+   the labels (and of the payload's layout), each with its negation, the histogram row
+   count likewise, and the highest and lowest failing rank. Equal on every rank exactly
+   when ``MAX(x) == -MAX(-x)``. A mismatch or a failure raises the same error on every
+   rank, before any collective whose size depends on the node count: ranks that captured
+   different graphs are refused, not left waiting, without padding.
+2. **Sums**, ``all_reduce(SUM)``: each record's additive fields (``stats`` merge parts:
+   count, count x mean, NaN/Inf/zero and format counts, FP8 sums), the value histograms,
+   the caller's plain sums (sharded update sums) and rank 0's own values (each other
+   rank adds zeros: exact).
+3. **Extremes**, ``all_reduce(MAX)`` (``reduce`` to the writing rank when only it needs
+   the result): absmax, minus the least nonzero value, NaN flags (a NaN is sent as a
+   count, never as a value: MAX's NaN handling depends on the backend), for
+   ``rank_spread`` each rank's std and its negation and minus its count, and for tensors
+   every rank holds whole (parameters, buffers) their forward record and its negation.
+   A replicated record is one tensor when every rank sent the same (``MAX == -MAX(-)``):
+   it is counted once, and so is its value histogram (the sum over ranks / world).
+4. **M2**, a second ``SUM``: ``m2_i + n_i (mean_i - mean)^2`` with the global mean from
+   stage 2 (``stats.deviations``); more accurate than pairwise merging.
+
+No Python loop runs over ranks and nothing world-sized is kept. Everything stays on the
+device; the pooled record, histograms and spread come to the host in one copy, on the
+rank that writes (``dst``) or on every rank. The header's 64 bytes are read first: that
+read decides whether the other collectives may run at all.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Collection, NamedTuple, Optional, Sequence, Tuple
+import math
+from typing import Collection, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_scale import stats
-from lightning_scale.recorder import FORWARD
 
-__all__ = ["Pooled", "RankFailedError", "RankMismatchError", "fingerprint", "pool", "pool_step", "world_size"]
+FORWARD = 0  # a record tensor's row [i, 0] is the forward record (``recorder.FORWARD``; not imported: it imports dynamo)
+
+__all__ = ["Pooled", "RankFailedError", "RankMismatchError", "RankSpread", "fingerprint", "pool", "pool_step", "rank", "world_size"]
 
 
 class RankMismatchError(RuntimeError):
@@ -39,155 +60,361 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
+def rank() -> int:
+    """This process's rank in the default process group, 0 without one."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 def fingerprint(labels: Sequence[str]) -> float:
     """A 48-bit hash of the ordered labels, exact in float64."""
     digest = hashlib.sha1("\n".join(labels).encode()).digest()
     return float(int.from_bytes(digest[:6], "big"))
 
 
+class RankSpread(NamedTuple):
+    """Each node's std over ranks (host): ``low`` and ``high`` ``[n, 2]`` are the least and
+    the largest of the ranks' own stds (NaN where a rank's is NaN), ``present`` ``[n, 2]``
+    whether every rank recorded the node in that direction."""
+
+    present: Tensor
+    low: Tensor
+    high: Tensor
+
+
 class Pooled(NamedTuple):
     """One tracked step pooled over all ranks, on the host.
 
     Attributes:
-        records: ``[n, 2, FIELDS]``, the exact merge of every rank's records.
-        per_rank: ``[world, n, 2, FIELDS]``, each rank's own.
+        records: ``[n, 2, FIELDS]``, the record of the concatenation of every rank's
+            tensors (a replicated tensor counted once).
         histograms: ``[h, 2, bins]``, the sum of every rank's value histograms (a
             replicated tensor's forward histogram counted once, as its record).
+        spread: the std's spread over ranks (``rank_spread``), or None.
+        sums: the caller's ``sums``, added over ranks, or None.
+        first: the caller's ``first`` as rank 0 sent it, or None.
     """
 
     records: Tensor
-    per_rank: Tensor
     histograms: Tensor
+    spread: Optional[RankSpread] = None
+    sums: Optional[Tensor] = None
+    first: Optional[Tensor] = None
 
 
-def pool(
-    records: Tensor,
-    labels: Sequence[str],
-    rows: Optional[int] = None,
-    replicated: Collection[str] = (),
-    failed: bool = False,
-) -> Tuple[Tensor, Tensor]:
-    """Pool ``records`` ``[n, 2, FIELDS]`` over all ranks: ``pool_step`` without histograms.
-
-    Returns:
-        ``(pooled [n, 2, FIELDS], per_rank [world, n, 2, FIELDS])`` on the host.
-    """
-    out = pool_step(records, labels, rows=rows, replicated=replicated, failed=failed)
-    return out.records, out.per_rank
+def pool(records: Tensor, labels: Sequence[str], replicated: Collection[str] = (), failed: bool = False) -> Tensor:
+    """``pool_step``'s pooled records ``[n, 2, FIELDS]`` (host), without histograms, on every rank."""
+    out = pool_step(records, labels, replicated=replicated, failed=failed)
+    assert out is not None
+    return out.records
 
 
 def pool_step(
     records: Tensor,
     labels: Sequence[str],
-    rows: Optional[int] = None,
     replicated: Collection[str] = (),
     failed: bool = False,
     histograms: Optional[Tensor] = None,
     histogram_labels: Sequence[str] = (),
-    histogram_rows: Optional[int] = None,
-) -> Pooled:
-    """Pool ``records`` ``[n, 2, FIELDS]`` and value ``histograms`` over all ranks, in one
-    collective and one device-to-host transfer.
+    spread: bool = False,
+    sums: Optional[Tensor] = None,
+    first: Optional[Tensor] = None,
+    dst: Optional[int] = None,
+) -> Optional[Pooled]:
+    """Pool ``records`` ``[n, 2, FIELDS]`` and value ``histograms`` over all ranks, in at
+    most four collectives and one device-to-host transfer (see the module docstring).
 
     Args:
-        records: this rank's records for ``labels``, on the device the collective uses.
+        records: this rank's records for ``labels``, on the device the collectives use.
         labels: the node labels, in the same order on every rank.
-        rows: pad the records to this many rows (>= n), for captures whose node count is
-            not known to agree across ranks beforehand; the same on every rank. Without
-            it the payload has ``n`` rows, and ``n`` must agree: payloads of different
-            sizes cannot be gathered (gloo aborts the process, NCCL waits for its timeout).
         replicated: labels of tensors every rank holds whole and equal (parameters,
-            buffers). Where all ranks' forward records of one agree exactly, the pooled
-            forward record (and histogram) is rank 0's, not a merge of ``world`` copies.
-            Their gradients are merged like any other: each rank's is its own.
-        failed: this rank's statistics failed; ``records`` is a placeholder of the right
-            shape, sent so the other ranks are not left waiting.
+            buffers). Where all ranks' forward records of one agree exactly, its pooled
+            forward record (and histogram) is that one record, not a merge of ``world``
+            copies. Their gradients are merged like any other: each rank's is its own.
+        failed: this rank's statistics failed; ``records`` may hold anything.
         histograms: ``[h, 2, bins]`` float64 counts for ``histogram_labels`` (on the
             records' device), or None for none.
         histogram_labels: the labels of the histogram rows, the same order on every rank.
-        histogram_rows: pad the histograms to this many rows (>= h), as ``rows``.
+        spread: also pool each node's least and largest std over ranks (``RankSpread``).
+        sums: float64 numbers to add over ranks (any shape, the same on every rank).
+        first: float64 numbers to take from rank 0 (any shape, the same on every rank).
+        dst: the rank that gets the result; None: every rank.
 
     Returns:
-        A ``Pooled``, on the host: the only device-to-host transfer of the step.
+        A ``Pooled`` on the host (the step's one device-to-host transfer), or None on a
+        rank other than ``dst``.
 
     Raises:
-        RankMismatchError: ranks sent different labels or node counts.
+        RankMismatchError: ranks sent different labels, node counts or payload layouts.
         RankFailedError: a rank passed ``failed=True``.
-        ValueError: ``rows`` or ``histogram_rows`` is smaller than what it pads.
     """
-    n, bins = records.shape[0], stats.LOG2_HI - stats.LOG2_LO
-    hists = torch.zeros(0, 2, bins, dtype=torch.float64, device=records.device) if histograms is None else histograms
-    h = hists.shape[0]
-    rows = _rows("rows", rows, n, "records")
-    hrows = _rows("histogram_rows", histogram_rows, h, "histograms")
-    if failed and world_size() == 1:
-        raise RankFailedError("statistics failed on rank(s) [0]")
-    sizes = (n * 2 * len(stats.FIELDS), h * 2 * bins)
-    width = _HEADER + rows * 2 * len(stats.FIELDS) + hrows * 2 * bins
-    payload = torch.zeros(width, dtype=torch.float64, device=records.device)
-    payload[:_HEADER] = torch.tensor([n, fingerprint([*labels, "", *histogram_labels]), float(failed), h], dtype=torch.float64)
-    payload[_HEADER : _HEADER + sizes[0]] = records.reshape(-1)
-    start = _HEADER + rows * 2 * len(stats.FIELDS)
-    payload[start : start + sizes[1]] = hists.reshape(-1)  # copied on the device
-    if world_size() == 1:
-        everyone = payload.cpu().unsqueeze(0)  # the step's one device-to-host transfer
+    device = records.device
+    bins = stats.LOG2_HI - stats.LOG2_LO
+    hists = torch.zeros(0, 2, bins, dtype=torch.float64, device=device) if histograms is None else histograms
+    given = (sums is not None, first is not None)
+    extra = [t if t is not None else torch.zeros(0, dtype=torch.float64, device=device) for t in (sums, first)]
+    index = {label: i for i, label in enumerate(labels)}
+    rep = [i for i, label in enumerate(labels) if label in replicated]
+    hist_rep = [(j, index[label]) for j, label in enumerate(histogram_labels) if label in replicated and label in index]
+    layout = f"{records.shape[0]}|{hists.shape[0]}|{spread}|{tuple(extra[0].shape)}|{tuple(extra[1].shape)}|{rep}"
+    print_ = fingerprint([*labels, "", *histogram_labels, "", layout])
+    world = world_size()
+    if world == 1:
+        if failed:
+            raise RankFailedError("statistics failed on rank(s) [0]")
+        return _one_rank(records, hists, spread, extra, given)
+    me = rank()
+    _check_header(_header(records.shape[0], hists.shape[0], print_, failed, me, world, device), world)
+
+    # stage 2 (SUM) and 3 (MAX)
+    add, ext = merge_parts(records)  # [n, 2, A], [n, 2, E]
+    mine = extra[1] if me == 0 else torch.zeros_like(extra[1])
+    total = torch.cat([add.reshape(-1), hists.reshape(-1), extra[0].reshape(-1), mine.reshape(-1)])
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    rep_index = stats.index_tensor(rep, device) if rep else None
+    top = torch.cat([ext.reshape(-1), _spread_part(records).reshape(-1) if spread else records.new_zeros(0), _replicated_part(records, rep_index).reshape(-1)])
+    _reduce(top, dist.ReduceOp.MAX, dst)
+    # stage 4: the second moments about the global mean
+    sizes = [add.numel(), hists.numel(), extra[0].numel(), extra[1].numel()]
+    add_sum, hist_sum, sums_sum, first_sum = torch.split(total, sizes)
+    add_sum = add_sum.view(add.shape)
+    dev = deviations(records, add_sum)
+    _reduce(dev, dist.ReduceOp.SUM, dst)
+    if dst is not None and me != dst:
+        return None
+
+    n = records.shape[0]
+    ext_top, spread_top, rep_top = torch.split(top, [ext.numel(), n * 2 * _SPREAD if spread else 0, len(rep) * _REP])
+    merged = merged_record(add_sum, ext_top.view(ext.shape), dev)
+    hist_sum = hist_sum.view(hists.shape)
+    if rep_index is not None:
+        same, value = _replicated_of(rep_top.view(len(rep), _REP))
+        fwd = merged[rep_index, FORWARD]
+        merged[rep_index, FORWARD] = torch.where(same.unsqueeze(-1), value, fwd)
+        if hist_rep:
+            rows = stats.index_tensor([j for j, _ in hist_rep], device)
+            agree = same[stats.index_tensor([rep.index(i) for _, i in hist_rep], device)]
+            counted = hist_sum[rows, FORWARD]
+            hist_sum[rows, FORWARD] = torch.where(agree.unsqueeze(-1), counted / world, counted)
+    parts = [merged, hist_sum, sums_sum, first_sum]
+    if spread:
+        parts.append(_spread_of(spread_top.view(n, 2, _SPREAD)))
+    host = torch.cat([p.reshape(-1) for p in parts]).cpu()  # the step's one device-to-host transfer
+    return _unpack(host, records.shape, hists.shape, extra, given, spread)
+
+
+_HEADER = 8  # n, -n, fingerprint, -fingerprint, h, -h, highest failing rank + 1, -lowest failing rank
+_SPREAD = 4  # per node and direction: std, -std, NaN std (0/1), -count
+_REP = 2 * len(stats.FIELDS) + 2  # per replicated row: forward record, its negation, NaN mask, its negation
+
+
+def _reduce(t: Tensor, op: "dist.ReduceOp", dst: Optional[int]) -> None:
+    if dst is None:
+        dist.all_reduce(t, op=op)
     else:
-        gathered = [torch.empty_like(payload) for _ in range(world_size())]
-        dist.all_gather(gathered, payload)
-        everyone = torch.stack(gathered).cpu()  # the step's one device-to-host transfer
-    _check_headers(everyone[:, :_HEADER])
-    world = everyone.shape[0]
-    per_rank = everyone[:, _HEADER : _HEADER + sizes[0]].reshape(world, n, 2, len(stats.FIELDS))
-    per_hist = everyone[:, start : start + sizes[1]].reshape(world, h, 2, bins)
-    if world_size() == 1:
-        return Pooled(per_rank[0], per_rank, per_hist[0])
-    pooled, per_rank = _replicated_from_rank0(stats.merge_rows(per_rank, dim=0), per_rank, labels, replicated)
-    return Pooled(pooled, per_rank, _pool_histograms(per_hist, histogram_labels, replicated))
+        dist.reduce(t, dst, op=op)
 
 
-_HEADER = 4  # node count, label fingerprint, failure flag, histogram count
+def _header(n: int, h: int, print_: float, failed: bool, me: int, world: int, device: torch.device) -> Tensor:
+    lowest = -float(me) if failed else -float(world)
+    return torch.tensor([n, -n, print_, -print_, h, -h, me + 1.0 if failed else 0.0, lowest], dtype=torch.float64).to(device)
 
 
-def _rows(name: str, rows: Optional[int], n: int, what: str) -> int:
-    if rows is None:
-        return n
-    if rows < n:
-        raise ValueError(f"`{name}` ({rows}) must be at least the number of {what} ({n})")
-    return rows
+def _check_header(header: Tensor, world: int) -> None:
+    """All-reduce the header (MAX) and raise what every rank raises alike."""
+    dist.all_reduce(header, op=dist.ReduceOp.MAX)
+    top = header.tolist()  # the only host read before the step's transfer: it decides whether to go on
+    if top[6] > 0:
+        lo, hi = int(-top[7]), int(top[6]) - 1
+        which = f"[{lo}]" if lo == hi else f"[{lo}, {hi}]" if hi == lo + 1 else f"[{lo}, ..., {hi}] (the lowest and highest)"
+        raise RankFailedError(f"statistics failed on rank(s) {which}")
+    differ = [f"{what} {int(-top[i + 1])} to {int(top[i])}" for i, what in ((0, "node counts"), (4, "value histogram rows")) if top[i] != -top[i + 1]]
+    if top[2] != -top[3]:
+        differ.append("the fingerprints of the labels differ")
+    if differ:
+        raise RankMismatchError(f"Ranks captured different graphs ({', '.join(differ)}); every rank must run the same model code on a tracked step")
 
 
-def _pool_histograms(per_rank: Tensor, labels: Sequence[str], replicated: Collection[str]) -> Tensor:
-    """Counts add over ranks; a replicated tensor's forward counts are rank 0's where
-    every rank's agree (one tensor, not ``world`` copies)."""
-    pooled = per_rank.sum(0)
-    rows = [i for i, label in enumerate(labels) if label in replicated]
-    if rows:
-        index = torch.tensor(rows)
-        fwd = per_rank[:, index, FORWARD]  # (world, k, bins)
-        same = (fwd == fwd[0]).all(-1).all(0)
-        pooled[index[same], FORWARD] = fwd[0, same]
-    return pooled
+def _spread_part(records: Tensor) -> Tensor:
+    """``[n, 2, _SPREAD]``: this rank's std (-inf where absent or NaN), its negation, a NaN
+    flag and minus the count (MAX gives minus the least count: present on every rank?)."""
+    count = records[..., 0]
+    std = stats.statistic(records, "std")
+    ok = (count > 0) & ~std.isnan()
+    low = torch.full_like(std, -math.inf)
+    return torch.stack([torch.where(ok, std, low), torch.where(ok, -std, low), ((count > 0) & std.isnan()).double(), -count], -1)
 
 
-def _check_headers(headers: Tensor) -> None:
-    failed = [r for r, flag in enumerate(headers[:, 2].tolist()) if flag]
-    if failed:
-        raise RankFailedError(f"statistics failed on rank(s) {failed}")
-    sizes = headers[:, [0, 1, 3]]
-    if not bool((sizes == sizes[0]).all()):
-        raise RankMismatchError(
-            "Ranks captured different graphs (node count, label fingerprint per rank: "
-            f"{sizes.tolist()}); every rank must run the same model code on a tracked step"
-        )
+def _spread_of(top: Tensor) -> Tensor:
+    """``[n, 2, 3]``: present (0/1), least std, largest std, from MAX of ``_spread_part``."""
+    nan = top[..., 2] > 0
+    present = top[..., 3] < 0
+    low = torch.where(nan, math.nan, -top[..., 1])
+    high = torch.where(nan, math.nan, top[..., 0])
+    return torch.stack([present.double(), low, high], -1)
 
 
-def _replicated_from_rank0(pooled: Tensor, per_rank: Tensor, labels: Sequence[str], replicated: Collection[str]) -> Tuple[Tensor, Tensor]:
-    rows = [i for i, label in enumerate(labels) if label in replicated]
-    if not rows:
-        return pooled, per_rank
-    index = torch.tensor(rows)
-    fwd = per_rank[:, index, FORWARD]  # (world, k, FIELDS)
-    first = fwd[0].expand_as(fwd)
-    same = ((fwd == first) | (fwd.isnan() & first.isnan())).all(-1).all(0)  # (k,)
-    pooled[index[same], FORWARD] = fwd[0, same]
-    return pooled, per_rank
+_BITS = 2.0 ** torch.arange(len(stats.FIELDS), dtype=torch.float64)
+
+
+def _replicated_part(records: Tensor, index: Optional[Tensor]) -> Tensor:
+    """``[r, _REP]``: the forward records of replicated rows without NaN, their negation,
+    and the NaN fields as a bit mask, with its negation."""
+    if index is None:
+        return records.new_zeros(0)
+    fwd = records[index, FORWARD]  # (r, F)
+    nan = fwd.isnan()
+    value = torch.where(nan, 0.0, fwd)
+    mask = (nan.double() * _BITS.to(fwd.device)).sum(-1, keepdim=True)  # exact below 2**53
+    return torch.cat([value, -value, mask, -mask], -1)
+
+
+def _replicated_of(top: Tensor) -> Tuple[Tensor, Tensor]:
+    """(every rank sent the same record ``[r]``, that record ``[r, F]``) from MAX of
+    ``_replicated_part``."""
+    f = len(stats.FIELDS)
+    value, neg, mask, neg_mask = top[:, :f], top[:, f : 2 * f], top[:, 2 * f], top[:, 2 * f + 1]
+    same = (value == -neg).all(-1) & (mask == -neg_mask)
+    bits = (mask.long().unsqueeze(-1) >> torch.arange(f, device=top.device)) & 1
+    return same, torch.where(bits.bool(), math.nan, value)
+
+
+def _one_rank(records: Tensor, hists: Tensor, spread: bool, extra: List[Tensor], given: Tuple[bool, bool]) -> Pooled:
+    parts = [records, hists, *extra]
+    host = torch.cat([p.reshape(-1) for p in parts]).cpu()  # the step's one device-to-host transfer
+    out = _unpack(host, records.shape, hists.shape, extra, given, False)
+    if not spread:
+        return out
+    std = stats.statistic(out.records, "std")
+    return out._replace(spread=RankSpread(out.records[..., 0] > 0, std, std))
+
+
+def _unpack(host: Tensor, shape: torch.Size, hist_shape: torch.Size, extra: List[Tensor], given: Tuple[bool, bool], spread: bool) -> Pooled:
+    n = shape[0]
+    sizes = [shape.numel(), hist_shape.numel(), extra[0].numel(), extra[1].numel(), n * 2 * 3 if spread else 0]
+    records, hists, sums, first, spread_t = torch.split(host, sizes)
+    rank_spread = None
+    if spread:
+        s = spread_t.view(n, 2, 3)
+        rank_spread = RankSpread(s[..., 0] > 0, s[..., 1], s[..., 2])
+    return Pooled(
+        records.view(shape), hists.view(hist_shape), rank_spread,
+        sums.view(extra[0].shape) if given[0] else None, first.view(extra[1].shape) if given[1] else None,
+    )  # fmt: skip
+
+
+def collective_bytes(records: int, histograms: int = 0, replicated: int = 0, spread: bool = False, sums: int = 0, first: int = 0) -> Dict[str, int]:
+    """Bytes each rank sends into each collective of ``pool_step`` (and receives back),
+    from the number of records, histogram rows and replicated rows: none depends on the
+    world size."""
+    add, ext = merge_widths()
+    bins = stats.LOG2_HI - stats.LOG2_LO
+    return {
+        "header (MAX)": 8 * _HEADER,
+        "sums (SUM)": 8 * (records * 2 * add + histograms * 2 * bins + sums + first),
+        "extremes (MAX)": 8 * (records * 2 * (ext + (_SPREAD if spread else 0)) + replicated * _REP),
+        "m2 (SUM)": 8 * records * 2,
+    }
+
+
+# ---- merging by reductions (moves to the statistics module) ---------------------------------
+
+_COUNT, _MEAN, _M2 = 0, 1, 2
+_ABSMAX, _MINNZ = stats.FIELDS.index("absmax"), stats.FIELDS.index("min_nonzero")
+#: Fields that add over tensors: every field but mean, m2 and the extremes.
+_ADDITIVE = [i for i in range(len(stats.FIELDS)) if i not in (_MEAN, _M2, _ABSMAX, _MINNZ)]
+
+
+def merge_widths() -> Tuple[int, int]:
+    """(additive, extreme) entries per record in ``merge_parts``."""
+    return len(_ADDITIVE) + 1, 4
+
+
+def merge_parts(records: Tensor) -> Tuple[Tensor, Tensor]:
+    """A record's parts that merge by a sum and by a max: ``(additive [..., A], extreme [..., 4])``.
+
+    Additive: the counts and sums of ``_ADDITIVE``, then count x mean. Extreme: absmax,
+    minus min_nonzero (both -inf where empty or NaN) and their NaN flags (0/1): no NaN
+    enters a max. An empty record (count 0) adds zeros, whatever it holds.
+    """
+    n = records[..., _COUNT]
+    has = n > 0
+    add = torch.cat([records[..., _ADDITIVE], (n * records[..., _MEAN]).unsqueeze(-1)], -1)
+    add = torch.where(has.unsqueeze(-1), add, 0.0)
+    top, least = records[..., _ABSMAX], records[..., _MINNZ]
+    none = torch.full_like(top, -math.inf)
+    ext = torch.stack([
+        torch.where(has & ~top.isnan(), top, none), torch.where(has & ~least.isnan(), -least, none),
+        (has & top.isnan()).double(), (has & least.isnan()).double(),
+    ], -1)  # fmt: skip
+    return add, ext
+
+
+def deviations(records: Tensor, add: Tensor) -> Tensor:
+    """``m2_i + n_i (mean_i - mean)^2`` of each record about the merged mean (from the
+    summed additive parts ``add``, broadcast against ``records``); 0 where empty. Their sum
+    is the merged m2."""
+    count, total = add[..., 0], add[..., -1]
+    mean = torch.where(count > 0, total / count.clamp(min=1), 0.0)
+    n = records[..., _COUNT]
+    d = records[..., _M2] + n * (records[..., _MEAN] - mean).square()
+    return torch.where(n > 0, d, 0.0)
+
+
+def merged_record(add: Tensor, ext: Tensor, m2: Tensor) -> Tensor:
+    """The merged records ``[..., FIELDS]`` from summed additive parts, maxed extreme parts
+    and summed deviations. A record that is empty everywhere is all zeros."""
+    count, total = add[..., 0], add[..., -1]
+    out = torch.zeros(*count.shape, len(stats.FIELDS), dtype=torch.float64, device=add.device)
+    out[..., _ADDITIVE] = add[..., :-1]
+    out[..., _MEAN] = torch.where(count > 0, total / count.clamp(min=1), 0.0)
+    out[..., _M2] = m2
+    out[..., _ABSMAX] = torch.where(ext[..., 2] > 0, math.nan, ext[..., 0])
+    out[..., _MINNZ] = torch.where(ext[..., 3] > 0, math.nan, -ext[..., 1])
+    return torch.where((count > 0).unsqueeze(-1), out, 0.0)
+
+
+def merge_stack(records: Tensor, dim: int = 0) -> Tensor:
+    """Merge records along ``dim`` as ``pool_step`` does over ranks (sums, maxes, then the
+    deviations about the merged mean), in one process."""
+    add, ext = merge_parts(records)
+    total = add.sum(dim)
+    return merged_record(total, ext.amax(dim), deviations(records, total.unsqueeze(dim)).sum(dim))
+
+
+# ---- update rows (``updates.row_of``): a whole parameter's row is rank 0's, a sharded one's adds up
+
+_WEIGHT, _GRAD = 0, 1
+
+
+def update_parts(rows: Tensor, sharded: Sequence[bool]) -> Tuple[Tensor, Tensor, Tensor]:
+    """Split update rows ``[k, 2, FIELDS]`` for ``pool_step``: (records of the sharded
+    parameters' gradient moments ``[s, 2, FIELDS]`` (weight direction empty), to pool as
+    records; their weight sums ``[s, 3]``, to add; the whole parameters' rows ``[w, 2, 3]``,
+    to take from rank 0)."""
+    split = [i for i, shard in enumerate(sharded) if shard]
+    whole = [i for i, shard in enumerate(sharded) if not shard]
+    s_index, w_index = stats.index_tensor(split, rows.device), stats.index_tensor(whole, rows.device)
+    grads = rows[s_index].clone()
+    grads[:, _WEIGHT] = 0.0
+    return grads, rows[s_index, _WEIGHT, :3], rows[w_index, :, :3]
+
+
+def pooled_updates(sharded: Sequence[bool], grads: Tensor, sums: Tensor, first: Tensor) -> Tensor:
+    """The pooled update rows ``[k, 2, FIELDS]`` (host) from ``update_parts``' pieces pooled."""
+    out = torch.zeros(len(sharded), 2, len(stats.FIELDS), dtype=torch.float64)
+    split = torch.tensor([i for i, shard in enumerate(sharded) if shard], dtype=torch.long)
+    whole = torch.tensor([i for i, shard in enumerate(sharded) if not shard], dtype=torch.long)
+    out[whole, :, :3] = first.view(-1, 2, 3)
+    out[split, _WEIGHT, :3] = sums.view(-1, 3)
+    out[split, _GRAD] = grads.view(-1, 2, len(stats.FIELDS))[:, _GRAD]
+    return out
+
+
+def merge_updates(per_rank: Tensor, sharded: Sequence[bool]) -> Tensor:
+    """``pool_step``'s pooling of update rows ``[world, k, 2, FIELDS]`` in one process:
+    rank 0's row for a whole parameter, sums and merged gradient moments for a sharded one."""
+    split = torch.tensor([i for i, shard in enumerate(sharded) if shard], dtype=torch.long)
+    whole = torch.tensor([i for i, shard in enumerate(sharded) if not shard], dtype=torch.long)
+    grads = per_rank[:, split].clone()  # (world, s, 2, FIELDS)
+    grads[:, :, _WEIGHT] = 0.0
+    return pooled_updates(sharded, merge_stack(grads), per_rank[:, split, _WEIGHT, :3].sum(0), per_rank[0, whole, :, :3])
