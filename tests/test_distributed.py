@@ -1,7 +1,7 @@
 """Several processes: DDP, ddp_spawn and FSDP2 (ModelParallelStrategy) on 2 and 4 CPU
 processes over gloo, fx and dynamo capture, against an independent float64 reference of
 every rank's tensors; the bytes each rank sends into the callback's collectives at 2, 4
-and 8 ranks; and ``distributed.pool_step`` itself in 2 and 16 gloo processes without
+and 8 ranks; and ``pool.pool_step`` itself in 2 and 16 gloo processes without
 Lightning (``dist_scripts/run_pool.py``): exact pooling of a 2,000-node record, replicated
 tensors, histograms, bytes per rank, label mismatches and failures raised on every rank
 without a hang."""
@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import Tensor
 
-from lightning_scale import distributed, stats
-from lightning_scale.recorder import BACKWARD, FORWARD
+from lightning_scale.report import pool
+from lightning_scale.record import stats
+from lightning_scale.record.recorder import BACKWARD, FORWARD
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "dist_scripts"
@@ -377,9 +378,9 @@ def test_pool_step_gives_every_rank_the_same_errors_and_the_result_only_to_its_d
     ranks = pools[world]
     for r, saved in enumerate(ranks):
         out = saved["outcomes"]
-        assert isinstance(out["failed"], distributed.RankFailedError) and str(out["failed"]) == f"statistics failed on rank(s) [{world - 1}]"
+        assert isinstance(out["failed"], pool.RankFailedError) and str(out["failed"]) == f"statistics failed on rank(s) [{world - 1}]"
         for case in ("names", "count"):
-            assert isinstance(out[case], distributed.RankMismatchError), (r, case)
+            assert isinstance(out[case], pool.RankMismatchError), (r, case)
             assert str(out[case]).startswith("Ranks captured different graphs ("), out[case]
         assert "node counts 1999 to 2000" in str(out["count"]) and "node counts" not in str(out["names"])
         assert out["after"] == "ok"  # dst=None: every rank gets the pool
@@ -396,7 +397,7 @@ def test_pool_step_bytes_per_rank_are_the_same_at_2_and_16_ranks(pools: Dict[int
         assert len(ranks[0]) == 4 and not any(name.startswith("all_gather") for name, _, _ in ranks[0])
     assert calls[2][0] == calls[16][0]
     script = _pool_script()
-    expected = distributed.collective_bytes(NODES, histograms=len(range(0, NODES, 200)), replicated=len([i for i in range(NODES) if script.is_parameter(i)]), spread=True, sums=6, first=6)
+    expected = pool.collective_bytes(NODES, histograms=len(range(0, NODES, 200)), replicated=len([i for i in range(NODES) if script.is_parameter(i)]), spread=True, sums=6, first=6)
     assert [size for _, _, size in calls[16][0]] == list(expected.values())
 
 
@@ -404,18 +405,18 @@ def test_pool_step_in_one_process() -> None:
     gen = torch.Generator().manual_seed(0)
     parts = [torch.randn(4, generator=gen), torch.randn(3, generator=gen)]
     records = stats.assemble([stats.record_of(t, ("moments", "range")) for t in parts for _ in (0, 1)]).view(2, 2, -1)
-    out = distributed.pool_step(records, ["a", "b"], replicated={"a"}, spread=True, sums=torch.ones(2, dtype=torch.float64), first=torch.zeros(1, dtype=torch.float64))
+    out = pool.pool_step(records, ["a", "b"], replicated={"a"}, spread=True, sums=torch.ones(2, dtype=torch.float64), first=torch.zeros(1, dtype=torch.float64))
     assert out is not None
     torch.testing.assert_close(out.records, records, rtol=0, atol=0, equal_nan=True)
     std = stats.statistic(records, "std")
     assert torch.equal(out.spread.low, std) and torch.equal(out.spread.high, std) and bool(out.spread.present.all())
     assert torch.equal(out.sums, torch.ones(2, dtype=torch.float64)) and torch.equal(out.first, torch.zeros(1, dtype=torch.float64))
-    with pytest.raises(distributed.RankFailedError, match=r"statistics failed on rank\(s\) \[0\]"):
-        distributed.pool(records, ["a", "b"], failed=True)
+    with pytest.raises(pool.RankFailedError, match=r"statistics failed on rank\(s\) \[0\]"):
+        pool.pool(records, ["a", "b"], failed=True)
 
 
 def test_merging_by_sums_and_maxes_equals_the_record_of_the_concatenation() -> None:
-    """``merge_stack`` (the pool's arithmetic in one process) against ``record_of`` of the
+    """``stats.merge_rows`` (the pool's arithmetic in one process) against ``record_of`` of the
     concatenation: empty parts, NaN, Inf, fields not computed."""
     gen = torch.Generator().manual_seed(3)
     groups = ("moments", "range", "formats")
@@ -425,14 +426,14 @@ def test_merging_by_sums_and_maxes_equals_the_record_of_the_concatenation() -> N
         [torch.tensor([1.0, math.inf]), torch.tensor([0.0, -2.0, 1e-30])],
     ]
     for parts in cases:
-        got = distributed.merge_stack(stats.assemble([stats.record_of(p, groups) for p in parts]))
+        got = stats.merge_rows(stats.assemble([stats.record_of(p, groups) for p in parts]))
         want = torch.tensor(stats.record_of(torch.cat(parts), groups), dtype=torch.float64)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15, equal_nan=True)
     only_moments = stats.assemble([stats.record_of(p) for p in cases[0]])  # absmax etc. not computed: NaN stays
-    got = distributed.merge_stack(only_moments)
+    got = stats.merge_rows(only_moments)
     assert got[stats.FIELDS.index("absmax")].isnan() and got[stats.FIELDS.index("min_nonzero")].isnan()
     empty = torch.zeros(3, len(stats.FIELDS), dtype=torch.float64)
-    assert torch.equal(distributed.merge_stack(empty), empty[0])
+    assert torch.equal(stats.merge_rows(empty), empty[0])
 
 
 def _free_ports(n: int) -> List[int]:

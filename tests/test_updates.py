@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_scale import stats, updates
-from lightning_scale.distributed import merge_updates
+from lightning_scale.record import stats, updates
+from lightning_scale.report.pool import merge_updates
 
 REL = 1e-12
 

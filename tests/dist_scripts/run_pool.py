@@ -69,14 +69,14 @@ def tensors(i: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def records(nodes: int, rank: int) -> torch.Tensor:
-    from lightning_scale import stats
+    from lightning_scale.record import stats
 
     rows = [stats.record_of(t, GROUPS) for i in range(nodes) for t in tensors(i, rank)]
     return stats.assemble(rows).view(nodes, 2, len(stats.FIELDS))
 
 
 def histograms(nodes: int, rank: int) -> Tuple[List[str], torch.Tensor]:
-    from lightning_scale import stats
+    from lightning_scale.record import stats
 
     rows = list(range(0, nodes, 200))
     hists = [torch.stack([stats.log2_histogram(t) for t in tensors(i, rank)]) for i in rows]
@@ -114,18 +114,18 @@ def _reset_peak() -> int:
 
 
 def _outcome(fn: Callable[[], Any]) -> Any:
-    from lightning_scale import distributed
+    from lightning_scale.report import pool
 
     try:
         out = fn()
         return "ok" if out is not None else "none"
-    except (distributed.RankMismatchError, distributed.RankFailedError) as err:
+    except (pool.RankMismatchError, pool.RankFailedError) as err:
         return err
 
 
 def main(out: Path, rank: int, world: int, nodes: int) -> None:
     _package()
-    from lightning_scale import distributed
+    from lightning_scale.report import pool
 
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     recs = records(nodes, rank)
@@ -136,7 +136,7 @@ def main(out: Path, rank: int, world: int, nodes: int) -> None:
     first = torch.full((2, 3), float(rank + 1), dtype=torch.float64)
 
     def big() -> Any:
-        return distributed.pool_step(recs, labels, replicated=replicated, histograms=hists, histogram_labels=hist_labels, spread=True, sums=sums, first=first, dst=0)
+        return pool.pool_step(recs, labels, replicated=replicated, histograms=hists, histogram_labels=hist_labels, spread=True, sums=sums, first=first, dst=0)
 
     big()  # warm-up: the first collective sets gloo up
     dist.barrier()
@@ -147,12 +147,12 @@ def main(out: Path, rank: int, world: int, nodes: int) -> None:
     seconds = time.perf_counter() - start
     added = _peak_rss() - before
     calls = list(counter.calls)
-    small = distributed.pool_step(recs[:20], labels[:20], replicated=replicated, spread=True)
+    small = pool.pool_step(recs[:20], labels[:20], replicated=replicated, spread=True)
     outcomes = {
-        "failed": _outcome(lambda: distributed.pool_step(recs, labels, failed=rank == world - 1)),
-        "names": _outcome(lambda: distributed.pool_step(recs, [*labels[:-1], f"other{rank == 1}"])),
-        "count": _outcome(lambda: distributed.pool_step(recs[: nodes - (rank == 1)], labels[: nodes - (rank == 1)])),
-        "after": _outcome(lambda: distributed.pool_step(recs, labels)),
+        "failed": _outcome(lambda: pool.pool_step(recs, labels, failed=rank == world - 1)),
+        "names": _outcome(lambda: pool.pool_step(recs, [*labels[:-1], f"other{rank == 1}"])),
+        "count": _outcome(lambda: pool.pool_step(recs[: nodes - (rank == 1)], labels[: nodes - (rank == 1)])),
+        "after": _outcome(lambda: pool.pool_step(recs, labels)),
     }
     saved: Dict[str, Any] = {"records": recs, "calls": calls, "seconds": seconds, "peak_rss_added": added, "small": small, "outcomes": outcomes}
     if rank == 0:

@@ -10,7 +10,7 @@ per node whatever the world size:
    when ``MAX(x) == -MAX(-x)``. A mismatch or a failure raises the same error on every
    rank, before any collective whose size depends on the node count: ranks that captured
    different graphs are refused, not left waiting, without padding.
-2. **Sums**, ``all_reduce(SUM)``: each record's additive fields (``stats`` merge parts:
+2. **Sums**, ``all_reduce(SUM)``: each record's additive fields (``stats.merge_parts``:
    count, count x mean, NaN/Inf/zero and format counts, FP8 sums), the value histograms,
    the caller's plain sums (sharded update sums) and rank 0's own values (each other
    rank adds zeros: exact).
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_scale import stats
+from lightning_scale.record import stats
 
 FORWARD = 0  # a record tensor's row [i, 0] is the forward record (``recorder.FORWARD``; not imported: it imports dynamo)
 
@@ -166,7 +166,7 @@ def pool_step(
     _check_header(_header(records.shape[0], hists.shape[0], print_, failed, me, world, device), world)
 
     # stage 2 (SUM) and 3 (MAX)
-    add, ext = merge_parts(records)  # [n, 2, A], [n, 2, E]
+    add, ext = stats.merge_parts(records)  # [n, 2, A], [n, 2, E]
     mine = extra[1] if me == 0 else torch.zeros_like(extra[1])
     total = torch.cat([add.reshape(-1), hists.reshape(-1), extra[0].reshape(-1), mine.reshape(-1)])
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
@@ -177,14 +177,14 @@ def pool_step(
     sizes = [add.numel(), hists.numel(), extra[0].numel(), extra[1].numel()]
     add_sum, hist_sum, sums_sum, first_sum = torch.split(total, sizes)
     add_sum = add_sum.view(add.shape)
-    dev = deviations(records, add_sum)
+    dev = stats.deviations(records, add_sum)
     _reduce(dev, dist.ReduceOp.SUM, dst)
     if dst is not None and me != dst:
         return None
 
     n = records.shape[0]
     ext_top, spread_top, rep_top = torch.split(top, [ext.numel(), n * 2 * _SPREAD if spread else 0, len(rep) * _REP])
-    merged = merged_record(add_sum, ext_top.view(ext.shape), dev)
+    merged = stats.merged_record(add_sum, ext_top.view(ext.shape), dev)
     hist_sum = hist_sum.view(hists.shape)
     if rep_index is not None:
         same, value = _replicated_of(rep_top.view(len(rep), _REP))
@@ -306,7 +306,7 @@ def collective_bytes(records: int, histograms: int = 0, replicated: int = 0, spr
     """Bytes each rank sends into each collective of ``pool_step`` (and receives back),
     from the number of records, histogram rows and replicated rows: none depends on the
     world size."""
-    add, ext = merge_widths()
+    add, ext = stats.merge_widths()
     bins = stats.LOG2_HI - stats.LOG2_LO
     return {
         "header (MAX)": 8 * _HEADER,
@@ -314,71 +314,6 @@ def collective_bytes(records: int, histograms: int = 0, replicated: int = 0, spr
         "extremes (MAX)": 8 * (records * 2 * (ext + (_SPREAD if spread else 0)) + replicated * _REP),
         "m2 (SUM)": 8 * records * 2,
     }
-
-
-# ---- merging by reductions (moves to the statistics module) ---------------------------------
-
-_COUNT, _MEAN, _M2 = 0, 1, 2
-_ABSMAX, _MINNZ = stats.FIELDS.index("absmax"), stats.FIELDS.index("min_nonzero")
-#: Fields that add over tensors: every field but mean, m2 and the extremes.
-_ADDITIVE = [i for i in range(len(stats.FIELDS)) if i not in (_MEAN, _M2, _ABSMAX, _MINNZ)]
-
-
-def merge_widths() -> Tuple[int, int]:
-    """(additive, extreme) entries per record in ``merge_parts``."""
-    return len(_ADDITIVE) + 1, 4
-
-
-def merge_parts(records: Tensor) -> Tuple[Tensor, Tensor]:
-    """A record's parts that merge by a sum and by a max: ``(additive [..., A], extreme [..., 4])``.
-
-    Additive: the counts and sums of ``_ADDITIVE``, then count x mean. Extreme: absmax,
-    minus min_nonzero (both -inf where empty or NaN) and their NaN flags (0/1): no NaN
-    enters a max. An empty record (count 0) adds zeros, whatever it holds.
-    """
-    n = records[..., _COUNT]
-    has = n > 0
-    add = torch.cat([records[..., _ADDITIVE], (n * records[..., _MEAN]).unsqueeze(-1)], -1)
-    add = torch.where(has.unsqueeze(-1), add, 0.0)
-    top, least = records[..., _ABSMAX], records[..., _MINNZ]
-    none = torch.full_like(top, -math.inf)
-    ext = torch.stack([
-        torch.where(has & ~top.isnan(), top, none), torch.where(has & ~least.isnan(), -least, none),
-        (has & top.isnan()).double(), (has & least.isnan()).double(),
-    ], -1)  # fmt: skip
-    return add, ext
-
-
-def deviations(records: Tensor, add: Tensor) -> Tensor:
-    """``m2_i + n_i (mean_i - mean)^2`` of each record about the merged mean (from the
-    summed additive parts ``add``, broadcast against ``records``); 0 where empty. Their sum
-    is the merged m2."""
-    count, total = add[..., 0], add[..., -1]
-    mean = torch.where(count > 0, total / count.clamp(min=1), 0.0)
-    n = records[..., _COUNT]
-    d = records[..., _M2] + n * (records[..., _MEAN] - mean).square()
-    return torch.where(n > 0, d, 0.0)
-
-
-def merged_record(add: Tensor, ext: Tensor, m2: Tensor) -> Tensor:
-    """The merged records ``[..., FIELDS]`` from summed additive parts, maxed extreme parts
-    and summed deviations. A record that is empty everywhere is all zeros."""
-    count, total = add[..., 0], add[..., -1]
-    out = torch.zeros(*count.shape, len(stats.FIELDS), dtype=torch.float64, device=add.device)
-    out[..., _ADDITIVE] = add[..., :-1]
-    out[..., _MEAN] = torch.where(count > 0, total / count.clamp(min=1), 0.0)
-    out[..., _M2] = m2
-    out[..., _ABSMAX] = torch.where(ext[..., 2] > 0, math.nan, ext[..., 0])
-    out[..., _MINNZ] = torch.where(ext[..., 3] > 0, math.nan, -ext[..., 1])
-    return torch.where((count > 0).unsqueeze(-1), out, 0.0)
-
-
-def merge_stack(records: Tensor, dim: int = 0) -> Tensor:
-    """Merge records along ``dim`` as ``pool_step`` does over ranks (sums, maxes, then the
-    deviations about the merged mean), in one process."""
-    add, ext = merge_parts(records)
-    total = add.sum(dim)
-    return merged_record(total, ext.amax(dim), deviations(records, total.unsqueeze(dim)).sum(dim))
 
 
 # ---- update rows (``updates.row_of``): a whole parameter's row is rank 0's, a sharded one's adds up
@@ -417,4 +352,4 @@ def merge_updates(per_rank: Tensor, sharded: Sequence[bool]) -> Tensor:
     whole = torch.tensor([i for i, shard in enumerate(sharded) if not shard], dtype=torch.long)
     grads = per_rank[:, split].clone()  # (world, s, 2, FIELDS)
     grads[:, :, _WEIGHT] = 0.0
-    return pooled_updates(sharded, merge_stack(grads), per_rank[:, split, _WEIGHT, :3].sum(0), per_rank[0, whole, :, :3])
+    return pooled_updates(sharded, stats.merge_rows(grads), per_rank[:, split, _WEIGHT, :3].sum(0), per_rank[0, whole, :, :3])

@@ -1,8 +1,8 @@
 """Reporting a tracked step: pool it, check it, write it off the training thread.
 
 ``Reporter.pool`` pools a step's records, value histograms, failure flag, loss scale and
-update rows (``lightning_scale.updates``) over ranks with reductions
-(``distributed.pool_step``: bytes per rank independent of the world size), and brings the
+update rows (``lightning_scale.record.updates``) over ranks with reductions
+(``pool.pool_step``: bytes per rank independent of the world size), and brings the
 result to the writing rank in one device-to-host transfer. ``Reporter.report`` then decides, on the training thread, what little must be
 decided there (anomaly warnings, which nodes to write, the ``max_tags`` cap; all on the
 pooled host copy) and hands the rest (unscaling, annotated code, scalars, histograms,
@@ -22,15 +22,15 @@ from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, 
 import torch
 from torch import Tensor, fx
 
-from lightning_scale import distributed, stats, updates
-from lightning_scale.anomalies import AnomalyWatch
-from lightning_scale.anomaly import Anomaly
 from lightning_scale.capture import Capture
-from lightning_scale.interpreter import ScalePair
-from lightning_scale.recorder import BACKWARD, FORWARD, Recorder
-from lightning_scale.report import annotate_code
-from lightning_scale.tensorboard import ScaleWriter, is_tensorboard
-from lightning_scale.worker import Worker
+from lightning_scale.capture.interpreter import ScalePair
+from lightning_scale.record import stats, updates
+from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder
+from lightning_scale.report import pool
+from lightning_scale.report.anomalies import AnomalyWatch
+from lightning_scale.report.code import annotate_code
+from lightning_scale.report.tensorboard import ScaleWriter, is_tensorboard
+from lightning_scale.report.worker import Worker
 
 __all__ = ["PooledStep", "Reporter", "StepData", "UpdateRows", "scale_backward"]
 
@@ -64,7 +64,7 @@ class StepData:
 class PooledStep:
     """One tracked step pooled over all ranks, on the host."""
 
-    pooled: distributed.Pooled  # the node records, histograms, rank spread
+    pooled: pool.Pooled  # the node records, histograms, rank spread
     loss_scale: Optional[float]
     updates: Optional[Tensor]  # [k, 2, FIELDS] update rows pooled by ``updates.pool``
 
@@ -77,7 +77,7 @@ class _Written:
     prefix: str
     labels: List[str]
     records: Tensor
-    spread: Optional[distributed.RankSpread]
+    spread: Optional[pool.RankSpread]
     histograms: Dict[str, Tensor]
     loss_scale: Optional[float]
     updates: Optional[Tuple[List[str], Tensor]]  # parameter names, their pooled update rows
@@ -135,11 +135,11 @@ class Reporter:
 
     def pool(self, data: StepData, device: torch.device, replicated: Collection[str]) -> Optional[PooledStep]:
         """Every rank pools its records, update rows, loss scale, histograms and a failure
-        flag (``distributed.pool_step``), also when its statistics failed, so no rank is
+        flag (``pool.pool_step``), also when its statistics failed, so no rank is
         left waiting. Global rank zero gets the result; other ranks get None.
 
         Raises:
-            distributed.RankFailedError: a rank's statistics failed (on every rank alike).
+            pool.RankFailedError: a rank's statistics failed (on every rank alike).
         """
         rec, cap, labels = data.recorder, data.capture, data.labels
         rec.flush()  # (the short tensors' statistics: a failure there is a failure too)
@@ -153,14 +153,14 @@ class Reporter:
         split = [n for n, shard in zip(names, sharded) if shard]
         if names:
             assert rows is not None
-            grads, sums, whole = distributed.update_parts(_on(rows.rows, device), sharded)
+            grads, sums, whole = pool.update_parts(_on(rows.rows, device), sharded)
             records = torch.cat([records, grads])  # sharded gradients' moments merge as records
             first.append(whole.reshape(-1))
         if data.loss_scale is not None:  # rank 0's, last
             first.append(_on(data.loss_scale, device).reshape(1).to(torch.float64))
         hist_labels = self.histogram_labels(data)
         hists = rec.histogram_tensor(hist_labels) if hist_labels else None
-        out = distributed.pool_step(
+        out = pool.pool_step(
             records, [*labels, *(_UPDATE + n for n in split)], replicated=replicated, failed=failed, histograms=hists,
             histogram_labels=hist_labels, spread=self.rank_spread, sums=sums, first=torch.cat(first) if first else None, dst=0,
         )  # fmt: skip
@@ -171,9 +171,9 @@ class Reporter:
         pooled_updates = None
         if names:
             whole = out.first if data.loss_scale is None else out.first[:-1]  # type: ignore[index]
-            pooled_updates = distributed.pooled_updates(sharded, out.records[n:], out.sums, whole)  # type: ignore[arg-type]
-        spread = None if out.spread is None else distributed.RankSpread(*(t[:n] for t in out.spread))
-        return PooledStep(distributed.Pooled(out.records[:n], out.histograms, spread), scale, pooled_updates)
+            pooled_updates = pool.pooled_updates(sharded, out.records[n:], out.sums, whole)  # type: ignore[arg-type]
+        spread = None if out.spread is None else pool.RankSpread(*(t[:n] for t in out.spread))
+        return PooledStep(pool.Pooled(out.records[:n], out.histograms, spread), scale, pooled_updates)
 
     def histogram_labels(self, data: StepData) -> List[str]:
         """The selected labels whose value histograms are pooled."""
@@ -203,7 +203,7 @@ class Reporter:
         records, spread = _unscaled(pooled, self.unscale_gradients, accumulate / (loss_scale or 1.0))
         hist_labels = self.histogram_labels(data)
         job = _Written(
-            data.step, data.prefix, [labels[i] for i in keep], records[keep], None if spread is None else distributed.RankSpread(*(t[keep] for t in spread)),
+            data.step, data.prefix, [labels[i] for i in keep], records[keep], None if spread is None else pool.RankSpread(*(t[keep] for t in spread)),
             {f"{'fwd' if d == FORWARD else 'bwd'}/{l}": pooled.histograms[i, d] for i, l in enumerate(hist_labels) for d in (FORWARD, BACKWARD)},
             loss_scale, _updates(data, step), list(zip(data.capture.graphs, data.capture.labels)) if self.code else None,
         )  # fmt: skip
@@ -320,14 +320,14 @@ def _code(graphs: List[Tuple[fx.GraphModule, Dict[str, str]]], index: Dict[str, 
     return "\n\n".join(texts)
 
 
-def _unscaled(pooled: distributed.Pooled, unscale: bool, factor: float) -> Tuple[Tensor, Optional[distributed.RankSpread]]:
+def _unscaled(pooled: pool.Pooled, unscale: bool, factor: float) -> Tuple[Tensor, Optional[pool.RankSpread]]:
     spread = pooled.spread
     if not unscale:
         return pooled.records, spread
     if spread is not None:  # a std scales as the values, by |factor|
         scale = torch.ones(2, dtype=torch.float64)
         scale[BACKWARD] = abs(factor)
-        spread = distributed.RankSpread(spread.present, spread.low * scale, spread.high * scale)
+        spread = pool.RankSpread(spread.present, spread.low * scale, spread.high * scale)
     return scale_backward(pooled.records, factor), spread
 
 
