@@ -6,7 +6,7 @@ For one optimizer step and parameter ``w`` with gradient ``g`` (the one the opti
 * ``grad_std = std(g)`` (Bessel-corrected, as ``torch.std``)
 
 Each parameter becomes one float64 row ``[2, len(stats.FIELDS)]``, so it travels as an
-extra row of what the callback pools (``distributed.pool_step``), in the same collectives:
+extra row of what the callback pools (``report.pool.pool_step``), in the same collectives:
 
 * ``row[0, :3]`` = element count, sum of squared updates, sum of squared weights (before);
 * ``row[1, :3]`` = the gradient's element count, mean and sum of squared deviations (the
@@ -16,8 +16,8 @@ extra row of what the callback pools (``distributed.pool_step``), in the same co
 Computed in float64 on the device, on the rank's local elements: a plain parameter (whole
 on every rank under data parallelism, equal after the gradient all-reduce) is counted
 once, from rank 0's row; a sharded one (an FSDP2 ``DTensor`` with a ``Shard`` placement)
-adds: sums add, moments merge (``distributed.update_parts`` / ``pooled_updates``, with
-reductions; ``distributed.merge_updates`` in one process).
+adds: sums add, moments merge (``report.pool.update_parts`` / ``pooled_updates``, with
+reductions; ``report.pool.merge_updates`` in one process).
 
 Nothing here imports Lightning.
 """

@@ -10,19 +10,22 @@ per node whatever the world size:
    when ``MAX(x) == -MAX(-x)``. A mismatch or a failure raises the same error on every
    rank, before any collective whose size depends on the node count: ranks that captured
    different graphs are refused, not left waiting, without padding.
-2. **Sums**, ``all_reduce(SUM)``: each record's additive fields (``stats.merge_parts``:
-   count, count x mean, NaN/Inf/zero and format counts, FP8 sums), the value histograms,
-   the caller's plain sums (sharded update sums) and rank 0's own values (each other
-   rank adds zeros: exact).
-3. **Extremes**, ``all_reduce(MAX)`` (``reduce`` to the writing rank when only it needs
-   the result): absmax, minus the least nonzero value, NaN flags (a NaN is sent as a
-   count, never as a value: MAX's NaN handling depends on the backend), for
-   ``rank_spread`` each rank's std and its negation and minus its count, and for tensors
-   every rank holds whole (parameters, buffers) their forward record and its negation.
-   A replicated record is one tensor when every rank sent the same (``MAX == -MAX(-)``):
+2. **Extremes**, ``all_reduce(MAX)`` (``stats.merge_extremes``): absmax, minus the
+   least nonzero value, NaN flags (a NaN is sent as a count, never as a value: MAX's NaN
+   handling depends on the backend), the largest finite mean and minus the least; for
+   ``rank_spread`` each rank's std, its negation and minus its count; for tensors every
+   rank holds whole (parameters, buffers) their forward record and its negation. A
+   replicated record is one tensor when every rank sent the same (``MAX == -MAX(-)``):
    it is counted once, and so is its value histogram (the sum over ranks / world).
-4. **M2**, a second ``SUM``: ``m2_i + n_i (mean_i - mean)^2`` with the global mean from
-   stage 2 (``stats.deviations``); more accurate than pairwise merging.
+3. **Sums**, ``all_reduce(SUM)`` (``stats.merge_sums``): count, count x (mean - c) with
+   c the midpoint of the least and largest mean of stage 2 (rounding relative to the
+   means' spread, not their size), NaN/Inf/zero and format counts, FP8 sums; the value
+   histograms, the caller's plain sums (sharded update sums) and rank 0's own values
+   (each other rank adds zeros: exact).
+4. **M2**, a second ``SUM`` (``reduce`` to the writing rank when only it needs the
+   result): ``m2_i + n_i (mean_i - mean)^2`` with the merged mean of stage 3
+   (``stats.deviations``); more accurate than pairwise merging
+   (``benchmarks/pool_accuracy.py``).
 
 No Python loop runs over ranks and nothing world-sized is kept. Everything stays on the
 device; the pooled record, histograms and spread come to the host in one copy, on the
@@ -165,26 +168,26 @@ def pool_step(
     me = rank()
     _check_header(_header(records.shape[0], hists.shape[0], print_, failed, me, world, device), world)
 
-    # stage 2 (SUM) and 3 (MAX)
-    add, ext = stats.merge_parts(records)  # [n, 2, A], [n, 2, E]
+    # stage 2 (MAX), 3 (SUM), 4 (SUM)
+    ext = stats.merge_extremes(records)  # (n, 2, E)
+    rep_index = stats.index_tensor(rep, device) if rep else None
+    top = torch.cat([ext.reshape(-1), _spread_part(records).reshape(-1) if spread else records.new_zeros(0), _replicated_part(records, rep_index).reshape(-1)])
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    n = records.shape[0]
+    ext_top, spread_top, rep_top = torch.split(top, [ext.numel(), n * 2 * _SPREAD if spread else 0, len(rep) * _REP])
+    ext_top = ext_top.view(ext.shape)
+    add = stats.merge_sums(records, ext_top)  # (n, 2, A)
     mine = extra[1] if me == 0 else torch.zeros_like(extra[1])
     total = torch.cat([add.reshape(-1), hists.reshape(-1), extra[0].reshape(-1), mine.reshape(-1)])
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    rep_index = stats.index_tensor(rep, device) if rep else None
-    top = torch.cat([ext.reshape(-1), _spread_part(records).reshape(-1) if spread else records.new_zeros(0), _replicated_part(records, rep_index).reshape(-1)])
-    _reduce(top, dist.ReduceOp.MAX, dst)
-    # stage 4: the second moments about the global mean
-    sizes = [add.numel(), hists.numel(), extra[0].numel(), extra[1].numel()]
-    add_sum, hist_sum, sums_sum, first_sum = torch.split(total, sizes)
+    add_sum, hist_sum, sums_sum, first_sum = torch.split(total, [add.numel(), hists.numel(), extra[0].numel(), extra[1].numel()])
     add_sum = add_sum.view(add.shape)
-    dev = stats.deviations(records, add_sum)
+    dev = stats.deviations(records, ext_top, add_sum)
     _reduce(dev, dist.ReduceOp.SUM, dst)
     if dst is not None and me != dst:
         return None
 
-    n = records.shape[0]
-    ext_top, spread_top, rep_top = torch.split(top, [ext.numel(), n * 2 * _SPREAD if spread else 0, len(rep) * _REP])
-    merged = stats.merged_record(add_sum, ext_top.view(ext.shape), dev)
+    merged = stats.merged_record(add_sum, ext_top, dev)
     hist_sum = hist_sum.view(hists.shape)
     if rep_index is not None:
         same, value = _replicated_of(rep_top.view(len(rep), _REP))
@@ -310,8 +313,8 @@ def collective_bytes(records: int, histograms: int = 0, replicated: int = 0, spr
     bins = stats.LOG2_HI - stats.LOG2_LO
     return {
         "header (MAX)": 8 * _HEADER,
-        "sums (SUM)": 8 * (records * 2 * add + histograms * 2 * bins + sums + first),
         "extremes (MAX)": 8 * (records * 2 * (ext + (_SPREAD if spread else 0)) + replicated * _REP),
+        "sums (SUM)": 8 * (records * 2 * add + histograms * 2 * bins + sums + first),
         "m2 (SUM)": 8 * records * 2,
     }
 

@@ -215,14 +215,14 @@ class Reporter:
             writer = self._writer(others, data.prefix, data.parameters, "others")
             self.worker.run_now(f"step {data.step}", _write, writer, replace(job, code=None, histograms={}), others, {}, records)
 
-    def log_anomaly(self, loggers: Sequence[Any], found: Anomaly) -> None:
-        """Log the scalar ``anomaly/loss`` and the text ``anomaly/event`` at the anomalous step
-        (queued for TensorBoard, at once for other loggers)."""
+    def log_anomaly(self, loggers: Sequence[Any], step: int, loss: float, text: str) -> None:
+        """Log the scalar ``anomaly/loss`` and the text ``anomaly/event`` at the anomalous
+        ``step`` (queued for TensorBoard, at once for other loggers)."""
         boards, others = _split(loggers)
         if boards:
-            self.worker.submit(f"anomaly at step {found.step}", _write_anomaly, boards, found)
+            self.worker.submit(f"anomaly at step {step}", _write_anomaly, boards, step, loss, text)
         if others:
-            self.worker.run_now(f"anomaly at step {found.step}", _write_anomaly, others, found)
+            self.worker.run_now(f"anomaly at step {step}", _write_anomaly, others, step, loss, text)
 
     def _coverage(self, data: StepData, recorded: List[str]) -> None:
         """Once per run, after the first tracked training step (dynamo compiles lazily)."""
@@ -289,12 +289,12 @@ def _write(writer: ScaleWriter, job: _Written, loggers: List[Any], index: Dict[s
             logger.log_metrics(ratios, step=job.step)
 
 
-def _write_anomaly(loggers: List[Any], found: Anomaly) -> None:
+def _write_anomaly(loggers: List[Any], step: int, loss: float, text: str) -> None:
     for logger in loggers:
-        logger.log_metrics({"anomaly/loss": found.loss}, step=found.step)
+        logger.log_metrics({"anomaly/loss": loss}, step=step)
         add_text = getattr(logger.experiment, "add_text", None)  # TensorBoard's SummaryWriter
         if add_text is not None:
-            add_text("anomaly/event", found.describe(), found.step)
+            add_text("anomaly/event", text, step)
 
 
 def _updates(data: StepData, step: PooledStep) -> Optional[Tuple[List[str], Tensor]]:

@@ -301,7 +301,7 @@ class ScaleWriter:
         return is_tensorboard(logger)
 
     def _spread(self, labels: Sequence[str], spread: Any) -> Dict[str, float]:
-        """``scale_rank_min/...`` and ``scale_rank_max/...`` from a ``distributed.RankSpread``."""
+        """``scale_rank_min/...`` and ``scale_rank_max/...`` from a ``pool.RankSpread``."""
         present, lo, hi = spread.present.tolist(), spread.low.tolist(), spread.high.tolist()
         out: Dict[str, float] = {}
         for i, label in enumerate(labels):
