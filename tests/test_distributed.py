@@ -261,7 +261,7 @@ def test_bytes_per_rank_per_tracked_step_do_not_grow_with_the_world(trained: Cal
         assert all(r == ranks[0] for r in ranks), f"ranks differ at world {world}"
         steps = {c[3] for c in ranks[0]}
         assert len(steps) == 1, "collectives only on the tracked step"
-        assert [(name, op) for name, op, _, _ in ranks[0]] == [("all_reduce", "MAX"), ("all_reduce", "SUM"), ("reduce", "MAX"), ("reduce", "SUM")]
+        assert [(name, op) for name, op, _, _ in ranks[0]] == [("all_reduce", "MAX"), ("all_reduce", "MAX"), ("all_reduce", "SUM"), ("reduce", "SUM")]
     assert calls[2][0] == calls[4][0] == calls[8][0]
     assert calls[2][0][0][2] == 64  # the header
 
