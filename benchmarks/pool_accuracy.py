@@ -16,7 +16,6 @@ The figure is the worst ``|m2 - exact| / exact`` over 5 seeds.
 
 from __future__ import annotations
 
-import math
 from fractions import Fraction
 from typing import Callable, List, Tuple
 

@@ -155,9 +155,9 @@ def pool_step(
     hists = torch.zeros(0, 2, bins, dtype=torch.float64, device=device) if histograms is None else histograms
     given = (sums is not None, first is not None)
     extra = [t if t is not None else torch.zeros(0, dtype=torch.float64, device=device) for t in (sums, first)]
-    index = {label: i for i, label in enumerate(labels)}
     rep = [i for i, label in enumerate(labels) if label in replicated]
-    hist_rep = [(j, index[label]) for j, label in enumerate(histogram_labels) if label in replicated and label in index]
+    rep_of = {labels[i]: k for k, i in enumerate(rep)}  # label -> its row among the replicated
+    hist_rep = [(j, rep_of[label]) for j, label in enumerate(histogram_labels) if label in rep_of]  # (histogram row, replicated row)
     layout = f"{records.shape[0]}|{hists.shape[0]}|{spread}|{tuple(extra[0].shape)}|{tuple(extra[1].shape)}|{rep}"
     print_ = fingerprint([*labels, "", *histogram_labels, "", layout])
     world = world_size()
@@ -166,7 +166,7 @@ def pool_step(
             raise RankFailedError("statistics failed on rank(s) [0]")
         return _one_rank(records, hists, spread, extra, given)
     me = rank()
-    _check_header(_header(records.shape[0], hists.shape[0], print_, failed, me, world, device), world)
+    _check_header(_header(records.shape[0], hists.shape[0], print_, failed, me, world, device))
 
     # stage 2 (MAX), 3 (SUM), 4 (SUM)
     ext = stats.merge_extremes(records)  # (n, 2, E)
@@ -195,7 +195,7 @@ def pool_step(
         merged[rep_index, FORWARD] = torch.where(same.unsqueeze(-1), value, fwd)
         if hist_rep:
             rows = stats.index_tensor([j for j, _ in hist_rep], device)
-            agree = same[stats.index_tensor([rep.index(i) for _, i in hist_rep], device)]
+            agree = same[stats.index_tensor([k for _, k in hist_rep], device)]
             counted = hist_sum[rows, FORWARD]
             hist_sum[rows, FORWARD] = torch.where(agree.unsqueeze(-1), counted / world, counted)
     parts = [merged, hist_sum, sums_sum, first_sum]
@@ -222,7 +222,7 @@ def _header(n: int, h: int, print_: float, failed: bool, me: int, world: int, de
     return torch.tensor([n, -n, print_, -print_, h, -h, me + 1.0 if failed else 0.0, lowest], dtype=torch.float64).to(device)
 
 
-def _check_header(header: Tensor, world: int) -> None:
+def _check_header(header: Tensor) -> None:
     """All-reduce the header (MAX) and raise what every rank raises alike."""
     dist.all_reduce(header, op=dist.ReduceOp.MAX)
     top = header.tolist()  # the only host read before the step's transfer: it decides whether to go on
