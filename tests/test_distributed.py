@@ -363,6 +363,22 @@ def test_pool_step_is_the_record_of_every_ranks_tensors_together(world: int, poo
     assert torch.equal(got.first, torch.ones(2, 3, dtype=torch.float64))  # rank 0's
 
 
+def test_pool_step_sends_only_the_fields_of_the_groups_computed(pools: Dict[int, List[Dict[str, Any]]]) -> None:
+    full, partial = pools[16][0]["result"].records, pools[16][0]["partial"].records
+    sent = [i for i, f in enumerate(stats.FIELDS) if f in stats.GROUPS["moments"] + stats.GROUPS["range"]]
+    seen = full[..., 0] > 0
+    mean = sent.index(stats.FIELDS.index("mean"))  # (sums of other sizes: the reduction may add in another order)
+    rest = [i for k, i in enumerate(sent) if k != mean]
+    torch.testing.assert_close(partial[..., rest], full[..., rest], rtol=1e-12, atol=0, equal_nan=True)
+    finite = full[..., 1].isfinite()
+    rms = stats.statistic(full[finite], "rms")
+    assert bool(((partial[..., 1][finite] - full[..., 1][finite]).abs() <= 1e-13 * rms).all())
+    others = [i for i in range(len(stats.FIELDS)) if i not in sent]
+    assert bool(partial[seen][:, others].isnan().all())  # not computed: NaN, as record_of leaves them
+    moments_only = sum(pool.collective_bytes(NODES, replicated=200, groups=("moments",)).values())
+    assert moments_only < sum(pool.collective_bytes(NODES, replicated=200).values()) / 4
+
+
 def test_pool_step_counts_a_replicated_tensor_once(pools: Dict[int, List[Dict[str, Any]]]) -> None:
     script = _pool_script()
     got = pools[16][0]["result"]

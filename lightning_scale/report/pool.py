@@ -122,6 +122,7 @@ def pool_step(
     sums: Optional[Tensor] = None,
     first: Optional[Tensor] = None,
     dst: Optional[int] = None,
+    groups: Optional[Collection[str]] = None,
 ) -> Optional[Pooled]:
     """Pool ``records`` ``[n, 2, FIELDS]`` and value ``histograms`` over all ranks, in at
     most four collectives and one device-to-host transfer (see the module docstring).
@@ -141,6 +142,9 @@ def pool_step(
         sums: float64 numbers to add over ranks (any shape, the same on every rank).
         first: float64 numbers to take from rank 0 (any shape, the same on every rank).
         dst: the rank that gets the result; None: every rank.
+        groups: the ``stats.GROUPS`` the records were computed with (the same on every
+            rank): only their fields travel, the others come back NaN (not computed).
+            None: every field.
 
     Returns:
         A ``Pooled`` on the host (the step's one device-to-host transfer), or None on a
@@ -158,7 +162,8 @@ def pool_step(
     rep = [i for i, label in enumerate(labels) if label in replicated]
     rep_of = {labels[i]: k for k, i in enumerate(rep)}  # label -> its row among the replicated
     hist_rep = [(j, rep_of[label]) for j, label in enumerate(histogram_labels) if label in rep_of]  # (histogram row, replicated row)
-    layout = f"{records.shape[0]}|{hists.shape[0]}|{spread}|{tuple(extra[0].shape)}|{tuple(extra[1].shape)}|{rep}"
+    cols = _Columns.of(groups)
+    layout = f"{records.shape[0]}|{hists.shape[0]}|{spread}|{tuple(extra[0].shape)}|{tuple(extra[1].shape)}|{rep}|{cols.fields}"
     print_ = fingerprint([*labels, "", *histogram_labels, "", layout])
     world = world_size()
     if world == 1:
@@ -169,19 +174,20 @@ def pool_step(
     _check_header(_header(records.shape[0], hists.shape[0], print_, failed, me, world, device))
 
     # stage 2 (MAX), 3 (SUM), 4 (SUM)
-    ext = stats.merge_extremes(records)  # (n, 2, E)
-    rep_index = stats.index_tensor(rep, device) if rep else None
-    top = torch.cat([ext.reshape(-1), _spread_part(records).reshape(-1) if spread else records.new_zeros(0), _replicated_part(records, rep_index).reshape(-1)])
-    dist.all_reduce(top, op=dist.ReduceOp.MAX)
     n = records.shape[0]
-    ext_top, spread_top, rep_top = torch.split(top, [ext.numel(), n * 2 * _SPREAD if spread else 0, len(rep) * _REP])
-    ext_top = ext_top.view(ext.shape)
-    add = stats.merge_sums(records, ext_top)  # (n, 2, A)
+    ext = stats.merge_extremes(records)[..., cols.extremes]  # (n, 2, E) of the computed fields
+    rep_index = stats.index_tensor(rep, device) if rep else None
+    rep_part = _replicated_part(records[..., cols.fields], rep_index)
+    top = torch.cat([ext.reshape(-1), _spread_part(records).reshape(-1) if spread else records.new_zeros(0), rep_part.reshape(-1)])
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    ext_top, spread_top, rep_top = torch.split(top, [ext.numel(), n * 2 * _SPREAD if spread else 0, rep_part.numel()])
+    ext_top = cols.extremes_of(ext_top.view(ext.shape))
+    add = stats.merge_sums(records, ext_top)[..., cols.sums]  # (n, 2, A) of the computed fields
     mine = extra[1] if me == 0 else torch.zeros_like(extra[1])
     total = torch.cat([add.reshape(-1), hists.reshape(-1), extra[0].reshape(-1), mine.reshape(-1)])
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     add_sum, hist_sum, sums_sum, first_sum = torch.split(total, [add.numel(), hists.numel(), extra[0].numel(), extra[1].numel()])
-    add_sum = add_sum.view(add.shape)
+    add_sum = cols.sums_of(add_sum.view(add.shape))
     dev = stats.deviations(records, ext_top, add_sum)
     _reduce(dev, dist.ReduceOp.SUM, dst)
     if dst is not None and me != dst:
@@ -190,7 +196,8 @@ def pool_step(
     merged = stats.merged_record(add_sum, ext_top, dev)
     hist_sum = hist_sum.view(hists.shape)
     if rep_index is not None:
-        same, value = _replicated_of(rep_top.view(len(rep), _REP))
+        same, value = _replicated_of(rep_top.view(len(rep), -1))
+        value = torch.full((len(rep), len(stats.FIELDS)), math.nan, dtype=torch.float64, device=device).index_copy_(1, cols.field_index(device), value)
         fwd = merged[rep_index, FORWARD]
         merged[rep_index, FORWARD] = torch.where(same.unsqueeze(-1), value, fwd)
         if hist_rep:
@@ -207,7 +214,40 @@ def pool_step(
 
 _HEADER = 8  # n, -n, fingerprint, -fingerprint, h, -h, highest failing rank + 1, -lowest failing rank
 _SPREAD = 4  # per node and direction: std, -std, NaN std (0/1), -count
-_REP = 2 * len(stats.FIELDS) + 2  # per replicated row: forward record, its negation, NaN mask, its negation
+
+
+class _Columns(NamedTuple):
+    """Which columns of a record (``fields``), of ``stats.merge_extremes`` (``extremes``)
+    and of ``stats.merge_sums`` (``sums``) a step's groups compute: only those travel."""
+
+    fields: Tuple[int, ...]
+    extremes: Tuple[int, ...]
+    sums: Tuple[int, ...]
+
+    @staticmethod
+    def of(groups: Optional[Collection[str]]) -> "_Columns":
+        names = set(stats.FIELDS) if groups is None else {f for g in {"moments", *groups} for f in stats.GROUPS[g]}
+        fields = tuple(i for i, f in enumerate(stats.FIELDS) if f in names)
+        extremes = (*((0, 2) if "absmax" in names else ()), *((1, 3) if "min_nonzero" in names else ()), 4, 5)
+        additive = stats.merge_widths()[0]
+        sums = tuple(k for k, f in enumerate(stats.additive_fields()) if stats.FIELDS[f] in names) + (additive - 1,)
+        return _Columns(fields, tuple(sorted(extremes)), sums)
+
+    def extremes_of(self, sent: Tensor) -> Tensor:
+        """All six extreme columns from those sent: a field not computed is NaN (flag 1)."""
+        full = torch.full((*sent.shape[:-1], stats.merge_widths()[1]), -math.inf, dtype=sent.dtype, device=sent.device)
+        full[..., 2:4] = 1.0
+        full[..., list(self.extremes)] = sent
+        return full
+
+    def sums_of(self, sent: Tensor) -> Tensor:
+        """All additive columns from those sent: a field not computed is NaN."""
+        full = torch.full((*sent.shape[:-1], stats.merge_widths()[0]), math.nan, dtype=sent.dtype, device=sent.device)
+        full[..., list(self.sums)] = sent
+        return full
+
+    def field_index(self, device: torch.device) -> Tensor:
+        return torch.tensor(self.fields, dtype=torch.long, device=device)
 
 
 def _reduce(t: Tensor, op: "dist.ReduceOp", dst: Optional[int]) -> None:
@@ -256,25 +296,23 @@ def _spread_of(top: Tensor) -> Tensor:
     return torch.stack([present.double(), low, high], -1)
 
 
-_BITS = 2.0 ** torch.arange(len(stats.FIELDS), dtype=torch.float64)
-
-
 def _replicated_part(records: Tensor, index: Optional[Tensor]) -> Tensor:
-    """``[r, _REP]``: the forward records of replicated rows without NaN, their negation,
-    and the NaN fields as a bit mask, with its negation."""
+    """``[r, 2 F + 2]``: the forward records (``F`` fields) of replicated rows without NaN,
+    their negation, and the NaN fields as a bit mask, with its negation."""
     if index is None:
         return records.new_zeros(0)
     fwd = records[index, FORWARD]  # (r, F)
     nan = fwd.isnan()
     value = torch.where(nan, 0.0, fwd)
-    mask = (nan.double() * _BITS.to(fwd.device)).sum(-1, keepdim=True)  # exact below 2**53
+    bits = 2.0 ** torch.arange(fwd.shape[-1], dtype=torch.float64, device=fwd.device)
+    mask = (nan.double() * bits).sum(-1, keepdim=True)  # exact: F < 53
     return torch.cat([value, -value, mask, -mask], -1)
 
 
 def _replicated_of(top: Tensor) -> Tuple[Tensor, Tensor]:
     """(every rank sent the same record ``[r]``, that record ``[r, F]``) from MAX of
     ``_replicated_part``."""
-    f = len(stats.FIELDS)
+    f = (top.shape[-1] - 2) // 2
     value, neg, mask, neg_mask = top[:, :f], top[:, f : 2 * f], top[:, 2 * f], top[:, 2 * f + 1]
     same = (value == -neg).all(-1) & (mask == -neg_mask)
     bits = (mask.long().unsqueeze(-1) >> torch.arange(f, device=top.device)) & 1
@@ -305,16 +343,18 @@ def _unpack(host: Tensor, shape: torch.Size, hist_shape: torch.Size, extra: List
     )  # fmt: skip
 
 
-def collective_bytes(records: int, histograms: int = 0, replicated: int = 0, spread: bool = False, sums: int = 0, first: int = 0) -> Dict[str, int]:
+def collective_bytes(
+    records: int, histograms: int = 0, replicated: int = 0, spread: bool = False, sums: int = 0, first: int = 0, groups: Optional[Collection[str]] = None
+) -> Dict[str, int]:
     """Bytes each rank sends into each collective of ``pool_step`` (and receives back),
     from the number of records, histogram rows and replicated rows: none depends on the
     world size."""
-    add, ext = stats.merge_widths()
+    cols = _Columns.of(groups)
     bins = stats.LOG2_HI - stats.LOG2_LO
     return {
         "header (MAX)": 8 * _HEADER,
-        "extremes (MAX)": 8 * (records * 2 * (ext + (_SPREAD if spread else 0)) + replicated * _REP),
-        "sums (SUM)": 8 * (records * 2 * add + histograms * 2 * bins + sums + first),
+        "extremes (MAX)": 8 * (records * 2 * (len(cols.extremes) + (_SPREAD if spread else 0)) + replicated * (2 * len(cols.fields) + 2)),
+        "sums (SUM)": 8 * (records * 2 * len(cols.sums) + histograms * 2 * bins + sums + first),
         "m2 (SUM)": 8 * records * 2,
     }
 
@@ -344,7 +384,7 @@ def pooled_updates(sharded: Sequence[bool], grads: Tensor, sums: Tensor, first: 
     whole = torch.tensor([i for i, shard in enumerate(sharded) if not shard], dtype=torch.long)
     out[whole, :, :3] = first.view(-1, 2, 3)
     out[split, _WEIGHT, :3] = sums.view(-1, 3)
-    out[split, _GRAD] = grads.view(-1, 2, len(stats.FIELDS))[:, _GRAD]
+    out[split, _GRAD, :3] = grads.view(-1, 2, len(stats.FIELDS))[:, _GRAD, :3]
     return out
 
 

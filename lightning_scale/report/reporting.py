@@ -162,7 +162,7 @@ class Reporter:
         hists = rec.histogram_tensor(hist_labels) if hist_labels else None
         out = pool.pool_step(
             records, [*labels, *(_UPDATE + n for n in split)], replicated=replicated, failed=failed, histograms=hists,
-            histogram_labels=hist_labels, spread=self.rank_spread, sums=sums, first=torch.cat(first) if first else None, dst=0,
+            histogram_labels=hist_labels, spread=self.rank_spread, sums=sums, first=torch.cat(first) if first else None, dst=0, groups=rec.groups,
         )  # fmt: skip
         if out is None:
             return None

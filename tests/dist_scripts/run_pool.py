@@ -6,12 +6,14 @@ some with NaN or Inf, every tenth node a parameter that every rank holds whole a
 in the forward direction), records them, and pools them with ``pool_step`` (value
 histograms of every 200th node, ``rank_spread``, sums and rank-0 values too) into rank 0.
 Every call to a ``torch.distributed`` collective is counted with the bytes of its tensors.
-Then: a ``dst=None`` pool of the first 20 nodes (every rank gets it), a pool where rank
+Then: a ``dst=None`` pool of the first 20 nodes (every rank gets it), a pool of the
+moments and range fields only (``groups``), a pool where rank
 ``WORLD - 1`` fails, one where rank 1 has other labels, one where rank 1 has fewer nodes
 (each must raise on every rank), and a last good pool.
 
 Writes ``OUT/rank<RANK>.pt``: its records, the counted collectives of the big pool, its result (rank 0),
-the peak RSS it added and its time, the small pool's result, and the outcome of each
+the peak RSS it added and its time, the small pool's result, the partial pool's
+(rank 0), and the outcome of each
 failing pool.
 
 The package's ``__init__`` (which imports Lightning) is not run: a bare package module
@@ -148,6 +150,7 @@ def main(out: Path, rank: int, world: int, nodes: int) -> None:
     added = _peak_rss() - before
     calls = list(counter.calls)
     small = pool.pool_step(recs[:20], labels[:20], replicated=replicated, spread=True)
+    partial = pool.pool_step(recs, labels, replicated=replicated, dst=0, groups=("moments", "range"))
     outcomes = {
         "failed": _outcome(lambda: pool.pool_step(recs, labels, failed=rank == world - 1)),
         "names": _outcome(lambda: pool.pool_step(recs, [*labels[:-1], f"other{rank == 1}"])),
@@ -156,7 +159,7 @@ def main(out: Path, rank: int, world: int, nodes: int) -> None:
     }
     saved: Dict[str, Any] = {"records": recs, "calls": calls, "seconds": seconds, "peak_rss_added": added, "small": small, "outcomes": outcomes}
     if rank == 0:
-        saved["result"] = result
+        saved["result"], saved["partial"] = result, partial
     else:
         saved["result_is_none"] = result is None
     torch.save(saved, out / f"rank{rank}.pt")

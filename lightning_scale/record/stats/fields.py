@@ -165,6 +165,11 @@ _ADDITIVE = [i for i in range(len(FIELDS)) if i not in (_MEAN, _M2, _ABSMAX, _MI
 _EXTREMES = 6  # absmax, -min_nonzero, their NaN flags, largest finite mean, -least finite mean
 
 
+def additive_fields() -> List[int]:
+    """The record fields of ``merge_sums``' columns, in order (count x shifted mean last, not listed)."""
+    return list(_ADDITIVE)
+
+
 def merge_widths() -> Tuple[int, int]:
     """(entries of ``merge_sums``, of ``merge_extremes``) per record."""
     return len(_ADDITIVE) + 1, _EXTREMES
