@@ -3,13 +3,14 @@
 ``Reporter.pool`` pools a step's records, value histograms, failure flag, loss scale and
 update rows (``lightning_scale.record.updates``) over ranks with reductions
 (``pool.pool_step``: bytes per rank independent of the world size), and brings the
-result to the writing rank in one device-to-host transfer. ``Reporter.report`` then decides, on the training thread, what little must be
-decided there (anomaly warnings, which nodes to write, the ``max_tags`` cap; all on the
-pooled host copy) and hands the rest (unscaling, annotated code, scalars, histograms,
-figure, text, update ratios) to a ``Worker`` for TensorBoard loggers;
-``Reporter.log_anomaly`` queues an anomaly event there too. Other loggers (CSV, W&B,
-MLflow, ...) are not safe to call from a second thread while Lightning logs: they get
-their scalars through ``log_metrics`` on the training thread. Nothing here imports Lightning: the callback passes loggers, the rank
+result to the writing rank in one device-to-host transfer. ``Reporter.report`` then
+decides, on the training thread, what little must be decided there (anomaly warnings,
+which nodes to write, the ``max_tags`` cap; all on the pooled host copy) and hands the
+rest (unscaling, annotated code, scalars, histograms, figure, text, update ratios) to a
+``Worker`` for TensorBoard loggers; ``Reporter.log_anomaly`` queues an anomaly event
+there too. Other loggers (CSV, W&B, MLflow, ...) are not safe to call from a second
+thread while Lightning logs: they get their scalars through ``log_metrics`` on the
+training thread. Nothing here imports Lightning: the callback passes loggers, the rank
 and the accumulation factor in.
 """
 
@@ -66,7 +67,7 @@ class PooledStep:
 
     pooled: pool.Pooled  # the node records, histograms, rank spread
     loss_scale: Optional[float]
-    updates: Optional[Tensor]  # [k, 2, FIELDS] update rows pooled by ``updates.pool``
+    updates: Optional[Tensor]  # [k, 2, FIELDS] update rows pooled (``pool.pooled_updates``)
 
 
 @dataclass
