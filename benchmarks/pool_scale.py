@@ -4,7 +4,7 @@
 world size, ``tests/dist_scripts/run_pool.py`` runs that many processes (CPU, gloo, no
 Lightning) on a synthetic record of NODES nodes (default 2,178: the node labels of the
 32-layer Llama-like model under dynamo capture), with ``rank_spread``, every tenth node
-replicated and value histograms of every 200th. Each rank counts the collectives it
+replicated and value histograms of 2 nodes in 200. Each rank counts the collectives it
 calls and the bytes of their tensors, and the peak RSS the pool adds (glibc's mmap
 threshold fixed at 128 KiB, so large buffers are returned to the system and seen).
 Printed per world size: the collectives, the bytes each rank sends into them (received

@@ -310,13 +310,14 @@ def _expected_pool(world: int, ranks: List[Dict[str, Any]]) -> Tuple[Tensor, Ten
     largest std over ranks."""
     script = _pool_script()
     rows, hists = [], []
+    histogram_nodes = set(script.histogram_nodes(NODES))
     for i in range(NODES):
         per_rank = [script.tensors(i, r) for r in range(world)]
         for d in (FORWARD, BACKWARD):
             parts = [p[d] for p in per_rank]
             whole = parts[0] if d == FORWARD and script.is_parameter(i) else torch.cat(parts)
             rows.append(stats.record_of(whole, script.GROUPS))
-            if i % 200 == 0:
+            if i in histogram_nodes:
                 hists.append(stats.log2_histogram(whole))
     want = stats.assemble(rows).view(NODES, 2, -1)
     own = torch.stack([saved["records"] for saved in ranks])  # (world, n, 2, F)
@@ -413,7 +414,7 @@ def test_pool_step_bytes_per_rank_are_the_same_at_2_and_16_ranks(pools: Dict[int
         assert len(ranks[0]) == 4 and not any(name.startswith("all_gather") for name, _, _ in ranks[0])
     assert calls[2][0] == calls[16][0]
     script = _pool_script()
-    expected = pool.collective_bytes(NODES, histograms=len(range(0, NODES, 200)), replicated=len([i for i in range(NODES) if script.is_parameter(i)]), spread=True, sums=6, first=6)
+    expected = pool.collective_bytes(NODES, histograms=len(script.histogram_nodes(NODES)), replicated=len([i for i in range(NODES) if script.is_parameter(i)]), spread=True, sums=6, first=6)
     assert [size for _, _, size in calls[16][0]] == list(expected.values())
 
 

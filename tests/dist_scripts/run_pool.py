@@ -4,7 +4,7 @@ Usage: ``python run_pool.py OUT RANK WORLD NODES`` with ``MASTER_ADDR``/``MASTER
 set. Every rank builds its own small tensors for ``NODES`` nodes (``tensors``: some empty,
 some with NaN or Inf, every tenth node a parameter that every rank holds whole and equal
 in the forward direction), records them, and pools them with ``pool_step`` (value
-histograms of every 200th node, ``rank_spread``, sums and rank-0 values too) into rank 0.
+histograms of 20 nodes, ``rank_spread``, sums and rank-0 values too) into rank 0.
 Every call to a ``torch.distributed`` collective is counted with the bytes of its tensors.
 Then: a ``dst=None`` pool of the first 20 nodes (every rank gets it), a pool of the
 moments and range fields only (``groups``), a pool where rank
@@ -77,10 +77,15 @@ def records(nodes: int, rank: int) -> torch.Tensor:
     return stats.assemble(rows).view(nodes, 2, len(stats.FIELDS))
 
 
+def histogram_nodes(nodes: int) -> List[int]:
+    """The nodes with value histograms: every 200th (a parameter) and the third after it."""
+    return [i for i in range(nodes) if i % 200 in (0, 3)]
+
+
 def histograms(nodes: int, rank: int) -> Tuple[List[str], torch.Tensor]:
     from lightning_scale.record import stats
 
-    rows = list(range(0, nodes, 200))
+    rows = histogram_nodes(nodes)
     hists = [torch.stack([stats.log2_histogram(t) for t in tensors(i, rank)]) for i in rows]
     return [label(i) for i in rows], torch.stack(hists)
 
