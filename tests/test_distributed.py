@@ -1,51 +1,61 @@
-"""Several processes: DDP, ddp_spawn and FSDP2 (ModelParallelStrategy) on 2 CPU processes
-over gloo, against an independent float64 reference of both ranks' tensors; and
-``distributed.pool`` itself in 2 gloo processes: exact merge, replicated tensors, label
-mismatches and failures raised on every rank without a hang."""
+"""Several processes: DDP, ddp_spawn and FSDP2 (ModelParallelStrategy) on 2 and 4 CPU
+processes over gloo, fx and dynamo capture, against an independent float64 reference of
+every rank's tensors; the bytes each rank sends into the callback's collectives at 2, 4
+and 8 ranks; and ``pool.pool_step`` itself in 2 and 16 gloo processes without
+Lightning (``dist_scripts/run_pool.py``): exact pooling of a 2,000-node record, replicated
+tensors, histograms, bytes per rank, label mismatches and failures raised on every rank
+without a hang."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import math
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
-import time
-from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import Tensor
 
-from lightning_scale.report import pool as distributed
+from lightning_scale.report import pool
 from lightning_scale.record import stats
 from lightning_scale.record.recorder import BACKWARD, FORWARD
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "run_dist.py"
+SCRIPTS = Path(__file__).resolve().parent / "dist_scripts"
+SCRIPT = SCRIPTS / "run_dist.py"
 REL = 1e-5  # TensorBoard stores scalars as float32
 STRATEGIES = ["ddp", "ddp_spawn", "fsdp2"]
 ACTIVATIONS = ["model.layers.0.fc/linear", "model.layers.0.act/relu", "model.layers.1.fc/linear"]
 PARAMETERS = [f"model.layers.{i}.fc.{p}" for i in (0, 1) for p in ("weight", "bias")]
+#: (strategy, callback, world, capture) of every training run; the first ones start together.
+FIRST = [(s, cb, 2, "fx") for s in STRATEGIES for cb in ("on", "off")] + [("ddp", "fail", 2, "fx"), ("ddp", "on", 2, "dynamo")]
+LATER = [("ddp", "on", 4, "fx"), ("fsdp2", "on", 4, "dynamo")]
+LAST = [("ddp", "on", 8, "fx")]  # bytes per rank only
+POOLED = [(s, 2, "fx") for s in STRATEGIES] + [("ddp", 2, "dynamo"), ("ddp", 4, "fx"), ("fsdp2", 4, "dynamo")]
 
+Key = Tuple[str, str, int, str]
 Run = Tuple[Path, Path]  # output folders of a run and of the run without the callback
 
 
 # ---- running the training script --------------------------------------------------------
 
 
-def _start(out: Path, strategy: str, callback: str, port: int) -> "subprocess.Popen[str]":
+def _start(out: Path, key: Key, port: int) -> "subprocess.Popen[str]":
     out.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # distinct ports for runs started together
-    cmd = [sys.executable, str(SCRIPT), str(out), strategy, callback]
+    strategy, callback, world, capture = key
+    cmd = [sys.executable, str(SCRIPT), str(out), strategy, callback, str(world), capture]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -53,7 +63,7 @@ def _wait(proc: "subprocess.Popen[str]", timeout: float) -> str:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's own group: rank 1 goes too
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's own group: the other ranks go too
         out, _ = proc.communicate()
         pytest.fail(f"training script timed out:\n{out[-3000:]}")
     assert proc.returncode == 0, out[-3000:]
@@ -62,22 +72,39 @@ def _wait(proc: "subprocess.Popen[str]", timeout: float) -> str:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Run]]:
-    """Trains every strategy with and without the callback, all runs at once (much of
-    a run is process start-up and Lightning's launch delay); waits for the one asked."""
+    """Trains the 2-rank runs with and without the callback, all at once (much of a run is
+    process start-up and Lightning's launch delay); the 4-rank runs start when one is first
+    asked for, the 8-rank run after them (memory). Waits for the one asked."""
     base = tmp_path_factory.mktemp("runs")
-    modes = [(s, cb) for s in STRATEGIES for cb in ("on", "off")] + [("ddp", "fail")]
-    ports = _free_ports(len(modes))
-    procs = {(s, cb): _start(base / s / cb, s, cb, port) for (s, cb), port in zip(modes, ports)}
-    finished: Dict[Tuple[str, str], Path] = {}
+    procs: Dict[Key, "subprocess.Popen[str]"] = {}
+    finished: Dict[Key, Path] = {}
 
-    def get(strategy: str, mode: str = "on") -> Run:
-        """(this mode's output folder, the run without the callback)."""
-        for cb in (mode, "off"):
-            if (strategy, cb) not in finished:
-                output = _wait(procs[strategy, cb], timeout=240)
-                (base / strategy / cb / "output.txt").write_text(output)
-                finished[strategy, cb] = base / strategy / cb
-        return finished[strategy, mode], finished[strategy, "off"]
+    def folder(key: Key) -> Path:
+        return base / "_".join(map(str, key))
+
+    def start(keys: List[Key]) -> None:
+        for key, port in zip(keys, _free_ports(len(keys))):
+            procs[key] = _start(folder(key), key, port)
+
+    def finish(key: Key) -> Path:
+        if key not in finished:
+            if key not in procs:
+                for group in (LATER, LAST):
+                    if key in group:
+                        for earlier in FIRST + (LATER if group is LAST else []):
+                            if earlier in procs:
+                                finish(earlier)
+                        start([k for k in group if k not in procs])
+            output = _wait(procs[key], timeout=300)
+            (folder(key) / "output.txt").write_text(output)
+            finished[key] = folder(key)
+        return finished[key]
+
+    start(FIRST)
+
+    def get(strategy: str, mode: str = "on", world: int = 2, capture: str = "fx") -> Run:
+        """(this run's output folder, the 2-rank run without the callback)."""
+        return finish((strategy, mode, world, capture)), finish((strategy if world == 2 else "ddp", "off", 2, "fx"))
 
     yield get
     for proc in procs.values():
@@ -97,12 +124,12 @@ def _scalars(out: Path) -> Dict[str, float]:
 # ---- the independent reference ----------------------------------------------------------
 
 
-def _reference(out: Path) -> Dict[str, Tuple[List[Tensor], List[Optional[Tensor]]]]:
+def _reference(out: Path, world: int = 2) -> Dict[str, Tuple[List[Tensor], List[Optional[Tensor]]]]:
     """label -> (each rank's value, each rank's gradient), in float64 from the saved initial
     parameters and each rank's batch, written out without the library or the model class."""
     init = torch.load(out / "init.pt")
     ref: Dict[str, Tuple[List[Tensor], List[Optional[Tensor]]]] = {}
-    for rank in (0, 1):
+    for rank in range(world):
         x, y = (t.double() for t in torch.load(out / f"batch_rank{rank}.pt"))
         w = {k: v.double().requires_grad_() for k, v in init.items()}
         h = F.linear(x, w["layers.0.fc.weight"], w["layers.0.fc.bias"])
@@ -138,15 +165,18 @@ def _expected(ref: Dict[str, Tuple[List[Tensor], List[Optional[Tensor]]]]) -> Di
 # ---- training runs ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_pooled_scales_equal_the_two_rank_reference(strategy: str, trained: Callable[..., Run]) -> None:
-    on, _ = trained(strategy)
+@pytest.mark.parametrize("strategy, world, capture", POOLED)
+def test_pooled_scales_equal_the_reference_of_every_ranks_tensors(strategy: str, world: int, capture: str, trained: Callable[..., Run]) -> None:
+    on, _ = trained(strategy, "on", world, capture)
     logged = _scalars(on)
-    ref = _reference(on)
+    ref = _reference(on, world)
     expected = _expected(ref)
     assert not torch.equal(ref["x"][0][0], ref["x"][0][1]), "each rank gets its own batch"
+    for label in ACTIVATIONS + PARAMETERS:  # (dynamo names the input differently: `x` may be absent)
+        assert f"scale/fwd/{label}" in logged and f"scale/bwd/{label}" in logged, label
     for tag, value in expected.items():
-        assert logged[tag] == pytest.approx(value, rel=REL), tag
+        if tag in logged or not tag.endswith("/x"):
+            assert logged[tag] == pytest.approx(value, rel=REL), tag
     for label in ACTIVATIONS:  # pooling matters: rank zero alone is measurably different
         for d, tensors in (("fwd", ref[label][0]), ("bwd", ref[label][1])):
             assert logged[f"scale/{d}/{label}"] != pytest.approx(_std(tensors[0]), rel=1e-3), label
@@ -164,9 +194,10 @@ def test_parameter_hooks_see_each_ranks_local_gradient(strategy: str, trained: C
         assert logged[f"scale/bwd/{label}"] != pytest.approx(_std(averaged), rel=1e-2)
 
 
-def test_rank_spread_is_min_and_max_of_each_ranks_std(trained: Callable[..., Run]) -> None:
-    on, _ = trained("ddp")
-    logged, ref = _scalars(on), _reference(on)
+@pytest.mark.parametrize("world", [2, 4])
+def test_rank_spread_is_min_and_max_of_each_ranks_std(world: int, trained: Callable[..., Run]) -> None:
+    on, _ = trained("ddp", "on", world)
+    logged, ref = _scalars(on), _reference(on, world)
     for label in ACTIVATIONS + PARAMETERS:
         for d, tensors in (("fwd", ref[label][0]), ("bwd", ref[label][1])):
             per_rank = [_std(t) for t in tensors]  # type: ignore[arg-type]
@@ -212,50 +243,214 @@ def test_fsdp2_records_ops_inside_each_unit(trained: Callable[..., Run]) -> None
         assert logged[f"scale/fwd/{label}"] != pytest.approx(float(shard.std()), rel=1e-3)
 
 
-# ---- pool in 2 gloo processes -----------------------------------------------------------
-
-GROUPS = ("moments", "range", "formats")
 
 
-def _records(fwd: List[Tensor], bwd: List[Tensor]) -> Tensor:
-    rows = [stats.record_of(t, GROUPS) for pair in zip(fwd, bwd) for t in pair]
-    return stats.assemble(rows).view(len(fwd), 2, len(stats.FIELDS))
+# ---- bytes per rank ---------------------------------------------------------------------
 
 
-def _histograms(fwd: List[Tensor], bwd: List[Tensor]) -> Tensor:
-    return torch.stack([torch.stack([stats.log2_histogram(f), stats.log2_histogram(b)]) for f, b in zip(fwd, bwd)])
+def _collectives(out: Path, world: int) -> List[List[Any]]:
+    """Each rank's calls to ``torch.distributed`` collectives from the package's code."""
+    return [json.loads((out / f"collectives_rank{r}.json").read_text()) for r in range(world)]
 
 
-def _outcome(fn: Callable[[], Tuple[Tensor, Tensor]]) -> object:
+def test_bytes_per_rank_per_tracked_step_do_not_grow_with_the_world(trained: Callable[..., Run]) -> None:
+    """The same model at 2, 4 and 8 ranks: every rank sends the same tensors into the same
+    four collectives (no all_gather), whatever the world size."""
+    calls = {world: _collectives(trained("ddp", "on", world)[0], world) for world in (2, 4, 8)}
+    for world, ranks in calls.items():
+        assert all(r == ranks[0] for r in ranks), f"ranks differ at world {world}"
+        steps = {c[3] for c in ranks[0]}
+        assert len(steps) == 1, "collectives only on the tracked step"
+        assert [(name, op) for name, op, _, _ in ranks[0]] == [("all_reduce", "MAX"), ("all_reduce", "MAX"), ("all_reduce", "SUM"), ("reduce", "SUM")]
+    assert calls[2][0] == calls[4][0] == calls[8][0]
+    assert calls[2][0][0][2] == 64  # the header
+
+
+# ---- pool_step in 2 and 16 gloo processes without Lightning -------------------------------
+
+POOL_SCRIPT = SCRIPTS / "run_pool.py"
+NODES = 2000
+
+
+def _pool_script() -> Any:
+    spec = importlib.util.spec_from_file_location("_run_pool", POOL_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_pool(out: Path, world: int) -> List[Dict[str, Any]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_ports(1)[0])}
+    env["MALLOC_MMAP_THRESHOLD_"] = "131072"  # large buffers come from mmap: the peak RSS sees them
+    env["OMP_NUM_THREADS"] = "1"
+    procs = [
+        subprocess.Popen([sys.executable, str(POOL_SCRIPT), str(out), str(r), str(world), str(NODES)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(world)
+    ]
     try:
-        return fn()
-    except (distributed.RankMismatchError, distributed.RankFailedError) as err:
-        return err
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail("pool ranks hung")
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def _pool_worker(rank: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    gen = torch.Generator().manual_seed(rank)
-    fwd = [torch.randn(5 + 3 * rank, generator=gen) * (1 + rank), torch.randn(4, 3, generator=gen) + rank]
-    bwd = [torch.randn(5 + 3 * rank, generator=gen), torch.randn(4, 3, generator=gen) * 3]
-    weight = torch.randn(6, generator=torch.Generator().manual_seed(7))  # the same on both ranks
-    fwd.append(weight)
-    bwd.append(torch.randn(6, generator=gen))
-    labels = ["a", "b", "w"]
-    records = _records(fwd, bwd)
-    result = {
-        "fwd": fwd,
-        "bwd": bwd,
-        "records": records,
-        "agree": _outcome(lambda: distributed.pool(records, labels, replicated={"w"})),
-        "names": _outcome(lambda: distributed.pool(records, ["a", "b", f"w{rank}"])),
-        "count": _outcome(lambda: distributed.pool(records[: 3 - rank], labels[: 3 - rank], rows=3)),
-        "failed": _outcome(lambda: distributed.pool(records, labels, failed=rank == 1)),
-        "after": _outcome(lambda: distributed.pool(records, labels)),
-        "hist": distributed.pool_step(records, labels, replicated={"w"}, histograms=_histograms(fwd, bwd), histogram_labels=labels),
+@pytest.fixture(scope="module")
+def pools(tmp_path_factory: pytest.TempPathFactory) -> Dict[int, List[Dict[str, Any]]]:
+    return {world: _run_pool(tmp_path_factory.mktemp(f"pool{world}"), world) for world in (2, 16)}
+
+
+def _expected_pool(world: int, ranks: List[Dict[str, Any]]) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
+    """The records of the concatenation of every rank's tensors (a parameter's value once),
+    the histograms of the same, and (from each rank's own records) each node's least and
+    largest std over ranks."""
+    script = _pool_script()
+    rows, hists = [], []
+    histogram_nodes = set(script.histogram_nodes(NODES))
+    for i in range(NODES):
+        per_rank = [script.tensors(i, r) for r in range(world)]
+        for d in (FORWARD, BACKWARD):
+            parts = [p[d] for p in per_rank]
+            whole = parts[0] if d == FORWARD and script.is_parameter(i) else torch.cat(parts)
+            rows.append(stats.record_of(whole, script.GROUPS))
+            if i in histogram_nodes:
+                hists.append(stats.log2_histogram(whole))
+    want = stats.assemble(rows).view(NODES, 2, -1)
+    own = torch.stack([saved["records"] for saved in ranks])  # (world, n, 2, F)
+    # FP8 errors are of per-tensor-scaled casts: each rank's tensor is cast with its own scale
+    fp8 = [stats.FIELDS.index(f) for f in stats.FIELDS if f.startswith("fp8_")]
+    want[..., fp8] = torch.where((own[..., :1] > 0), own[..., fp8], 0.0).sum(0)
+    params = torch.tensor([i for i in range(NODES) if script.is_parameter(i)]).unsqueeze(1)
+    want[params, FORWARD, torch.tensor(fp8)] = own[0, params, FORWARD, torch.tensor(fp8)]  # a parameter: rank 0's tensor
+    std = stats.statistic(own, "std")
+    nan = std.isnan().any(0)
+    spread = {
+        "present": (own[..., 0] > 0).all(0),
+        "low": torch.where(nan, math.nan, std.amin(0)),
+        "high": torch.where(nan, math.nan, std.amax(0)),
     }
-    torch.save(result, Path(out) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    return want, torch.stack(hists).view(-1, 2, stats.LOG2_HI - stats.LOG2_LO), spread
+
+
+@pytest.mark.parametrize("world", [2, 16])
+def test_pool_step_is_the_record_of_every_ranks_tensors_together(world: int, pools: Dict[int, List[Dict[str, Any]]]) -> None:
+    got = pools[world][0]["result"]
+    want, hists, spread = _expected_pool(world, pools[world])
+    count = want[..., 0]
+    assert torch.equal(got.records[..., 0], count)
+    assert (count == 0).any() and torch.equal(got.records[count == 0], torch.zeros_like(got.records[count == 0]))
+    seen = count > 0
+    exact = [stats.FIELDS.index(f) for f in stats.FIELDS if f not in ("mean", "m2") and not f.startswith("fp8_")]
+    torch.testing.assert_close(got.records[seen][:, exact], want[seen][:, exact], rtol=0, atol=0, equal_nan=True)
+    g, w = got.records[seen], want[seen]
+    finite = w[:, 1].isfinite()
+    torch.testing.assert_close(g[~finite, 1], w[~finite, 1], rtol=0, atol=0, equal_nan=True)  # NaN or Inf alike
+    rms = stats.statistic(w[finite], "rms")  # a mean near 0 is exact to the values' size, not its own
+    assert bool(((g[finite, 1] - w[finite, 1]).abs() <= 1e-13 * rms).all())
+    torch.testing.assert_close(g[:, 2], w[:, 2], rtol=1e-12, atol=0, equal_nan=True)  # m2
+    fp8 = [stats.FIELDS.index(f) for f in stats.FIELDS if f.startswith("fp8_")]
+    torch.testing.assert_close(g[:, fp8], w[:, fp8], rtol=1e-12, atol=0, equal_nan=True)  # per-tensor sums
+    assert bool(got.records[..., 4].sum() > 0) and bool(got.records[..., 5].sum() > 0), "NaN and Inf nodes are in the test"
+    assert torch.equal(got.histograms, hists)
+    assert torch.equal(got.spread.present, spread["present"])
+    p = spread["present"]
+    torch.testing.assert_close(got.spread.low[p], spread["low"][p], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got.spread.high[p], spread["high"][p], rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(got.sums, torch.arange(6, dtype=torch.float64) * world * (world + 1) / 2)
+    assert torch.equal(got.first, torch.ones(2, 3, dtype=torch.float64))  # rank 0's
+
+
+def test_pool_step_sends_only_the_fields_of_the_groups_computed(pools: Dict[int, List[Dict[str, Any]]]) -> None:
+    full, partial = pools[16][0]["result"].records, pools[16][0]["partial"].records
+    sent = [i for i, f in enumerate(stats.FIELDS) if f in stats.GROUPS["moments"] + stats.GROUPS["range"]]
+    seen = full[..., 0] > 0
+    mean = sent.index(stats.FIELDS.index("mean"))  # (sums of other sizes: the reduction may add in another order)
+    rest = [i for k, i in enumerate(sent) if k != mean]
+    torch.testing.assert_close(partial[..., rest], full[..., rest], rtol=1e-12, atol=0, equal_nan=True)
+    finite = full[..., 1].isfinite()
+    rms = stats.statistic(full[finite], "rms")
+    assert bool(((partial[..., 1][finite] - full[..., 1][finite]).abs() <= 1e-13 * rms).all())
+    others = [i for i in range(len(stats.FIELDS)) if i not in sent]
+    assert bool(partial[seen][:, others].isnan().all())  # not computed: NaN, as record_of leaves them
+    moments_only = sum(pool.collective_bytes(NODES, replicated=200, groups=("moments",)).values())
+    assert moments_only < sum(pool.collective_bytes(NODES, replicated=200).values()) / 4
+
+
+def test_pool_step_counts_a_replicated_tensor_once(pools: Dict[int, List[Dict[str, Any]]]) -> None:
+    script = _pool_script()
+    got = pools[16][0]["result"]
+    for i in range(0, NODES, 10):  # parameters: the value once, the 16 gradients merged
+        value, _ = script.tensors(i, 0)
+        assert got.records[i, FORWARD, 0] == value.numel()
+        assert float(stats.statistic(got.records[i, FORWARD], "std")) == pytest.approx(float(value.double().std()), rel=1e-12)
+        assert got.records[i, BACKWARD, 0] == sum(script.tensors(i, r)[1].numel() for r in range(16))
+
+
+@pytest.mark.parametrize("world", [2, 16])
+def test_pool_step_gives_every_rank_the_same_errors_and_the_result_only_to_its_destination(world: int, pools: Dict[int, List[Dict[str, Any]]]) -> None:
+    ranks = pools[world]
+    for r, saved in enumerate(ranks):
+        out = saved["outcomes"]
+        assert isinstance(out["failed"], pool.RankFailedError) and str(out["failed"]) == f"statistics failed on rank(s) [{world - 1}]"
+        for case in ("names", "count"):
+            assert isinstance(out[case], pool.RankMismatchError), (r, case)
+            assert str(out[case]).startswith("Ranks captured different graphs ("), out[case]
+        assert "node counts 1999 to 2000" in str(out["count"]) and "node counts" not in str(out["names"])
+        assert out["after"] == "ok"  # dst=None: every rank gets the pool
+        if r:
+            assert saved["result_is_none"]
+        torch.testing.assert_close(saved["small"].records, ranks[0]["small"].records, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(ranks[0]["small"].records, ranks[0]["result"].records[:20], rtol=1e-12, atol=1e-300, equal_nan=True)
+
+
+def test_pool_step_bytes_per_rank_are_the_same_at_2_and_16_ranks(pools: Dict[int, List[Dict[str, Any]]]) -> None:
+    calls = {world: [saved["calls"] for saved in ranks] for world, ranks in pools.items()}
+    for world, ranks in calls.items():
+        assert all(c == ranks[0] for c in ranks), world
+        assert len(ranks[0]) == 4 and not any(name.startswith("all_gather") for name, _, _ in ranks[0])
+    assert calls[2][0] == calls[16][0]
+    script = _pool_script()
+    expected = pool.collective_bytes(NODES, histograms=len(script.histogram_nodes(NODES)), replicated=len([i for i in range(NODES) if script.is_parameter(i)]), spread=True, sums=6, first=6)
+    assert [size for _, _, size in calls[16][0]] == list(expected.values())
+
+
+def test_pool_step_in_one_process() -> None:
+    gen = torch.Generator().manual_seed(0)
+    parts = [torch.randn(4, generator=gen), torch.randn(3, generator=gen)]
+    records = stats.assemble([stats.record_of(t, ("moments", "range")) for t in parts for _ in (0, 1)]).view(2, 2, -1)
+    out = pool.pool_step(records, ["a", "b"], replicated={"a"}, spread=True, sums=torch.ones(2, dtype=torch.float64), first=torch.zeros(1, dtype=torch.float64))
+    assert out is not None
+    torch.testing.assert_close(out.records, records, rtol=0, atol=0, equal_nan=True)
+    std = stats.statistic(records, "std")
+    assert torch.equal(out.spread.low, std) and torch.equal(out.spread.high, std) and bool(out.spread.present.all())
+    assert torch.equal(out.sums, torch.ones(2, dtype=torch.float64)) and torch.equal(out.first, torch.zeros(1, dtype=torch.float64))
+    with pytest.raises(pool.RankFailedError, match=r"statistics failed on rank\(s\) \[0\]"):
+        pool.pool(records, ["a", "b"], failed=True)
+
+
+def test_merging_by_sums_and_maxes_equals_the_record_of_the_concatenation() -> None:
+    """``stats.merge_rows`` (the pool's arithmetic in one process) against ``record_of`` of the
+    concatenation: empty parts, NaN, Inf, fields not computed."""
+    gen = torch.Generator().manual_seed(3)
+    groups = ("moments", "range", "formats")
+    cases = [
+        [torch.randn(5, generator=gen, dtype=torch.float64), torch.zeros(0, dtype=torch.float64), torch.randn(7, generator=gen, dtype=torch.float64) * 3 + 2, torch.tensor([5.0], dtype=torch.float64)],
+        [torch.tensor([1.0, math.nan]), torch.tensor([2.0, 3.0])],
+        [torch.tensor([1.0, math.inf]), torch.tensor([0.0, -2.0, 1e-30])],
+    ]
+    for parts in cases:
+        got = stats.merge_rows(stats.assemble([stats.record_of(p, groups) for p in parts]))
+        want = torch.tensor(stats.record_of(torch.cat(parts), groups), dtype=torch.float64)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15, equal_nan=True)
+    only_moments = stats.assemble([stats.record_of(p) for p in cases[0]])  # absmax etc. not computed: NaN stays
+    got = stats.merge_rows(only_moments)
+    assert got[stats.FIELDS.index("absmax")].isnan() and got[stats.FIELDS.index("min_nonzero")].isnan()
+    empty = torch.zeros(3, len(stats.FIELDS), dtype=torch.float64)
+    assert torch.equal(stats.merge_rows(empty), empty[0])
 
 
 def _free_ports(n: int) -> List[int]:
@@ -268,80 +463,3 @@ def _free_ports(n: int) -> List[int]:
     finally:
         for s in socks:
             s.close()
-
-
-@pytest.fixture(scope="module")
-def pooled(tmp_path_factory: pytest.TempPathFactory) -> List[dict]:
-    out = tmp_path_factory.mktemp("pool")
-    ctx = mp.start_processes(_pool_worker, args=(_free_ports(1)[0], str(out)), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("pool workers hung")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-
-
-def test_pool_is_the_exact_merge_of_every_ranks_records(pooled: List[dict]) -> None:
-    for rank in (0, 1):
-        result, per_rank = pooled[rank]["agree"]
-        torch.testing.assert_close(per_rank, torch.stack([pooled[0]["records"], pooled[1]["records"]]), rtol=0, atol=0, equal_nan=True)
-        merged = stats.merge(pooled[0]["records"], pooled[1]["records"])
-        torch.testing.assert_close(result[:2], merged[:2], rtol=0, atol=0, equal_nan=True)
-        for i, label in enumerate("ab"):  # and it is the record of both ranks' tensors together
-            for d, key in ((FORWARD, "fwd"), (BACKWARD, "bwd")):
-                both = torch.cat([pooled[r][key][i].flatten().double() for r in (0, 1)])
-                assert float(stats.statistic(result[i, d], "std")) == pytest.approx(float(both.std()), rel=1e-6), label
-
-
-def test_pool_takes_a_replicated_tensors_forward_record_once(pooled: List[dict]) -> None:
-    result, _ = pooled[0]["agree"]
-    weight = pooled[0]["fwd"][2]
-    torch.testing.assert_close(result[2, FORWARD], pooled[0]["records"][2, FORWARD], rtol=0, atol=0, equal_nan=True)
-    assert float(stats.statistic(result[2, FORWARD], "std")) == pytest.approx(float(weight.double().std()), rel=1e-6)
-    both_grads = torch.cat([pooled[r]["bwd"][2].double() for r in (0, 1)])  # gradients differ: merged
-    assert float(stats.statistic(result[2, BACKWARD], "std")) == pytest.approx(float(both_grads.std()), rel=1e-6)
-
-
-@pytest.mark.parametrize("case", ["names", "count"])
-def test_pool_raises_rank_mismatch_on_every_rank(pooled: List[dict], case: str) -> None:
-    for rank in (0, 1):
-        err = pooled[rank][case]
-        assert isinstance(err, distributed.RankMismatchError), err
-        with pytest.raises(distributed.RankMismatchError, match=r"Ranks captured different graphs \(node count, label fingerprint per rank"):
-            raise err
-
-
-def test_pool_raises_a_ranks_failure_on_every_rank_and_recovers(pooled: List[dict]) -> None:
-    for rank in (0, 1):
-        with pytest.raises(distributed.RankFailedError, match=r"statistics failed on rank\(s\) \[1\]"):
-            raise pooled[rank]["failed"]  # type: ignore[misc]
-        after, _ = pooled[rank]["after"]
-        assert after.shape == pooled[rank]["records"].shape
-
-
-def test_pool_sums_value_histograms_over_ranks_in_the_same_collective(pooled: List[dict]) -> None:
-    for rank in (0, 1):
-        out = pooled[rank]["hist"]
-        torch.testing.assert_close(out.records, pooled[rank]["agree"][0], rtol=0, atol=0, equal_nan=True)
-        for i in range(2):  # the histogram of both ranks' values together
-            for d, key in ((FORWARD, "fwd"), (BACKWARD, "bwd")):
-                both = torch.cat([pooled[r][key][i].flatten() for r in (0, 1)])
-                assert torch.equal(out.histograms[i, d], stats.log2_histogram(both)), (i, key)
-        weight = pooled[0]["fwd"][2]  # replicated: counted once; its gradients differ: summed
-        assert torch.equal(out.histograms[2, FORWARD], stats.log2_histogram(weight))
-        both_grads = torch.cat([pooled[r]["bwd"][2] for r in (0, 1)])
-        assert torch.equal(out.histograms[2, BACKWARD], stats.log2_histogram(both_grads))
-        assert out.histograms[0, FORWARD].sum() == 5 + 8  # every value of both ranks counted
-
-
-def test_pool_in_one_process() -> None:
-    records = _records([torch.randn(4), torch.randn(3)], [torch.randn(4), torch.randn(3)])
-    result, per_rank = distributed.pool(records, ["a", "b"], replicated={"a"})
-    torch.testing.assert_close(result, records, rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(per_rank, records.unsqueeze(0), rtol=0, atol=0, equal_nan=True)
-    with pytest.raises(ValueError, match=r"`rows` \(1\) must be at least the number of records \(2\)"):
-        distributed.pool(records, ["a", "b"], rows=1)
-    with pytest.raises(distributed.RankFailedError, match=r"statistics failed on rank\(s\) \[0\]"):
-        distributed.pool(records, ["a", "b"], failed=True)

@@ -256,6 +256,9 @@ def test_merge_rows_equals_record_of_concatenation(sizes: List[int]) -> None:
     g = torch.Generator().manual_seed(6)
     parts = [torch.randn(n, generator=g, dtype=torch.float64) * 10 + 4 for n in sizes]
     rows = stats.assemble([stats.record_of(p, MERGEABLE) for p in parts])
+    if not sum(sizes):  # nothing anywhere: zeros, as the recorder's record of a key never seen
+        assert torch.equal(stats.merge_rows(rows), torch.zeros(len(stats.FIELDS), dtype=torch.float64))
+        return
     assert_same_record(stats.merge_rows(rows), record(torch.cat(parts), True, MERGEABLE))
     # along another dim: [2, len(parts), FIELDS] -> [2, FIELDS]
     both = torch.stack([rows, rows.flip(0)])

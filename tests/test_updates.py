@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_scale.record import stats
-from lightning_scale.record import updates
+from lightning_scale.record import stats, updates
+from lightning_scale.report.pool import merge_updates
 
 REL = 1e-12
 
@@ -54,7 +54,7 @@ def test_pooling_shards_equals_the_whole_parameter(world: int) -> None:
     gen = torch.Generator().manual_seed(1)
     before, grad = torch.randn(6, 4, generator=gen) + 2, torch.randn(6, 4, generator=gen) * 1e-3 - 1e-2
     after = before - 0.1 * grad
-    pooled = updates.pool(_split_rows(before, after, grad, world), sharded=[True])
+    pooled = merge_updates(_split_rows(before, after, grad, world), sharded=[True])
     whole = updates.ratios(["w"], updates.row_of(before, after, grad)[None])
     got = updates.ratios(["w"], pooled)
     assert pooled[0, 0, 0] == 24 and pooled[0, 1, 0] == 24
@@ -66,7 +66,7 @@ def test_pooling_a_whole_parameter_counts_it_once() -> None:
     w = torch.randn(5, 3, dtype=torch.float64)
     row = updates.row_of(w, w * 1.01, torch.randn(5, 3))
     per_rank = torch.stack([row[None]] * 4)  # every rank holds it whole and equal
-    pooled = updates.pool(per_rank, sharded=[False])
+    pooled = merge_updates(per_rank, sharded=[False])
     assert torch.equal(pooled, row[None])
     assert updates.ratios(["w"], pooled)["update_ratio/w"] == pytest.approx(0.01, rel=1e-12)
 
@@ -101,7 +101,7 @@ def test_tracker_measures_an_optimizer_step_and_skips_frozen_parameters() -> Non
     names, sharded, rows = tracker.rows(model.named_parameters())
     assert not tracker.pending
     assert names == ["0.weight", "0.bias", "2.weight"] and sharded == [False] * 3
-    got = updates.ratios(names, updates.pool(rows[None], sharded))
+    got = updates.ratios(names, merge_updates(rows[None], sharded))
     for name, p in model.named_parameters():
         if name in names:
             assert got[f"update_ratio/{name}"] == pytest.approx(_ratio64(before[name], p), rel=1e-9)

@@ -6,7 +6,7 @@ For one optimizer step and parameter ``w`` with gradient ``g`` (the one the opti
 * ``grad_std = std(g)`` (Bessel-corrected, as ``torch.std``)
 
 Each parameter becomes one float64 row ``[2, len(stats.FIELDS)]``, so it travels as an
-extra row of the records the callback pools (``distributed.pool``), in the same transfer:
+extra row of what the callback pools (``report.pool.pool_step``), in the same collectives:
 
 * ``row[0, :3]`` = element count, sum of squared updates, sum of squared weights (before);
 * ``row[1, :3]`` = the gradient's element count, mean and sum of squared deviations (the
@@ -16,7 +16,8 @@ extra row of the records the callback pools (``distributed.pool``), in the same 
 Computed in float64 on the device, on the rank's local elements: a plain parameter (whole
 on every rank under data parallelism, equal after the gradient all-reduce) is counted
 once, from rank 0's row; a sharded one (an FSDP2 ``DTensor`` with a ``Shard`` placement)
-adds: sums add, moments merge. ``pool`` does that on the host from the per-rank rows.
+adds: sums add, moments merge (``report.pool.update_parts`` / ``pooled_updates``, with
+reductions; ``report.pool.merge_updates`` in one process).
 
 Nothing here imports Lightning.
 """
@@ -31,7 +32,7 @@ from torch import Tensor
 
 from lightning_scale.record import stats
 
-__all__ = ["UpdateTracker", "is_sharded", "pool", "ratios", "row_of"]
+__all__ = ["UpdateTracker", "is_sharded", "ratios", "row_of"]
 
 _WEIGHT, _GRAD = 0, 1
 _COUNT, _SUM_D2, _SUM_W2 = 0, 1, 2
@@ -120,34 +121,6 @@ class UpdateTracker:
     def clear(self) -> None:
         """Drop a snapshot whose step will not complete (an exception, the end of a fit)."""
         self._before = {}
-
-
-def pool(per_rank: Tensor, sharded: Sequence[bool]) -> Tensor:
-    """Pool rows ``[world, n, 2, FIELDS]`` (host) into ``[n, 2, FIELDS]``: rank 0's row for a
-    whole parameter, the exact sum/merge over ranks for a sharded one."""
-    out = per_rank[0].clone()
-    for i, shard in enumerate(sharded):
-        if not shard:
-            continue
-        out[i, _WEIGHT] = per_rank[:, i, _WEIGHT].sum(0)
-        out[i, _GRAD] = _merge_moments(per_rank[:, i, _GRAD])
-    return out
-
-
-def _merge_moments(rows: Tensor) -> Tensor:
-    """Chan's merge of ``[k, FIELDS]`` (count, mean, m2) rows; empty shards drop out."""
-    n, mean, m2 = 0.0, 0.0, 0.0
-    for nb, mb, m2b in rows[:, :3].tolist():
-        if nb == 0:
-            continue
-        total = n + nb
-        delta = mb - mean
-        mean += delta * nb / total
-        m2 += m2b + delta * delta * n * nb / total
-        n = total
-    out = torch.zeros_like(rows[0])
-    out[:3] = torch.tensor([n, mean, m2], dtype=out.dtype)
-    return out
 
 
 def ratios(names: Sequence[str], pooled: Tensor, prefix: str = "") -> Dict[str, float]:

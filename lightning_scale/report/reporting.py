@@ -1,14 +1,16 @@
 """Reporting a tracked step: pool it, check it, write it off the training thread.
 
-``Reporter.pool`` sends a step's records, value histograms, failure flag, loss scale and
-update rows (``lightning_scale.record.updates``) in one collective (one device-to-host
-transfer). ``Reporter.report`` then decides, on the training thread, what little must be
-decided there (anomaly warnings, which nodes to write, the ``max_tags`` cap; all on the
-pooled host copy) and hands the rest (unscaling, annotated code, scalars, histograms,
-figure, text, update ratios) to a ``Worker`` for TensorBoard loggers;
-``Reporter.log_anomaly`` queues an anomaly event there too. Other loggers (CSV, W&B,
-MLflow, ...) are not safe to call from a second thread while Lightning logs: they get
-their scalars through ``log_metrics`` on the training thread. Nothing here imports Lightning: the callback passes loggers, the rank
+``Reporter.pool`` pools a step's records, value histograms, failure flag, loss scale and
+update rows (``lightning_scale.record.updates``) over ranks with reductions
+(``pool.pool_step``: bytes per rank independent of the world size), and brings the
+result to the writing rank in one device-to-host transfer. ``Reporter.report`` then
+decides, on the training thread, what little must be decided there (anomaly warnings,
+which nodes to write, the ``max_tags`` cap; all on the pooled host copy) and hands the
+rest (unscaling, annotated code, scalars, histograms, figure, text, update ratios) to a
+``Worker`` for TensorBoard loggers; ``Reporter.log_anomaly`` queues an anomaly event
+there too. Other loggers (CSV, W&B, MLflow, ...) are not safe to call from a second
+thread while Lightning logs: they get their scalars through ``log_metrics`` on the
+training thread. Nothing here imports Lightning: the callback passes loggers, the rank
 and the accumulation factor in.
 """
 
@@ -33,8 +35,7 @@ from lightning_scale.report.worker import Worker
 
 __all__ = ["PooledStep", "Reporter", "StepData", "UpdateRows", "scale_backward"]
 
-_DYNAMO_ROWS = 4096  # fixed payload rows when ranks cannot agree on a node count beforehand
-_DYNAMO_HIST_ROWS = 64  # the same for value histograms (290 bins each way: keep it small)
+_UPDATE = "\x00update/"  # marks the update rows' labels (a parameter's name is a node label too)
 
 
 class UpdateRows(NamedTuple):
@@ -64,9 +65,9 @@ class StepData:
 class PooledStep:
     """One tracked step pooled over all ranks, on the host."""
 
-    pooled: pool.Pooled  # the node records, histograms
+    pooled: pool.Pooled  # the node records, histograms, rank spread
     loss_scale: Optional[float]
-    updates: Optional[Tensor]  # [k, 2, FIELDS] update rows pooled by ``updates.pool``
+    updates: Optional[Tensor]  # [k, 2, FIELDS] update rows pooled (``pool.pooled_updates``)
 
 
 @dataclass
@@ -77,7 +78,7 @@ class _Written:
     prefix: str
     labels: List[str]
     records: Tensor
-    per_rank: Optional[Tensor]
+    spread: Optional[pool.RankSpread]
     histograms: Dict[str, Tensor]
     loss_scale: Optional[float]
     updates: Optional[Tuple[List[str], Tensor]]  # parameter names, their pooled update rows
@@ -133,9 +134,10 @@ class Reporter:
 
     # ---- on the training thread ----------------------------------------------------------
 
-    def pool(self, data: StepData, device: torch.device, replicated: Collection[str]) -> PooledStep:
-        """Every rank sends its records, update rows, loss scale, histograms and a failure
-        flag in one collective, also when its statistics failed, so no rank is left waiting.
+    def pool(self, data: StepData, device: torch.device, replicated: Collection[str]) -> Optional[PooledStep]:
+        """Every rank pools its records, update rows, loss scale, histograms and a failure
+        flag (``pool.pool_step``), also when its statistics failed, so no rank is
+        left waiting. Global rank zero gets the result; other ranks get None.
 
         Raises:
             pool.RankFailedError: a rank's statistics failed (on every rank alike).
@@ -143,41 +145,48 @@ class Reporter:
         rec, cap, labels = data.recorder, data.capture, data.labels
         rec.flush()  # (the short tensors' statistics: a failure there is a failure too)
         failed = rec.error is not None
-        width = len(stats.FIELDS)
-        records = torch.zeros(len(labels), 2, width, dtype=torch.float64, device=device) if failed else rec.records(labels, cap.aliases)
-        names = [] if data.updates is None else data.updates.names
-        if names:  # extra rows after the nodes': the same transfer
-            assert data.updates is not None
-            records = torch.cat([records, _on(data.updates.rows, records.device)])
-        if data.loss_scale is not None:  # one more row, last
-            extra = torch.zeros(1, 2, width, dtype=torch.float64, device=records.device)
-            extra[0, FORWARD, 0] = 1.0
-            extra[0, FORWARD, 1] = _on(data.loss_scale, records.device)
-            records = torch.cat([records, extra])
+        records = torch.zeros(len(labels), 2, len(stats.FIELDS), dtype=torch.float64, device=device) if failed else rec.records(labels, cap.aliases)
+        device = records.device
+        rows = data.updates
+        names, sharded = ([], []) if rows is None else (rows.names, rows.sharded)
+        first: List[Tensor] = []
+        sums = None
+        split = [n for n, shard in zip(names, sharded) if shard]
+        if names:
+            assert rows is not None
+            grads, sums, whole = pool.update_parts(_on(rows.rows, device), sharded)
+            records = torch.cat([records, grads])  # sharded gradients' moments merge as records
+            first.append(whole.reshape(-1))
+        if data.loss_scale is not None:  # rank 0's, last
+            first.append(_on(data.loss_scale, device).reshape(1).to(torch.float64))
         hist_labels = self.histogram_labels(data)
         hists = rec.histogram_tensor(hist_labels) if hist_labels else None
-        dynamo = cap.mode != "fx"
         out = pool.pool_step(
-            records, [*labels, *names], rows=max(records.shape[0], _DYNAMO_ROWS) if dynamo else None, replicated=replicated,
-            failed=failed, histograms=hists, histogram_labels=hist_labels, histogram_rows=_DYNAMO_HIST_ROWS if dynamo else None,
+            records, [*labels, *(_UPDATE + n for n in split)], replicated=replicated, failed=failed, histograms=hists,
+            histogram_labels=hist_labels, spread=self.rank_spread, sums=sums, first=torch.cat(first) if first else None, dst=0, groups=rec.groups,
         )  # fmt: skip
-        n, k = len(labels), len(names)
-        scale = None if data.loss_scale is None else float(out.records[-1, FORWARD, 1])
-        pooled_updates = updates.pool(out.per_rank[:, n : n + k], data.updates.sharded) if data.updates is not None and k else None
-        return PooledStep(pool.Pooled(out.records[:n], out.per_rank[:, :n], out.histograms), scale, pooled_updates)
+        if out is None:
+            return None
+        n = len(labels)
+        scale = None if data.loss_scale is None else float(out.first[-1])  # type: ignore[index]
+        pooled_updates = None
+        if names:
+            whole = out.first if data.loss_scale is None else out.first[:-1]  # type: ignore[index]
+            pooled_updates = pool.pooled_updates(sharded, out.records[n:], out.sums, whole)  # type: ignore[arg-type]
+        spread = None if out.spread is None else pool.RankSpread(*(t[:n] for t in out.spread))
+        return PooledStep(pool.Pooled(out.records[:n], out.histograms, spread), scale, pooled_updates)
 
     def histogram_labels(self, data: StepData) -> List[str]:
-        """The selected labels whose value histograms are pooled (capped under dynamo)."""
+        """The selected labels whose value histograms are pooled."""
         if self.value_histograms is None:
             return []
-        chosen = [l for l in data.labels if self.value_histograms.search(l)]
-        if data.capture.mode != "fx" and len(chosen) > _DYNAMO_HIST_ROWS:
-            self.warn_once("hist_rows", f"ScaleMonitor: `value_histograms` matches {len(chosen)} nodes; with dynamo capture the first {_DYNAMO_HIST_ROWS} are written")
-            chosen = chosen[:_DYNAMO_HIST_ROWS]
-        return chosen
+        return [l for l in data.labels if self.value_histograms.search(l)]
 
-    def report(self, data: StepData, step: PooledStep, is_zero: bool, loggers: Sequence[Any], accumulate: int) -> None:
-        """Warn about anomalies; on rank zero, choose what to write and queue the writing."""
+    def report(self, data: StepData, step: Optional[PooledStep], is_zero: bool, loggers: Sequence[Any], accumulate: int) -> None:
+        """On rank zero (which got the pooled step), warn about anomalies, choose what to
+        write and queue the writing."""
+        if step is None:
+            return
         pooled, loss_scale = step.pooled, step.loss_scale
         for message in self.anomalies.check(data.capture, data.labels, pooled.records, data.step, data.prefix):
             self.warn(message)
@@ -192,10 +201,10 @@ class Reporter:
         keep = self._cap(keep)
         if not loggers:
             return
-        records, per_rank = _unscaled(pooled, self.unscale_gradients, accumulate / (loss_scale or 1.0))
+        records, spread = _unscaled(pooled, self.unscale_gradients, accumulate / (loss_scale or 1.0))
         hist_labels = self.histogram_labels(data)
         job = _Written(
-            data.step, data.prefix, [labels[i] for i in keep], records[keep], per_rank[:, keep] if self.rank_spread else None,
+            data.step, data.prefix, [labels[i] for i in keep], records[keep], None if spread is None else pool.RankSpread(*(t[keep] for t in spread)),
             {f"{'fwd' if d == FORWARD else 'bwd'}/{l}": pooled.histograms[i, d] for i, l in enumerate(hist_labels) for d in (FORWARD, BACKWARD)},
             loss_scale, _updates(data, step), list(zip(data.capture.graphs, data.capture.labels)) if self.code else None,
         )  # fmt: skip
@@ -269,7 +278,7 @@ def _split(loggers: Sequence[Any]) -> Tuple[List[Any], List[Any]]:
 
 def _write(writer: ScaleWriter, job: _Written, loggers: List[Any], index: Dict[str, int], all_records: Tensor) -> None:
     code = _code(job.code, index, all_records) if job.code is not None else None
-    writer.write(job.step, job.labels, job.records, code, job.per_rank)
+    writer.write(job.step, job.labels, job.records, code, job.spread)
     if job.loss_scale is not None:
         for logger in loggers:
             logger.log_metrics({f"{job.prefix}scale_loss/loss_scale": job.loss_scale}, step=job.step)
@@ -312,10 +321,15 @@ def _code(graphs: List[Tuple[fx.GraphModule, Dict[str, str]]], index: Dict[str, 
     return "\n\n".join(texts)
 
 
-def _unscaled(pooled: pool.Pooled, unscale: bool, factor: float) -> Tuple[Tensor, Tensor]:
+def _unscaled(pooled: pool.Pooled, unscale: bool, factor: float) -> Tuple[Tensor, Optional[pool.RankSpread]]:
+    spread = pooled.spread
     if not unscale:
-        return pooled.records, pooled.per_rank
-    return scale_backward(pooled.records, factor), scale_backward(pooled.per_rank, factor)
+        return pooled.records, spread
+    if spread is not None:  # a std scales as the values, by |factor|
+        scale = torch.ones(2, dtype=torch.float64)
+        scale[BACKWARD] = abs(factor)
+        spread = pool.RankSpread(spread.present, spread.low * scale, spread.high * scale)
+    return scale_backward(pooled.records, factor), spread
 
 
 def scale_backward(records: Tensor, factor: float) -> Tensor:

@@ -268,7 +268,7 @@ class ScaleWriter:
     def _tensorboards(self) -> List[Any]:
         return [logger.experiment for logger in self.loggers if self._tensorboards_of(logger)]
 
-    def write(self, step: int, labels: Sequence[str], records: Tensor, code: Optional[str] = None, spread: Optional[Tensor] = None) -> None:
+    def write(self, step: int, labels: Sequence[str], records: Tensor, code: Optional[str] = None, spread: Any = None) -> None:
         """Write scalars, histograms, figure and text for ``step`` (``labels`` in execution order)."""
         values, keep = _scalar_values(records, self.statistics, self.log2)
         tags = list(self._tags(labels, keep))
@@ -300,14 +300,13 @@ class ScaleWriter:
     def _tensorboards_of(self, logger: Any) -> bool:
         return is_tensorboard(logger)
 
-    def _spread(self, labels: Sequence[str], per_rank: Tensor) -> Dict[str, float]:
-        std = stats.statistic(per_rank, "std")  # (world, n, 2)
-        present = (per_rank[..., 0] > 0).all(0)
-        lo, hi = std.min(0).values.tolist(), std.max(0).values.tolist()
+    def _spread(self, labels: Sequence[str], spread: Any) -> Dict[str, float]:
+        """``scale_rank_min/...`` and ``scale_rank_max/...`` from a ``pool.RankSpread``."""
+        present, lo, hi = spread.present.tolist(), spread.low.tolist(), spread.high.tolist()
         out: Dict[str, float] = {}
         for i, label in enumerate(labels):
             for tag, d in DIRECTIONS:
-                if present[i, d]:
+                if present[i][d]:
                     out[f"scale_rank_min/{tag}/{label}"] = lo[i][d]
                     out[f"scale_rank_max/{tag}/{label}"] = hi[i][d]
         return out

@@ -1,19 +1,24 @@
-"""Train a tiny MLP on 2 CPU processes (gloo) and save what the distributed tests check.
+"""Train a tiny MLP on CPU processes (gloo) and save what the distributed tests check.
 
-Usage: ``python run_dist.py OUT STRATEGY CALLBACK`` with STRATEGY one of ``ddp``,
-``ddp_spawn``, ``fsdp2`` and CALLBACK ``on``, ``off`` or ``fail`` (on, and every
-statistic raises on rank 1 only). Lightning's ``ddp`` launcher re-runs this script for
-rank 1.
+Usage: ``python run_dist.py OUT STRATEGY CALLBACK [WORLD [CAPTURE]]`` with STRATEGY one of
+``ddp``, ``ddp_spawn``, ``fsdp2``, CALLBACK ``on``, ``off`` or ``fail`` (on, and every
+statistic raises on rank 1 only), WORLD the number of processes (2) and CAPTURE the
+callback's ``capture`` (``fx``). Lightning's ``ddp`` launcher re-runs this script for the
+other ranks.
 
 Writes to OUT: ``init.pt`` (initial parameters), ``batch_rank<r>.pt`` (each rank's first
-batch), ``params.pt`` (full parameters after training), ``logs/`` (TensorBoard, rank 0).
+batch), ``params.pt`` (full parameters after training), ``logs/`` (TensorBoard, rank 0),
+``collectives_rank<r>.json`` (every ``torch.distributed`` collective called from the
+package's code: name, reduce op, bytes of its tensors, global step).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any, Callable, List
 
 import lightning.pytorch as pl
 import torch
@@ -99,20 +104,47 @@ def _fail_on_rank_1() -> None:
         short_records.records_of_many = record_of  # type: ignore[assignment]  # short tensors, computed together
 
 
-def main(out: Path, strategy_name: str, mode: str) -> None:
+_PACKAGE = str(Path(__file__).resolve().parents[2] / "lightning_scale")
+_COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor", "gather", "scatter", "all_to_all_single", "all_gather_object", "broadcast_object_list")
+
+
+def count_collectives(trainer: "list[pl.Trainer]") -> List[Any]:
+    """Wrap ``torch.distributed``'s collectives: calls from the package's code are logged."""
+    calls: List[Any] = []
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            frame = sys._getframe(1)
+            if frame.f_code.co_filename.startswith(_PACKAGE):
+                flat = [a for a in (*args, *kwargs.values()) for a in (a if isinstance(a, (list, tuple)) else [a])]
+                size = sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
+                op = kwargs.get("op", next((a for a in args if isinstance(a, torch.distributed.ReduceOp.RedOpType)), None))
+                calls.append([name, str(op).split(".")[-1], size, trainer[0].global_step if trainer else None])
+            return fn(*args, **kwargs)
+
+        return counted
+
+    for name in _COLLECTIVES:
+        setattr(torch.distributed, name, wrap(name, getattr(torch.distributed, name)))
+    return calls
+
+
+def main(out: Path, strategy_name: str, mode: str, world: int = 2, capture: str = "fx") -> None:
     callback = mode in ("on", "fail")
     if mode == "fail":
         _fail_on_rank_1()
+    holder: "list[pl.Trainer]" = []
+    calls = count_collectives(holder)
     torch.manual_seed(0)
-    data = TensorDataset(torch.randn(16, 8), torch.randn(16, 4))
+    data = TensorDataset(torch.randn(8 * world, 8), torch.randn(8 * world, 4))
     module = Module(out, fsdp=strategy_name == "fsdp2")
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         torch.save(full_state(module.model), out / "init.pt")
-    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if strategy_name == "fsdp2" else strategy_name
-    callbacks = [ScaleMonitor(every_n_steps=None, steps=[0], histograms=False, figure=False, code=False, rank_spread=True)] if callback else []
+    strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1) if strategy_name == "fsdp2" else strategy_name
+    callbacks = [ScaleMonitor(every_n_steps=None, steps=[0], histograms=False, figure=False, code=False, rank_spread=True, capture=capture)] if callback else []
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=world,
         strategy=strategy,
         max_steps=2,
         logger=TensorBoardLogger(str(out), name="logs", version=0),
@@ -121,7 +153,9 @@ def main(out: Path, strategy_name: str, mode: str) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    holder.append(trainer)
     trainer.fit(module, DataLoader(data, batch_size=4, shuffle=False))
+    (out / f"collectives_rank{trainer.global_rank}.json").write_text(json.dumps(calls))
     state = full_state(module.model)
     if trainer.is_global_zero:
         torch.save(state, out / "params.pt")
@@ -130,4 +164,4 @@ def main(out: Path, strategy_name: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
+    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3], *(f(a) for f, a in zip((int, str), sys.argv[4:])))

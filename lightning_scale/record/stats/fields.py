@@ -2,9 +2,11 @@
 
 A *record* is a float64 vector of ``len(FIELDS)`` numbers that summarises one tensor:
 its element count, mean and sum of squared deviations (``m2``), extremes, and counts of
-special values. Records merge exactly: ``merge(record(a), record(b))`` equals
-``record(cat(a, b))`` up to rounding, which is what pooling across micro-batches and
-ranks relies on. Fields that were not computed hold NaN and stay NaN through merges.
+special values. Records merge exactly: ``merge(record(a), record(b))`` and
+``merge_rows(stack of records)`` equal ``record(cat(a, b, ...))`` up to rounding, which is
+what pooling across micro-batches and ranks relies on. ``merge_rows`` merges by a max, a
+sum and a second sum, so that the same arithmetic runs as reductions across ranks. Fields that were not computed hold NaN and stay NaN
+through merges.
 """
 
 from __future__ import annotations
@@ -168,15 +170,97 @@ def _pick(na: Tensor, nb: Tensor, x: Tensor, y: Tensor, op) -> Tensor:  # type: 
     return torch.where(na == 0, y, torch.where(nb == 0, x, both))
 
 
+# Merging by reductions: what a sum and a max over records (over ranks: all_reduce) give.
+# Stage 1, a max: the extremes and the least and largest finite mean, whose midpoint c
+# shifts the means of stage 2, a sum: the counts and sums, and count x (mean - c), so that
+# rounding in the sum is relative to the means' spread, not to their size. Stage 3, a sum:
+# each record's m2 plus its count x its squared distance to the merged mean.
+
+#: Fields that add over tensors: every field but mean, m2 and the extremes.
+_ADDITIVE = [i for i in range(len(FIELDS)) if i not in (_MEAN, _M2, _ABSMAX, _MINNZ)]
+_EXTREMES = 6  # absmax, -min_nonzero, their NaN flags, largest finite mean, -least finite mean
+
+
+def additive_fields() -> List[int]:
+    """The record fields of ``merge_sums``' columns, in order (count x shifted mean last, not listed)."""
+    return list(_ADDITIVE)
+
+
+def merge_widths() -> Tuple[int, int]:
+    """(entries of ``merge_sums``, of ``merge_extremes``) per record."""
+    return len(_ADDITIVE) + 1, _EXTREMES
+
+
+def merge_extremes(records: Tensor) -> Tensor:
+    """``[..., 6]``, merged by a max: absmax, minus min_nonzero (-inf where empty or NaN),
+    their NaN flags (0/1: no NaN enters a max, whose NaN handling depends on the backend),
+    the largest finite mean and minus the least (-inf where none)."""
+    n = records[..., _COUNT]
+    has = n > 0
+    top, least, mean = records[..., _ABSMAX], records[..., _MINNZ], records[..., _MEAN]
+    none = torch.full_like(top, -math.inf)
+    finite = has & mean.isfinite()
+    return torch.stack([
+        torch.where(has & ~top.isnan(), top, none), torch.where(has & ~least.isnan(), -least, none),
+        (has & top.isnan()).double(), (has & least.isnan()).double(),
+        torch.where(finite, mean, none), torch.where(finite, -mean, none),
+    ], -1)  # fmt: skip
+
+
+def _center(ext: Tensor) -> Tensor:
+    """The midpoint of the least and largest finite mean from maxed extremes; 0 where none."""
+    hi, lo = ext[..., 4], -ext[..., 5]
+    return torch.where(hi.isfinite(), hi / 2 + lo / 2, 0.0)
+
+
+def merge_sums(records: Tensor, ext: Tensor) -> Tensor:
+    """``[..., A]``, merged by a sum: the fields of ``_ADDITIVE``, then count x (mean - c)
+    with c the center of the maxed extremes ``ext`` (broadcast against ``records``). An
+    empty record adds zeros, whatever it holds."""
+    n = records[..., _COUNT]
+    shifted = n * (records[..., _MEAN] - _center(ext))
+    add = torch.cat([records[..., _ADDITIVE], shifted.unsqueeze(-1)], -1)
+    return torch.where((n > 0).unsqueeze(-1), add, 0.0)
+
+
+def _shift(add: Tensor) -> Tensor:
+    """The merged mean minus the center, from summed ``merge_sums``."""
+    count = add[..., 0]
+    return torch.where(count > 0, add[..., -1] / count.clamp(min=1), 0.0)
+
+
+def deviations(records: Tensor, ext: Tensor, add: Tensor) -> Tensor:
+    """Merged by a sum into the merged m2: ``m2_i + n_i (mean_i - mean)^2``, the mean from
+    the maxed extremes ``ext`` and summed ``add`` (broadcast against ``records``); 0 where
+    empty."""
+    n = records[..., _COUNT]
+    d = records[..., _M2] + n * ((records[..., _MEAN] - _center(ext)) - _shift(add)).square()
+    return torch.where(n > 0, d, 0.0)
+
+
+def merged_record(add: Tensor, ext: Tensor, m2: Tensor) -> Tensor:
+    """The merged records ``[..., FIELDS]`` from summed ``merge_sums``, maxed
+    ``merge_extremes`` and summed ``deviations``. A record empty everywhere is all zeros
+    (as the recorder's record of a key it never saw)."""
+    count = add[..., 0]
+    out = torch.zeros(*count.shape, len(FIELDS), dtype=torch.float64, device=add.device)
+    out[..., _ADDITIVE] = add[..., :-1]
+    out[..., _MEAN] = _center(ext) + _shift(add)
+    out[..., _M2] = m2
+    out[..., _ABSMAX] = torch.where(ext[..., 2] > 0, math.nan, ext[..., 0])
+    out[..., _MINNZ] = torch.where(ext[..., 3] > 0, math.nan, -ext[..., 1])
+    return torch.where((count > 0).unsqueeze(-1), out, 0.0)
+
+
 def merge_rows(records: Tensor, dim: int = 0) -> Tensor:
-    """Merge records along ``dim`` pairwise (a tree, so rounding stays balanced)."""
-    parts = list(records.unbind(dim))
-    while len(parts) > 1:
-        nxt = [merge(parts[i], parts[i + 1]) for i in range(0, len(parts) - 1, 2)]
-        if len(parts) % 2:
-            nxt.append(parts[-1])
-        parts = nxt
-    return parts[0]
+    """Merge records along ``dim``: a max, a sum and a second sum (``merge_extremes``,
+    ``merge_sums``, ``deviations``, then ``merged_record``); across ranks ``report.pool``
+    runs the same as reductions. More accurate than ``k - 1`` pairwise merges: the sums
+    are of values shifted by the means' midpoint, and the mean's rounding enters m2 only
+    squared."""
+    ext = merge_extremes(records).amax(dim)
+    add = merge_sums(records, ext.unsqueeze(dim)).sum(dim)
+    return merged_record(add, ext, deviations(records, ext.unsqueeze(dim), add.unsqueeze(dim)).sum(dim))
 
 
 def statistic(records: Tensor, name: str) -> Tensor:
