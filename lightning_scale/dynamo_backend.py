@@ -6,13 +6,16 @@ resolves them to full labels for the module instances that run it (``frames``). 
 tracked call, compiled submodules (``OptimizedModule``) are opaque to this compile: they
 run their own compiled code and are recorded at their output under their path. Graph
 breaks inside library code resume inside it (``nested_graph_breaks``) instead of running
-the rest of the call unrecorded.
+the rest of the call unrecorded; numpy runs eagerly, as in the user's forward; hooks a
+forward registers are registered eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Tuple
 
@@ -27,7 +30,11 @@ if TYPE_CHECKING:
 
 __all__ = ["WeakBackend", "opaque_compiled", "tracked_forward"]
 
-_CONFIG = {k: True for k in ("nested_graph_breaks",) if hasattr(torch._dynamo.config, k)}
+# nested_graph_breaks: a graph break inside library code resumes inside it instead of
+# running the rest of the call unrecorded. trace_numpy off: dynamo would turn numpy calls
+# into torch ops, drawing random numbers from torch's generator instead of numpy's
+# (Wav2Vec2's SpecAugment masks differ); off, numpy runs eagerly, as in the user's forward.
+_CONFIG = {k: v for k, v in (("nested_graph_breaks", True), ("trace_numpy", False)) if hasattr(torch._dynamo.config, k)}
 MODULE_KEY = "<module>"  # label-dict key prefix of module outputs (no graph node of their own)
 COMPILED_KEY = "<compiled>"  # key prefix of compiled submodules' outputs (recorded, not a node)
 
@@ -160,6 +167,36 @@ def _recorded_at_output(forward: Callable[..., Any], label: str) -> Callable[...
     return run
 
 
+# Hook registration in forward (transformers installs its output-capturing hooks on the
+# first call that asks for router logits) runs eagerly: after a nested graph break dynamo
+# hands it the module's hook tables rebuilt as plain dicts, and registering fails
+# ("cannot create weak reference to 'dict' object").
+_HOOK_METHODS = [name for name in vars(nn.Module) if name.startswith("register_") and name.endswith("hook")]
+_EAGER_HOOK_METHODS = {name: torch.compiler.disable(getattr(nn.Module, name)) for name in _HOOK_METHODS}
+
+# Dynamo's own warnings about how it traces: the user's forward does not compile, so they
+# would appear only because of tracking, and the fidelity probe checks what they warn of.
+_DYNAMO_WARNINGS = (
+    "Dynamo detected a call to a `functools.lru_cache`-wrapped function",  # it traces through the cache
+    "To copy construct from a tensor",  # its example values of a `torch.tensor(tensor)`
+)
+
+
+@contextlib.contextmanager
+def _dynamo_settings() -> Iterator[None]:
+    originals = {name: vars(nn.Module)[name] for name in _HOOK_METHODS}
+    with warnings.catch_warnings(), torch._dynamo.config.patch(**_CONFIG):
+        for message in _DYNAMO_WARNINGS:
+            warnings.filterwarnings("ignore", message=re.escape(message), category=UserWarning, module=r"torch\._dynamo")
+        for name, fn in _EAGER_HOOK_METHODS.items():
+            setattr(nn.Module, name, fn)
+        try:
+            yield
+        finally:
+            for name, fn in originals.items():
+                setattr(nn.Module, name, fn)
+
+
 def tracked_forward(cap: "Capture", compiled: Callable[..., Any]) -> Callable[..., Any]:
     """``compiled`` under the capture's dynamo settings, compiled submodules opaque."""
 
@@ -168,7 +205,7 @@ def tracked_forward(cap: "Capture", compiled: Callable[..., Any]) -> Callable[..
     def run(*args: Any, **kwargs: Any) -> Any:
         before = set(breaks)
         try:
-            with opaque_compiled(cap), torch._dynamo.config.patch(**_CONFIG):
+            with opaque_compiled(cap), _dynamo_settings():
                 return compiled(*args, **kwargs)
         finally:  # graph-break reasons, for the coverage report
             cap._breaks.extend(str(k).splitlines()[0][:160] for k in breaks if k not in before)

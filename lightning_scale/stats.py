@@ -239,6 +239,7 @@ _CONDITION = 4.0
 def _host_moments(x: Tensor, out: List[Entry], with_max: bool = False, one_read: bool = True) -> Optional[float]:
     """Fills mean, m2, nan and inf of ``x`` on the host. Returns max |x| where it came
     with the sums (``with_max`` and the native kernel, ``one_read``), else None."""
+    x = x.detach()  # (the fast path hands it the graph's tensor: no autograd, no warning on float())
     n = x.numel()
     if one_read and n > _DOT_MAX:
         taken, top = _native_moments(x, out, with_max)
@@ -399,7 +400,7 @@ def _scaled_moments(x: Tensor, total_of: _Sum, own: bool) -> Tuple[Tensor, Tenso
     """
     n = x.numel()
     acc = _acc_dtype(x)
-    lo, hi = torch.aminmax(x)
+    lo, hi = torch.aminmax(x.detach())
     absmax = torch.maximum(lo.abs(), hi.abs()).to(acc)
     s = _inverse_power_of_two(absmax)
     y = x.mul_(s) if own else x.to(acc) * s if x.dtype == acc else x.to(acc).mul_(s)
@@ -432,7 +433,7 @@ def _inverse_power_of_two(a: Tensor) -> Tensor:
 
 
 def _host_absmax(x: Tensor) -> float:
-    lo, hi = torch.aminmax(x)
+    lo, hi = torch.aminmax(x.detach())
     return max(abs(float(lo)), abs(float(hi)))
 
 

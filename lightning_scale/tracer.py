@@ -3,7 +3,8 @@
 ``DeepTracer`` traces into every ``nn.Module`` (``torch.fx.symbolic_trace`` stops at each
 one), so parameters and the ops inside layers are graph nodes. A submodule whose trace
 raises is rolled back and kept as a ``call_module`` leaf, with the reason. ``trace_module``
-runs a trace under ``module_state.guarded``: nothing of it stays on the user's modules,
+runs a trace under ``module_state.guarded`` and ``forked_rng``: nothing of it stays on the
+user's modules or random number generators,
 and attribute writes in ``forward`` raise ``SideEffectError``. ``failure_reason`` turns a
 trace error into what failed, in which module, at which source line.
 """
@@ -20,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, U
 import torch
 from torch import fx, nn
 
-from lightning_scale.module_state import guarded
+from lightning_scale.module_state import forked_rng, guarded
 
 __all__ = ["DEFAULT_LEAF_TYPES", "DeepTracer", "SideEffectError", "failure_reason", "trace_module"]
 
@@ -153,8 +154,9 @@ class SideEffectError(RuntimeError):
 
 def trace_module(module: nn.Module, tracer: DeepTracer) -> fx.GraphModule:
     """``tracer``'s graph of ``module`` as a GraphModule; nothing of the trace stays on ``module``."""
-    # Nothing of the trace may stay on the user's modules (fx runs forward on proxies).
-    with warnings.catch_warnings(), guarded(module) as writes:
+    # Nothing of the trace may stay on the user's modules (fx runs forward on proxies), nor
+    # on the random number generators (ops without proxy inputs, numpy, run for real).
+    with warnings.catch_warnings(), forked_rng(), guarded(module) as writes:
         warnings.simplefilter("ignore")
         graph = tracer.trace(module)
         gm = fx.GraphModule(module, graph)
