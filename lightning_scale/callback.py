@@ -21,14 +21,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_scale import distributed, native, stats
+from lightning_scale import distributed, fidelity, native, stats
 from lightning_scale.anomaly import AnomalyDetector, check_arguments
 from lightning_scale.capture import CAPTURE_MODES, Capture, capture
 from lightning_scale.recorder import Recorder
 from lightning_scale.reporting import Reporter, StepData, UpdateRows
 from lightning_scale.schedule import Schedule
 from lightning_scale.selection import Matching, Selection, compile_pattern, resolve_submodule
-from lightning_scale.tracked_step import TrackedStep, fsdp_units, replicated_labels
+from lightning_scale.tracked_step import TrackedStep, Verify, fsdp_units, replicated_labels
 from lightning_scale.updates import UpdateTracker
 
 __all__ = ["ScaleMonitor"]
@@ -77,6 +77,11 @@ class ScaleMonitor(Callback):
             optimizer step's update / RMS of the parameter before it) and
             ``grad_std/<parameter>`` (std of the gradient the optimizer used). Holds a copy
             of the parameters during a tracked step. See ``lightning_scale.updates``.
+        verify_capture: on the first tracked step of each capture, run the captured
+            forward and the model's own forward from the same state and compare their
+            outputs bit for bit; if they differ, try the other capture route, and if none
+            matches, train untracked with one warning saying why (the one-off cost of two
+            extra forwards, see docs/benchmarks.md). See ``lightning_scale.fidelity``.
 
     Raises:
         ValueError: an argument outside what is allowed (the message names it).
@@ -111,6 +116,7 @@ class ScaleMonitor(Callback):
         anomaly_steps: int = 0,
         anomaly_factor: float = 10.0,
         update_ratios: bool = False,
+        verify_capture: bool = True,
     ) -> None:
         self.schedule = Schedule(every_n_steps, steps, start_step, stop_step)
         if capture not in CAPTURE_MODES:
@@ -132,6 +138,10 @@ class ScaleMonitor(Callback):
         check_arguments(anomaly_steps, anomaly_factor)
         self.anomaly_steps, self.anomaly_factor = anomaly_steps, float(anomaly_factor)
         self.update_ratios = bool(update_ratios)
+        if not isinstance(verify_capture, bool):
+            raise ValueError(f"`verify_capture` must be True or False, got {verify_capture!r}")
+        self.verify_capture = verify_capture
+        self._verified: "set[int]" = set()  # ids of the captures the probe has checked
         self._detector: Optional[AnomalyDetector] = None
         self._updates = UpdateTracker()
         self._scale_before: Optional[Tensor] = None
@@ -263,6 +273,7 @@ class ScaleMonitor(Callback):
         if any(cap.module is not target for cap in self._captures.values()):
             self._captures.clear()
             self._step_labels.clear()
+            self._verified.clear()
             self._disabled = None
 
     # ---- capture -------------------------------------------------------------------------
@@ -288,9 +299,35 @@ class ScaleMonitor(Callback):
             for m, flag in flags.items():
                 m.training = flag
 
-    def _new_capture(self, target: nn.Module) -> Capture:
+    def _new_capture(self, target: nn.Module, mode: Optional[str] = None) -> Capture:
         units = fsdp_units(target)
-        return capture(target, self.capture_mode, leaf_modules=self.leaf_modules, units=units)
+        return capture(target, mode or self.capture_mode, leaf_modules=self.leaf_modules, units=units)
+
+    def _verifier(self, target: nn.Module, trainer: pl.Trainer) -> Verify:
+        """The fidelity probe for ``target``'s capture: its route first, then the other."""
+
+        def agree(ok: bool) -> bool:
+            return ok if trainer.world_size == 1 else bool(trainer.strategy.reduce_boolean_decision(ok, all=True))
+
+        def verify(cap: Capture, eager: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Capture]:
+            other = "fx" if cap.mode == "dynamo" else "dynamo"
+            routes = [(cap.mode, lambda: cap), (other, lambda: self._new_capture(target, other))]
+            outcome = fidelity.verify(target, eager, routes, args, kwargs, agree)
+            self._verified.add(id(cap))
+            name = type(target).__name__
+            if outcome.capture is None:
+                self._disable(
+                    f"the captured forward of {name} does not reproduce its own forward bit for bit, so tracking "
+                    f"would change training ({outcome.describe()}); pass `verify_capture=False` to track it anyway"
+                )
+                return None
+            if outcome.switched:
+                self._captures = {k: (outcome.capture if v is cap else v) for k, v in self._captures.items()}
+                self._verified.add(id(outcome.capture))
+                rank_zero_info(f"ScaleMonitor: {name} tracked with {outcome.capture.mode} ({outcome.describe()}): {outcome.capture.describe()}")
+            return outcome.capture
+
+        return verify
 
     def _disable(self, why: str) -> None:
         self._disabled = why
@@ -307,7 +344,8 @@ class ScaleMonitor(Callback):
         if self.value_histograms is not None:
             rec.histogram_keys = Matching(self.value_histograms)  # type: ignore[assignment]  # dynamo labels appear as it compiles
         self._active = TrackedStep(step, prefix, cap, rec)
-        self._active.install(target)
+        verify = None if not self.verify_capture or id(cap) in self._verified else self._verifier(target, pl_module.trainer)
+        self._active.install(target, verify)
         if prefix == "":
             self.last_tracked_step = step
 
@@ -323,6 +361,10 @@ class ScaleMonitor(Callback):
         active, self._active = self._active, None
         assert active is not None
         active.uninstall()
+        if active.untracked:  # the fidelity probe fell back to the user's forward
+            self._updates.clear()
+            active.recorder.clear()
+            return
         try:
             self._report(trainer, active)
         finally:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Set, Tuple, Type, Union
@@ -224,7 +225,7 @@ def _fx_capture(
     taken: Dict[str, int] = {}
     labels = label_graph(gm, module, taken)
     aliases = view_aliases(gm, labels)
-    labels = _with_module_outputs(gm, labels, aliases)
+    labels = _with_module_outputs(gm, labels, aliases, tracer.passthrough)
     cap = Capture("fx", module, [gm], [labels], list(tracer.leaves), dict(tracer.fallbacks), aliases, _taken=taken)
     cap._fns.append(instrument(gm, _observed(labels, aliases), live=module))
     return cap
@@ -253,12 +254,17 @@ def _add_units(
         cap._unit_fns.append((path, instrument(gm, _observed(labels, aliases), live=unit)))
 
 
-def _with_module_outputs(gm: fx.GraphModule, labels: Dict[str, str], aliases: Dict[str, str], scope: str = "") -> Dict[str, str]:
+def _with_module_outputs(
+    gm: fx.GraphModule, labels: Dict[str, str], aliases: Dict[str, str], passthrough: Optional[Dict[str, str]] = None, scope: str = ""
+) -> Dict[str, str]:
     """``labels`` plus, after each module's last node, the module's path as an alias of
-    that node (``fc1`` -> ``fc1/linear``): a layer's output is found by its name."""
+    that node (``fc1`` -> ``fc1/linear``): a layer's output is found by its name. A leaf
+    with a tuple output (an LSTM's) is its first item; a module that returns its input
+    (``nn.Identity``) is that input."""
     ends: Dict[str, List[str]] = {}
-    outputs = frames.module_outputs(gm, parse=lambda p: (None, p))
-    outputs += [(None, str(n.target), n.name) for n in gm.graph.nodes if n.op == "call_module"]
+    outputs = [(None, str(n.target), _first_item(n)) for n in gm.graph.nodes if n.op == "call_module"]
+    outputs += [(None, path, node) for path, node in (passthrough or {}).items()]
+    outputs += frames.module_outputs(gm, parse=lambda p: (None, p))
     for _, path, node in outputs:
         full = frames.strip_compiled(".".join(p for p in (scope, path) if p))
         source = labels.get(node)
@@ -272,6 +278,14 @@ def _with_module_outputs(gm: fx.GraphModule, labels: Dict[str, str], aliases: Di
         for full in ends.get(name, []):
             out[MODULE_KEY + full] = full
     return out
+
+
+def _first_item(node: fx.Node) -> str:
+    """A leaf's output node, or the ``[0]`` item of it where the graph unpacks a tuple."""
+    for user in node.users:
+        if user.op == "call_function" and user.target is operator.getitem and user.args[1] == 0:
+            return user.name
+    return node.name
 
 
 def _observed(labels: Dict[str, str], aliases: Dict[str, str]) -> Dict[str, str]:

@@ -171,11 +171,28 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
         sys.modules["numpy"].random.set_state(state["numpy"])
 
 
+_RNG_NAMES = {"torch": "torch's CPU generator", "cuda": "torch's CUDA generators", "numpy": "numpy's generator", "random": "Python's `random`"}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if hasattr(a, "shape") and hasattr(a, "dtype"):  # a numpy array
+        return bool((a == b).all())
+    return bool(a == b)
+
+
 @contextmanager
-def forked_rng() -> Iterator[None]:
-    """Random numbers drawn in the block leave every generator as it was."""
+def forked_rng() -> Iterator[List[str]]:
+    """Random numbers drawn in the block leave every generator as it was. Yields a list
+    that, after the block, names the generators it drew from."""
     state = _rng_state()
+    drawn: List[str] = []
     try:
-        yield
+        yield drawn
     finally:
+        after = _rng_state()
+        drawn.extend(_RNG_NAMES[k] for k in state if k in after and not _same(state[k], after[k]))
         _set_rng_state(state)

@@ -1,0 +1,195 @@
+"""Fidelity: proof, on a capture's first tracked step, that the captured forward computes
+exactly what the user's forward computes.
+
+A capture route can change a model's computation where no test of ours would notice:
+dynamo makes ``torch.compiler.is_compiling()`` true (transformers' Mamba then takes
+another scan), traces numpy calls into torch ops, replays checkpointed dropout; fx bakes
+Python branches in. So before the first tracked step of a capture runs, ``verify`` runs
+the user's eager forward and the captured forward on the step's own inputs, each from the
+same saved state (``module_state.Snapshot``: the random number generators, buffers,
+module attributes), and compares every output tensor and every buffer bit for bit. If
+they differ it says which output and by how much, and tries the other route (fx <->
+dynamo). If no route reproduces the eager forward, it says so, and the model trains
+untracked. Afterwards the state is put back, so the real step runs as if no probe had
+run.
+
+Both forwards run in the step's own grad mode (not under ``torch.no_grad``): dynamo
+guards on grad mode, so a probe without gradients would compile, and verify, a graph the
+step never runs. Neither output is differentiated; their graphs are freed before the step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from lightning_scale.capture import Capture
+from lightning_scale.module_state import Snapshot
+from lightning_scale.tracer import failure_reason
+
+__all__ = ["Outcome", "Verdict", "compare", "verify"]
+
+_DEPTH = 6  # how deep outputs are searched for tensors (nested tuples, dicts, objects)
+
+
+@dataclass
+class Verdict:
+    """One route's result: the differences from the eager forward, or why it could not run."""
+
+    route: str
+    differences: List[str] = field(default_factory=list)
+    error: Optional[str] = None
+
+    @property
+    def matches(self) -> bool:
+        return not self.differences and self.error is None
+
+    def describe(self) -> str:
+        if self.error is not None:
+            return f"{self.route}: {self.error}"
+        if self.matches:
+            return f"{self.route}: bit-identical"
+        more = f" (and {len(self.differences) - 3} more)" if len(self.differences) > 3 else ""
+        return f"{self.route}: " + "; ".join(self.differences[:3]) + more
+
+
+@dataclass
+class Outcome:
+    """The capture to track with (None: none reproduces the eager forward) and each route's verdict."""
+
+    capture: Optional[Capture]
+    verdicts: List[Verdict]
+
+    @property
+    def switched(self) -> bool:
+        return self.capture is not None and len(self.verdicts) > 1
+
+    def describe(self) -> str:
+        return "; ".join(v.describe() for v in self.verdicts)
+
+
+def _leaves(x: Any, name: str, depth: int = 0) -> Iterator[Tuple[str, Any]]:
+    """(name, value) of every tensor and number in an output: ``loss``, ``logits``, ``[0]``."""
+    if isinstance(x, Tensor) or isinstance(x, (bool, int, float, str)) or x is None:
+        yield name, x
+    elif isinstance(x, nn.Module) or depth > _DEPTH:
+        return
+    elif isinstance(x, dict) or (hasattr(x, "keys") and hasattr(x, "__getitem__")):
+        for key in list(x.keys()):
+            yield from _leaves(x[key], f"{name}.{key}" if name else str(key), depth + 1)
+    elif isinstance(x, (list, tuple)):
+        for i, item in enumerate(x):
+            yield from _leaves(item, f"{name}[{i}]", depth + 1)
+    elif hasattr(x, "__dict__"):  # plain result objects (also classes used as records)
+        for key, value in vars(x).items():
+            if not key.startswith("__"):
+                yield from _leaves(value, f"{name}.{key}" if name else key, depth + 1)
+
+
+def _snapshot(x: Any) -> Dict[str, Any]:
+    return {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in _leaves(x, "")}
+
+
+def _difference(a: Tensor, b: Tensor) -> Optional[str]:
+    """None where ``a`` and ``b`` are equal bit for bit (NaN where NaN), else how they differ."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return f"{a.dtype} {tuple(a.shape)} on {a.device} != {b.dtype} {tuple(b.shape)} on {b.device}"
+    if torch.equal(a, b):
+        return None
+    if a.is_floating_point() or a.is_complex():
+        same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+        if bool(same.all()):
+            return None
+        gap = (a.double() - b.double()).abs()[~same]
+        finite = gap[torch.isfinite(gap)]
+        top = f", max |difference| {float(finite.max()):.3g}" if finite.numel() else ""
+        return f"{int((~same).sum()):,} of {a.numel():,} elements differ{top}"
+    return f"{int((a != b).sum()):,} of {a.numel():,} elements differ"
+
+
+def compare(expected: Dict[str, Any], actual: Dict[str, Any], kind: str = "output") -> List[str]:
+    """How ``actual`` differs from ``expected`` (both from ``_snapshot``), one line per entry."""
+    out: List[str] = []
+    for key in sorted(set(expected) | set(actual)):
+        if key not in actual or key not in expected:
+            out.append(f"{kind} `{key or kind}` only in the {'eager' if key in expected else 'captured'} forward")
+            continue
+        a, b = expected[key], actual[key]
+        if isinstance(a, Tensor) and isinstance(b, Tensor):
+            why = _difference(a, b)
+        elif isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+            why = None
+        else:
+            why = None if type(a) is type(b) and (a == b) is True else f"{a!r} != {b!r}"
+        if why is not None:
+            out.append(f"{kind} `{key or kind}` differs: {why}")
+    return out
+
+
+def _buffers(root: nn.Module) -> Dict[str, Any]:
+    return {name: b.detach().clone() for name, b in root.named_buffers()}
+
+
+class _Reference:
+    """The eager forward's outputs and buffers on the step's inputs; state put back."""
+
+    def __init__(self, root: nn.Module, eager: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        self.root, self.args, self.kwargs = root, args, kwargs
+        self.state = Snapshot(root)
+        try:
+            self.outputs = _snapshot(eager(*args, **kwargs))
+            self.buffers = _buffers(root)
+        finally:
+            self.state.restore()
+
+    def check(self, route: str, captured: Callable[..., Any]) -> Verdict:
+        try:
+            outputs = _snapshot(captured(*self.args, **self.kwargs))
+            differences = compare(self.outputs, outputs) + compare(self.buffers, _buffers(self.root), "buffer")
+            return Verdict(route, differences)
+        except Exception as err:  # noqa: BLE001 - a route that fails is a route that does not match
+            return Verdict(route, error=f"raised {failure_reason(err)}")
+        finally:
+            self.state.restore()
+
+
+def verify(
+    root: nn.Module,
+    eager: Callable[..., Any],
+    routes: Sequence[Tuple[str, Callable[[], Capture]]],
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    agree: Callable[[bool], bool] = lambda ok: ok,
+) -> Outcome:
+    """The first route whose captured forward reproduces ``eager`` bit for bit.
+
+    Args:
+        root: the captured module (its state is saved and put back around every run).
+        eager: the user's forward.
+        routes: (route name, capture builder) in order of preference; a builder that
+            raises is a route that does not match.
+        args, kwargs: the step's inputs to the forward.
+        agree: turns this process's verdict into every rank's (all must match), so all
+            ranks track with the same route or none does.
+
+    Returns:
+        An ``Outcome``: the matching capture (None if none matches) and every verdict.
+        Random number generators and module state are as they were before the call.
+    """
+    reference = _Reference(root, eager, args, kwargs)
+    verdicts: List[Verdict] = []
+    for route, build in routes:
+        try:
+            cap = build()
+        except Exception as err:  # noqa: BLE001 - e.g. fx cannot trace the model
+            verdict, cap = Verdict(route, error=f"could not capture ({failure_reason(err)})"), None
+        else:
+            verdict = reference.check(route, cap.tracked())
+        verdicts.append(verdict)
+        if agree(verdict.matches) and cap is not None:
+            return Outcome(cap, verdicts)
+    return Outcome(None, verdicts)
