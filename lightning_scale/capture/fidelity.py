@@ -27,9 +27,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from lightning_scale.capture import Capture
-from lightning_scale.module_state import Snapshot
-from lightning_scale.tracer import failure_reason
+from lightning_scale.capture.graphs import Capture
+from lightning_scale.capture.module_state import Snapshot
+from lightning_scale.capture.tracer import failure_reason
 
 __all__ = ["Outcome", "Verdict", "compare", "verify"]
 
