@@ -486,7 +486,8 @@ def test_low_coverage_is_reported_with_the_largest_unrecorded_module() -> None:
     report = cap.coverage(recorded)
     assert report.elements == 20 + 320 and report.covered_elements == 20
     assert report.parameter_fraction == pytest.approx(20 / 340)
-    assert "coverage: 6% of parameter elements, 50% of module calls (1/2) recorded" == report.line()
+    # floored, never rounded up; the miss counted in elements
+    assert "coverage: 5% of parameter elements (320 of 340 unrecorded), 50% of module calls (1/2) recorded" == report.line()
     warning = report.warning()
     assert warning is not None and "coverage" in warning and "`big` (320 parameter elements" in warning
     calls_only = cap.coverage(recorded + ["big/linear"])  # the call, but not its weights

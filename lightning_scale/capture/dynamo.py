@@ -31,13 +31,16 @@ from lightning_scale.record import recorder
 # module): typed as ``Any`` here so that imports go one way.
 Capture = Any
 
-__all__ = ["WeakBackend", "opaque_compiled", "tracked_forward"]
+__all__ = ["WeakBackend", "opaque_compiled", "opaque_module_paths", "tracked_forward"]
 
 # nested_graph_breaks: a graph break inside library code resumes inside it instead of
 # running the rest of the call unrecorded. trace_numpy off: dynamo would turn numpy calls
 # into torch ops, drawing random numbers from torch's generator instead of numpy's
 # (Wav2Vec2's SpecAugment masks differ); off, numpy runs eagerly, as in the user's forward.
-_CONFIG = {k: v for k, v in (("nested_graph_breaks", True), ("trace_numpy", False)) if hasattr(torch._dynamo.config, k)}
+# allow_rnn: without it dynamo skips every frame that holds an RNN, GRU or LSTM (nothing of
+# a recurrent LM is recorded); with it, the RNN call itself still runs eagerly, recorded
+# at its output (``opaque_compiled``).
+_CONFIG = {k: v for k, v in (("nested_graph_breaks", True), ("trace_numpy", False), ("allow_rnn", True)) if hasattr(torch._dynamo.config, k)}
 MODULE_KEY = "<module>"  # label-dict key prefix of module outputs (no graph node of their own)
 COMPILED_KEY = "<compiled>"  # key prefix of compiled submodules' outputs (recorded, not a node)
 
@@ -139,30 +142,61 @@ def _table(cap: "Capture", graph: frames.FrameGraph, scope: Tuple[str, ...]) -> 
     return observed
 
 
+def opaque_module_paths(cap: "Capture") -> List[str]:
+    """Paths of the modules a tracked dynamo call runs opaque: compiled submodules, and
+    RNNs (dynamo refuses to trace RNN, GRU and LSTM) outside compiled ones."""
+    return [cap._paths()[id(m)] for m in _opaque_modules(cap.module)]
+
+
+def _opaque_modules(root: nn.Module) -> List[nn.Module]:
+    compiled = torch._dynamo.eval_frame.OptimizedModule
+    out: List[nn.Module] = []
+
+    def walk(m: nn.Module) -> None:
+        for child in m.children():
+            if isinstance(child, compiled) and "forward" in child.__dict__:
+                out.append(child)  # (its inside runs its compiled code)
+            elif isinstance(child, nn.RNNBase):
+                out.append(child)
+            else:
+                walk(child)
+
+    walk(root)
+    return out
+
+
 @contextlib.contextmanager
 def opaque_compiled(cap: "Capture") -> Iterator[None]:
-    """Compiled submodules run their own compiled code, recorded at their output."""
+    """Compiled submodules run their own compiled code, and RNNs run eagerly (as dynamo
+    would after a graph break), each recorded at its output under its path."""
     paths = cap._paths()
     saved: List[Tuple[nn.Module, Any]] = []
-    for m in cap.module.modules():
-        if isinstance(m, torch._dynamo.eval_frame.OptimizedModule) and "forward" in m.__dict__:
-            if not any(paths[id(m)] in t.values() for t in cap.labels):
-                cap.graphs.append(fx.GraphModule(nn.Module(), fx.Graph()))  # no graph of its own
-                cap.labels.append({COMPILED_KEY + paths[id(m)]: paths[id(m)]})  # a record of its own
-            saved.append((m, m.__dict__["forward"]))
-            m.__dict__["forward"] = _recorded_at_output(m.__dict__["forward"], paths[id(m)])
+    for m in _opaque_modules(cap.module):
+        if not any(paths[id(m)] in t.values() for t in cap.labels):
+            cap.graphs.append(fx.GraphModule(nn.Module(), fx.Graph()))  # no graph of its own
+            cap.labels.append({COMPILED_KEY + paths[id(m)]: paths[id(m)]})  # a record of its own
+        previous = m.__dict__.get("forward", _MISSING)
+        saved.append((m, previous))
+        forward = previous if previous is not _MISSING else type(m).forward.__get__(m)
+        m.__dict__["forward"] = _recorded_at_output(forward, paths[id(m)])
     try:
         yield
     finally:
         for m, forward in saved:
-            m.__dict__["forward"] = forward
+            if forward is _MISSING:
+                del m.__dict__["forward"]
+            else:
+                m.__dict__["forward"] = forward
+
+
+_MISSING = object()
 
 
 def _recorded_at_output(forward: Callable[..., Any], label: str) -> Callable[..., Any]:
     @torch.compiler.disable
     def run(*args: Any, **kwargs: Any) -> Any:
         out = forward(*args, **kwargs)
-        recorder.observe(out, label)
+        recorder.observe(out[0] if isinstance(out, tuple) and out else out, label)  # (an RNN's: output, state)
         return out
 
     return run

@@ -33,7 +33,7 @@ import torch
 from torch import fx, nn
 
 from lightning_scale.capture import coverage, frames
-from lightning_scale.capture.dynamo import MODULE_KEY, WeakBackend, tracked_forward
+from lightning_scale.capture.dynamo import MODULE_KEY, WeakBackend, opaque_module_paths, tracked_forward
 from lightning_scale.capture.interpreter import instrument
 from lightning_scale.capture.labels import label_graph, view_aliases
 from lightning_scale.capture.tracer import DEFAULT_LEAF_TYPES, DeepTracer, failure_reason, trace_module
@@ -136,8 +136,13 @@ class Capture:
     def coverage(self, recorded: Sequence[str]) -> coverage.CoverageReport:
         """How much of the module the labels ``recorded`` (those with a record on a
         tracked step) cover; ``.line()`` for the log, ``.warning()`` below 90%."""
-        opaque = [frames.strip_compiled(p) for p in self.leaves] + self._opaque_compiled()
-        return coverage.measure(self.module, recorded, opaque, self._why_missing)
+        compiled = self._opaque_compiled()
+        opaque = [frames.strip_compiled(p) for p in self.leaves] + compiled + self._opaque_rnns()
+        return coverage.measure(self.module, recorded, opaque, self._why_missing, compiled=compiled)
+
+    def _opaque_rnns(self) -> List[str]:
+        """RNN modules dynamo runs eagerly and ``opaque_modules`` records at their output."""
+        return [p for p in opaque_module_paths(self) if p not in self._opaque_compiled()] if self.mode == "dynamo" else []
 
     def _opaque_compiled(self) -> List[str]:
         compiled = torch._dynamo.eval_frame.OptimizedModule
