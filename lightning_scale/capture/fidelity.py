@@ -7,7 +7,10 @@ another scan), traces numpy calls into torch ops, replays checkpointed dropout; 
 Python branches in. So before the first tracked step of a capture runs, ``verify`` runs
 the user's eager forward and the captured forward on the step's own inputs, each from the
 same saved state (``module_state.Snapshot``: the random number generators, buffers,
-module attributes), and compares every output tensor and every buffer bit for bit. If
+module attributes), and compares bit for bit every output tensor, every buffer after the
+forward, and the parameters' gradients of the outputs' sum (a loss alone can hide a
+changed forward: a relative change of 1e-6 inside a model often leaves a float32 loss
+as it was). If
 they differ it says which output and by how much, and tries the other route (fx <->
 dynamo). If no route reproduces the eager forward, it says so, and the model trains
 untracked. Afterwards the state is put back, so the real step runs as if no probe had
@@ -15,7 +18,9 @@ run.
 
 Both forwards run in the step's own grad mode (not under ``torch.no_grad``): dynamo
 guards on grad mode, so a probe without gradients would compile, and verify, a graph the
-step never runs. Neither output is differentiated; their graphs are freed before the step.
+step never runs; and gradients are compared. They are taken with ``torch.autograd.grad``,
+so no ``.grad`` is touched; their graphs are freed before the step. Under ``no_grad``
+(validation) only outputs and buffers are compared.
 """
 
 from __future__ import annotations
@@ -115,8 +120,9 @@ def compare(expected: Dict[str, Any], actual: Dict[str, Any], kind: str = "outpu
     """How ``actual`` differs from ``expected`` (both from ``_snapshot``), one line per entry."""
     out: List[str] = []
     for key in sorted(set(expected) | set(actual)):
+        what = f"{kind} `{key}`" if key else kind
         if key not in actual or key not in expected:
-            out.append(f"{kind} `{key or kind}` only in the {'eager' if key in expected else 'captured'} forward")
+            out.append(f"{what} only in the {'eager' if key in expected else 'captured'} forward")
             continue
         a, b = expected[key], actual[key]
         if isinstance(a, Tensor) and isinstance(b, Tensor):
@@ -126,8 +132,19 @@ def compare(expected: Dict[str, Any], actual: Dict[str, Any], kind: str = "outpu
         else:
             why = None if type(a) is type(b) and (a == b) is True else f"{a!r} != {b!r}"
         if why is not None:
-            out.append(f"{kind} `{key or kind}` differs: {why}")
+            out.append(f"{what} differs: {why}")
     return out
+
+
+def _gradients(root: nn.Module, out: Any) -> Dict[str, Any]:
+    """Gradients of the outputs' sum with respect to the parameters, without touching
+    ``.grad`` (``autograd.grad``): a loss hides what a changed forward does to them."""
+    outputs = [v for _, v in _leaves(out, "") if isinstance(v, Tensor) and v.requires_grad and v.is_floating_point()]
+    named = [(n, p) for n, p in root.named_parameters() if p.requires_grad]
+    if not outputs or not named or not torch.is_grad_enabled():
+        return {}
+    grads = torch.autograd.grad(outputs, [p for _, p in named], [torch.ones_like(o) for o in outputs], allow_unused=True)
+    return {n: g for (n, _), g in zip(named, grads) if g is not None}
 
 
 def _buffers(root: nn.Module) -> Dict[str, Any]:
@@ -141,15 +158,19 @@ class _Reference:
         self.root, self.args, self.kwargs = root, args, kwargs
         self.state = Snapshot(root)
         try:
-            self.outputs = _snapshot(eager(*args, **kwargs))
-            self.buffers = _buffers(root)
+            self.outputs, self.buffers, self.gradients = self._run(eager)
         finally:
             self.state.restore()
 
+    def _run(self, forward: Callable[..., Any]) -> Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any]]:
+        out = forward(*self.args, **self.kwargs)
+        return _snapshot(out), _buffers(self.root), _gradients(self.root, out)
+
     def check(self, route: str, captured: Callable[..., Any]) -> Verdict:
         try:
-            outputs = _snapshot(captured(*self.args, **self.kwargs))
-            differences = compare(self.outputs, outputs) + compare(self.buffers, _buffers(self.root), "buffer")
+            outputs, buffers, gradients = self._run(captured)
+            differences = compare(self.outputs, outputs) + compare(self.buffers, buffers, "buffer")
+            differences += compare(self.gradients, gradients, "gradient of")
             return Verdict(route, differences)
         except Exception as err:  # noqa: BLE001 - a route that fails is a route that does not match
             return Verdict(route, error=f"raised {failure_reason(err)}")
