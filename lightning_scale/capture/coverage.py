@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_scale.capture.frames import strip_compiled
 
-__all__ = ["THRESHOLD", "CoverageReport", "measure"]
+__all__ = ["THRESHOLD", "CoverageReport", "measure", "percent"]
 
 THRESHOLD = 0.9
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
@@ -63,8 +63,8 @@ class CoverageReport:
         missed = self.elements - self.covered_elements
         unrecorded = f" ({missed:,} of {self.elements:,} unrecorded)" if missed else ""
         text = (
-            f"coverage: {_percent(self.covered_elements, self.elements)} of parameter elements{unrecorded}, "
-            f"{_percent(self.covered_modules, self.modules)} of module calls ({self.covered_modules}/{self.modules}) recorded"
+            f"coverage: {percent(self.covered_elements, self.elements)} of parameter elements{unrecorded}, "
+            f"{percent(self.covered_modules, self.modules)} of module calls ({self.covered_modules}/{self.modules}) recorded"
         )
         for path, n in self.opaque.items():
             text += f"; {n} module calls inside compiled `{path}` run its compiled code, recorded at its output only"
@@ -78,7 +78,7 @@ class CoverageReport:
         return f"ScaleMonitor: low coverage ({self.line()}); largest unrecorded modules: {missing}"
 
 
-def _percent(part: int, whole: int) -> str:
+def percent(part: int, whole: int) -> str:
     """Floored: a miss never reads 100%; one decimal from 99% up."""
     if part >= whole:
         return "100%"

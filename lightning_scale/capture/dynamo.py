@@ -214,6 +214,7 @@ _EAGER_HOOK_METHODS = {name: torch.compiler.disable(getattr(nn.Module, name)) fo
 _DYNAMO_WARNINGS = (
     "Dynamo detected a call to a `functools.lru_cache`-wrapped function",  # it traces through the cache
     "To copy construct from a tensor",  # its example values of a `torch.tensor(tensor)`
+    "Dynamo does not know how to trace the builtin",  # it runs the builtin eagerly, at a graph break
 )
 
 
