@@ -142,8 +142,8 @@ def render(rows: List[ProbeCost]) -> List[str]:
         "## The fidelity probe at a capture's first tracked step",
         "",
         "`ScaleMonitor(verify_capture=True)`, the default, runs once per capture the model's eager forward and backward and the "
-        "captured ones from the same saved state and compares outputs, buffers and gradients bit for bit. Wall clock, "
-        "`python benchmarks/probe_cost.py`; each repeat starts from `torch._dynamo.reset()` (so dynamo compiles in each); "
+        "captured ones from the same saved state and compares outputs, buffers and gradients bit for bit. Wall clock "
+        "(`benchmarks/probe_cost.py`, also alone: `python benchmarks/probe_cost.py`); each repeat starts from `torch._dynamo.reset()` (so dynamo compiles in each); "
         "the with/without runs alternate. *One-off cost* is the median with the probe minus the median without: the compile "
         "moves into the probe, it is not paid twice.",
         "",
