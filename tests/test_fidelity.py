@@ -145,5 +145,6 @@ def test_verify_capture_is_set_from_yaml() -> None:
     parser = jsonargparse.ArgumentParser()
     parser.add_class_arguments(ScaleMonitor, "monitor")
     cfg = parser.parse_string("monitor:\n  every_n_steps: 10\n  verify_capture: false\n")
-    monitor = parser.instantiate_classes(cfg).monitor
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # (renamed in jsonargparse 4.49)
+    monitor = instantiate(cfg).monitor
     assert monitor.verify_capture is False
