@@ -309,9 +309,13 @@ class ScaleMonitor(Callback):
         def verify(cap: Capture, eager: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Capture]:
             other = "fx" if cap.mode == "dynamo" else "dynamo"
             routes = [(cap.mode, lambda: cap), (other, lambda: self._new_capture(target, other))]
-            outcome = fidelity.verify(target, eager, routes, args, kwargs, agree)
-            self._verified.add(id(cap))
             name = type(target).__name__
+            self._verified.add(id(cap))
+            try:
+                outcome = fidelity.verify(target, eager, routes, args, kwargs, agree)
+            except Exception as err:  # noqa: BLE001 - the state is put back: the step runs the user's forward
+                self._disable(f"checking the capture of {name} failed ({type(err).__name__}: {err})")
+                return None
             if outcome.capture is None:
                 self._disable(
                     f"the captured forward of {name} does not reproduce its own forward bit for bit, so tracking "

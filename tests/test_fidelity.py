@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import random
-from typing import Any, Iterator, List
+import warnings
+from typing import Any, Iterator, List, Tuple
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
@@ -148,3 +150,47 @@ def test_verify_capture_is_set_from_yaml() -> None:
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # (renamed in jsonargparse 4.49)
     monitor = instantiate(cfg).monitor
     assert monitor.verify_capture is False
+
+
+class Net(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.2), nn.Linear(8, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x).square().mean()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(tmp_path: Any, callbacks: List[Any]) -> Tuple[Net, List[str]]:
+    torch.manual_seed(0)
+    model = Net()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(24, 4)), batch_size=8)
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path, max_steps=3, callbacks=callbacks, accelerator="cpu", devices=1, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, logger=pl.loggers.TensorBoardLogger(tmp_path) if callbacks else False,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(1)
+        trainer.fit(model, data)
+    return model, [str(w.message) for w in caught if "ScaleMonitor" in str(w.message)]
+
+
+def test_a_failing_probe_leaves_training_as_it_is_with_one_warning(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("probe broke")
+
+    plain, _ = fit(tmp_path / "plain", [])
+    probed, warned = fit(tmp_path / "probed", [ScaleMonitor(every_n_steps=1)])  # BatchNorm and dropout: state put back
+    monkeypatch.setattr(fidelity, "verify", broken)
+    failed, failed_warned = fit(tmp_path / "failed", [ScaleMonitor(every_n_steps=1)])
+    for other in (probed, failed):
+        assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), other.state_dict().values()))
+    assert warned == []
+    assert failed_warned == ["ScaleMonitor: checking the capture of Net failed (RuntimeError: probe broke); training continues untracked."]
