@@ -10,10 +10,9 @@ same saved state (``module_state.Snapshot``: the random number generators, buffe
 module attributes), and compares bit for bit every output tensor, every buffer after the
 forward, and the parameters' gradients of the outputs' sum (a loss alone can hide a
 changed forward: a relative change of 1e-6 inside a model often leaves a float32 loss
-as it was). If
-they differ it says which output and by how much, and tries the other route (fx <->
-dynamo). If no route reproduces the eager forward, it says so, and the model trains
-untracked. Afterwards the state is put back, so the real step runs as if no probe had
+as it was). If they differ it says which entry and by how much, and tries the other route
+(fx <-> dynamo). If no route reproduces the eager forward, it says so, and the model
+trains untracked. Afterwards the state is put back, so the real step runs as if no probe had
 run.
 
 Where a route differs, the eager forward is run once more from the same state: an entry
@@ -41,7 +40,7 @@ from lightning_scale.capture.graphs import Capture
 from lightning_scale.capture.module_state import Snapshot
 from lightning_scale.capture.tracer import failure_reason
 
-__all__ = ["Outcome", "Verdict", "compare", "verify"]
+__all__ = ["NOISE_FACTOR", "Outcome", "Verdict", "compare", "verify"]
 
 _DEPTH = 6  # how deep outputs are searched for tensors (nested tuples, dicts, objects)
 

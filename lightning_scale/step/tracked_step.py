@@ -6,7 +6,7 @@ each captured part (the target module, or its FSDP units) by the captured graph 
 under a :class:`~lightning_scale.record.recorder.Recorder`, and ``uninstall`` restores exactly
 what was there (an instance attribute, or none so the class's ``forward`` shows through).
 On a capture's first tracked step the first call checks the capture first
-(``lightning_scale.fidelity``).
+(``lightning_scale.capture.fidelity``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class TrackedStep:
 
     def install(self, target: nn.Module, verify: Optional[Verify] = None) -> None:
         """Swap the recording forwards in. With ``verify``, the first call of the target's
-        forward first asks it which capture reproduces the eager forward (``fidelity``),
+        forward first asks it which capture reproduces the eager forward (``capture.fidelity``),
         and runs that one, or the user's own forward if none does."""
         parts = self.capture.parts()
         for path, fn in parts:
@@ -54,7 +54,7 @@ class TrackedStep:
         def first_call(*args: Any, **kwargs: Any) -> Any:
             chosen = verify(self.capture, eager, args, kwargs)
             if chosen is None:
-                self.capture, self.untracked = None, True  # type: ignore[assignment]
+                self.untracked = True
                 target.forward = eager  # type: ignore[method-assign]
                 return eager(*args, **kwargs)
             self.capture = chosen
