@@ -1,7 +1,8 @@
 """The real-model table: capture mode, coverage, tags, bit-identity and tracked-step cost.
 
 Runs every case of ``tests/test_models.py`` (Hugging Face GPT-2 with and without gradient
-checkpointing, BERT, T5, Llama, Mixtral, OLMoE with router logits; Lightning's demo
+checkpointing, BERT, T5, Llama, Mixtral, OLMoE with router logits, Wav2Vec2 with
+SpecAugment, Mamba; Lightning's demo
 Transformer; unit-scaling's modules; LSTM and GRU language models, a model drawing from
 numpy's generator, one branching on ``torch.compiler.is_compiling()``, ConvNeXt-style
 blocks; all from tiny configs) outside a Trainer:
