@@ -300,6 +300,12 @@ class ScaleMonitor(Callback):
         units = fsdp_units(target)
         return capture(target, mode or self.capture_mode, leaf_modules=self.leaf_modules, units=units)
 
+    def _probes(self, cap: Capture, trainer: pl.Trainer) -> bool:
+        """Whether this step checks ``cap`` first: once per capture; not under FSDP1 or
+        DeepSpeed, whose backward hooks expect one backward per forward (the probe runs two)."""
+        sharded = type(trainer.strategy).__name__ in _ONE_BACKWARD_STRATEGIES
+        return self.verify_capture and id(cap) not in self._verified and not sharded
+
     def _verifier(self, target: nn.Module, trainer: pl.Trainer) -> Verify:
         """The fidelity probe for ``target``'s capture: its route first, then the other."""
 
@@ -345,7 +351,7 @@ class ScaleMonitor(Callback):
         if self.value_histograms is not None:
             rec.histogram_keys = Matching(self.value_histograms)  # type: ignore[assignment]  # dynamo labels appear as it compiles
         self._active = TrackedStep(step, prefix, cap, rec)
-        verify = None if not self.verify_capture or id(cap) in self._verified else self._verifier(target, pl_module.trainer)
+        verify = None if not self._probes(cap, pl_module.trainer) else self._verifier(target, pl_module.trainer)
         self._active.install(target, verify)
         if prefix == "":
             self.last_tracked_step = step
@@ -427,6 +433,9 @@ class ScaleMonitor(Callback):
         if self._updates.error is not None and active.recorder.error is None:
             active.recorder.error = self._updates.error  # pooled as this rank's failure flag: every rank drops the step
         return rows
+
+
+_ONE_BACKWARD_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
 
 
 def _writable_loggers(trainer: pl.Trainer) -> List[Any]:
