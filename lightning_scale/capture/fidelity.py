@@ -163,8 +163,15 @@ def _gradients(root: nn.Module, out: Any) -> Dict[str, Any]:
     named = [(n, p) for n, p in root.named_parameters() if p.requires_grad]
     if not outputs or not named or not torch.is_grad_enabled():
         return {}
-    grads = torch.autograd.grad(outputs, [p for _, p in named], [torch.ones_like(o) for o in outputs], allow_unused=True)
+    try:
+        grads = torch.autograd.grad(outputs, [p for _, p in named], [torch.ones_like(o) for o in outputs], allow_unused=True)
+    except RuntimeError as err:  # reentrant checkpointing refuses `autograd.grad`
+        raise _NoGradients(str(err)) from err
     return {n: g for (n, _), g in zip(named, grads) if g is not None}
+
+
+class _NoGradients(RuntimeError):
+    """The forward's graph cannot be differentiated with ``autograd.grad``."""
 
 
 def _buffers(root: nn.Module) -> Dict[str, Any]:
@@ -207,12 +214,17 @@ class _Reference:
         self.root, self.eager, self.args, self.kwargs = root, eager, args, kwargs
         self.state = Snapshot(root)
         self._noise: Optional[Dict[str, float]] = None
-        self.expected = self._restored(eager)
+        self.gradients = True
+        try:
+            self.expected = self._restored(eager)
+        except _NoGradients:  # (reentrant checkpointing) outputs and buffers only, for every route
+            self.gradients = False
+            self.expected = self._restored(eager)
 
     def _restored(self, forward: Callable[..., Any]) -> _Run:
         try:
             out = forward(*self.args, **self.kwargs)
-            return _snapshot(out), _buffers(self.root), _gradients(self.root, out)
+            return _snapshot(out), _buffers(self.root), _gradients(self.root, out) if self.gradients else {}
         finally:
             self.state.restore()
 
