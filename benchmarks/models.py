@@ -1,11 +1,15 @@
 """The real-model table: capture mode, coverage, tags, bit-identity and tracked-step cost.
 
 Runs every case of ``tests/test_models.py`` (Hugging Face GPT-2 with and without gradient
-checkpointing, BERT, T5, Llama, Mixtral; Lightning's demo Transformer; unit-scaling's
-modules; all from tiny configs) outside a Trainer, as the test does:
+checkpointing, BERT, T5, Llama, Mixtral, OLMoE with router logits, Wav2Vec2 with
+SpecAugment, Mamba; Lightning's demo
+Transformer; unit-scaling's modules; LSTM and GRU language models, a model drawing from
+numpy's generator, one branching on ``torch.compiler.is_compiling()``, ConvNeXt-style
+blocks; all from tiny configs) outside a Trainer:
 
-- capture with ``capture(..., "auto")`` and time it with the first tracked step (dynamo
-  compiles on the first call);
+- capture with ``capture(..., "auto")``, then run the fidelity probe on the first step's
+  inputs as ``ScaleMonitor`` does (the route it keeps, and its one-off cost), and time the
+  capture with the probe and the first tracked step (dynamo compiles on the first call);
 - train two SGD steps tracked and two eagerly on a copy, and compare gradients,
   parameters and buffers bit for bit;
 - measure coverage from the records of the tracked step;
@@ -34,7 +38,8 @@ sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
 import timing  # noqa: E402
 import test_models as cases  # noqa: E402
 
-from lightning_scale.capture import capture  # noqa: E402
+from lightning_scale.capture import capture, fidelity  # noqa: E402
+from lightning_scale.capture.coverage import percent  # noqa: E402
 from lightning_scale.record.recorder import Recorder, recording  # noqa: E402
 
 
@@ -49,26 +54,32 @@ def _same(a: nn.Module, b: nn.Module) -> bool:
 
 def measure(name: str, rounds: int) -> Dict[str, Any]:
     """One row of the table for the case ``name``."""
-    make, loss, _ = cases.CASES[name]
+    make, loss, _ = {**cases.CASES, **cases.PROBED}[name]
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = make().train()
     reference = copy.deepcopy(model)
     task = cases.Task(model, loss)
     start = time.perf_counter()
-    cap = capture(task, "auto")
+    first = capture(task, "auto")
+    other = "fx" if first.mode == "dynamo" else "dynamo"
+    cases.seed(1)
+    probe_start = time.perf_counter()
+    outcome = fidelity.verify(task, task.forward, [(first.mode, lambda: first), (other, lambda: capture(task, other))], (cases.tokens(0),), {})
+    probe_s = time.perf_counter() - probe_start
+    cap = outcome.capture or first
     identical, records = True, None
     for step in range(2):
         ids = cases.tokens(step)
         rec = Recorder()
-        torch.manual_seed(step + 1)
+        cases.seed(step + 1)
         with recording(rec):
             out = cap.tracked()(ids)
         out.backward()
         if step == 0:  # dynamo compiles on the first call
             capture_s = time.perf_counter() - start
         records = rec.records(cap.tags, cap.aliases)
-        torch.manual_seed(step + 1)
+        cases.seed(step + 1)
         loss(reference, ids).backward()
         identical &= _same(model, reference)
         _sgd(model)
@@ -96,12 +107,14 @@ def measure(name: str, rounds: int) -> Dict[str, Any]:
     med = {k: {c: timing.Summary.of(v.clock(c)).median for c in timing.CLOCKS} for k, v in times.items()}
     return {
         "name": name,
-        "mode": cap.mode,
+        "mode": cap.mode if not outcome.switched else f"{first.mode} -> {cap.mode}",
+        "probe": "matches" if outcome.capture is not None and not outcome.switched else outcome.describe(),
+        "probe_s": probe_s,
         "graphs": len(cap.graphs),
         "tags": len(cap.tags),
         "module_outputs": len(cap.module_outputs),
-        "params": report.parameter_fraction,
-        "modules": report.module_fraction,
+        "params": percent(report.covered_elements, report.elements),
+        "modules": percent(report.covered_modules, report.modules),
         "warning": report.warning(),
         "identical": identical,
         "capture_s": capture_s,
@@ -128,20 +141,24 @@ def render(rows: List[Dict[str, Any]], rounds: int, seconds: float) -> str:
         f"({rounds} interleaved rounds; load average {timing.load_average()}). Do not edit by hand; rerun it.",
         "",
         "Every case of `tests/test_models.py`, built from a tiny config (hidden size 16-64, 1-2 layers, batch 2 x 8 tokens, CPU). "
-        "`capture(..., \"auto\")` chooses the mode; two SGD steps run tracked and, on a copy, eagerly, and gradients, parameters "
+        "`capture(..., \"auto\")` chooses the mode and the fidelity probe checks it on the first step's inputs, as `ScaleMonitor` "
+        "does (`a -> b`: the probe found route a changes the model and switched to b; *probe* is its one-off cost: an eager and a "
+        "captured forward and backward, with dynamo's compile); two SGD steps run tracked and, on a copy, eagerly, and gradients, parameters "
         "and buffers are compared bit for bit. Coverage comes from the tracked step's records (fraction of parameter elements "
         "and of module calls with a record). A step is forward, backward and SGD; the tracked step also records every node and "
         "reads the records back (no Trainer, no writing: `docs/benchmarks.md` has the Trainer figures). These models are so small "
         "that the tracked step's per-node Python cost dominates the ratio; it falls with model size.",
         "",
-        "| model | capture | graphs | tags (module outputs) | coverage: parameters / module calls | bit-identical | capture + first tracked step | plain step (CPU) | tracked / plain (CPU, wall) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model | capture | graphs | tags (module outputs) | coverage: parameters / module calls | bit-identical | probe | capture + probe + first tracked step | plain step (CPU) | tracked / plain (CPU, wall) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['name']} | {r['mode']} | {r['graphs']} | {r['tags']} ({r['module_outputs']}) | {r['params']:.0%} / {r['modules']:.0%} "
-            f"| {'yes' if r['identical'] else '**NO**'} | {r['capture_s']:.2f} s | {r['plain_ms']:.1f} ms | {r['ratio_cpu']:.2f}x, {r['ratio_wall']:.2f}x |"
+            f"| {r['name']} | {r['mode']} | {r['graphs']} | {r['tags']} ({r['module_outputs']}) | {r['params']} / {r['modules']} "
+            f"| {'yes' if r['identical'] else '**NO**'} | {r['probe_s']:.2f} s | {r['capture_s']:.2f} s | {r['plain_ms']:.1f} ms | {r['ratio_cpu']:.2f}x, {r['ratio_wall']:.2f}x |"
         )
+    switched = [r for r in rows if r["probe"] != "matches"]
+    lines += ["", "Probe findings: " + ("; ".join(f"{r['name']}: {r['probe']}" for r in switched) if switched else "every route matched.")]
     warned = [r for r in rows if r["warning"]]
     lines += ["", "Coverage warnings: " + ("; ".join(f"{r['name']}: {r['warning']}" for r in warned) if warned else "none.")]
     lines += ["", f"torchvision: {importable('torchvision')}. timm: {importable('timm')}.", ""]
@@ -158,7 +175,7 @@ def main(argv: List[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()
     rows = []
-    for name in args.only or list(cases.CASES):
+    for name in args.only or [*cases.CASES, *cases.PROBED]:
         print(f"[models] {name}", file=sys.stderr, flush=True)
         rows.append(measure(name, args.rounds))
     page = render(rows, args.rounds, time.perf_counter() - start)

@@ -53,6 +53,8 @@ class Results:
     memory: Dict[Size, Dict[str, List[Dict[str, int]]]] = field(default_factory=dict)
     memory_steps: int = 0
     capture: Optional[CaptureTimes] = None
+    probe: Optional[List[Any]] = None  # probe_cost.ProbeCost per model
+    probe_missing: str = ""
     anomaly: Optional[AnomalyCost] = None  # untracked steps with anomaly_steps and update_ratios on
     anomaly_missing: str = "not run"
     format_bytes: Optional[float] = None  # device path, formats group: bytes allocated per element
@@ -521,6 +523,14 @@ def _reps(res: Results) -> str:
     return ", ".join(f"{len(runs['plain'])} at {size.name}" for size, runs in res.memory.items())
 
 
+def probe_table(res: Results) -> List[str]:
+    import probe_cost
+
+    if res.probe is None:
+        return ["## The fidelity probe at a capture's first tracked step", "", f"**Not measured.** {res.probe_missing}", ""]
+    return probe_cost.render(res.probe)
+
+
 def capture_table(res: Results) -> List[str]:
     c = res.capture
     rows = ["## Capture time at fit start", ""]
@@ -547,7 +557,7 @@ def page(res: Results) -> str:
     parts: List[str] = header(res) + targets(res) + step_table(res, "cpu") + step_table(res, "wall") + step_notes(res)
     if MAIN in res.steps:
         parts += detail_table(res, MAIN)
-    parts += fit_table(res) + anomaly_table(res) + tracked_table(res) + profile_table(res) + whole_table(res) + memory_table(res) + capture_table(res)
+    parts += fit_table(res) + anomaly_table(res) + tracked_table(res) + profile_table(res) + whole_table(res) + memory_table(res) + capture_table(res) + probe_table(res)
     parts += [
         "## Not measured here",
         "",

@@ -29,6 +29,7 @@ import format_bytes
 import kernel_ops
 import fit_loop
 import memory
+import probe_cost
 import render
 from lightning_scale.record import native
 from timing import CLOCKS, Summary, between_noise_floor, interleaved, load_average, noise_floor
@@ -208,6 +209,11 @@ def main(argv: List[str]) -> int:
     memory_peaks(res, args.quick)
     res.capture = capture_time.measure(Size(128, 12), fx_repeats=5, dynamo_repeats=2 if args.quick else 3)
     _log(f"capture: fx {res.capture.fx_median:.3f} s, dynamo {res.capture.dynamo_median:.2f} s")
+    try:  # the fidelity probe's one-off cost: demo GPT, and GPT-2 small (skipped by --quick)
+        models = ["demo GPT"] if args.quick else list(probe_cost.MODELS)
+        res.probe = [probe_cost.measure(name, probe_cost.MODELS[name], 2) for name in models]
+    except Exception as err:  # noqa: BLE001 - e.g. transformers missing: the page says so
+        res.probe_missing = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     res.seconds = time.perf_counter() - start
     res.load = (load_start, load_average())
     text = render.page(res) + "\n\n" + kernel_section + "\n"

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_scale.capture import CAPTURE_MODES, Capture, capture
+from lightning_scale.capture import CAPTURE_MODES, Capture, capture, fidelity
 from lightning_scale.record import kernels, native, stats
 from lightning_scale.record.recorder import Recorder
 from lightning_scale.record.updates import UpdateTracker
@@ -30,7 +30,7 @@ from lightning_scale.report.reporting import Reporter, StepData, UpdateRows
 from lightning_scale.step.anomaly import AnomalyTrigger
 from lightning_scale.step.schedule import Schedule
 from lightning_scale.step.selection import Matching, Selection, compile_pattern, resolve_submodule
-from lightning_scale.step.tracked_step import TrackedStep, fsdp_units, replicated_labels
+from lightning_scale.step.tracked_step import TrackedStep, Verify, fsdp_units, replicated_labels
 
 __all__ = ["ScaleMonitor"]
 
@@ -78,6 +78,11 @@ class ScaleMonitor(Callback):
             optimizer step's update / RMS of the parameter before it) and
             ``grad_std/<parameter>`` (std of the gradient the optimizer used). Holds a copy
             of the parameters during a tracked step. See ``lightning_scale.record.updates``.
+        verify_capture: on the first tracked step of each capture, run the captured
+            forward and the model's own forward from the same state and compare their
+            outputs bit for bit; if they differ, try the other capture route, and if none
+            matches, train untracked with one warning saying why (the one-off cost of two
+            extra forwards, see docs/benchmarks.md). See ``lightning_scale.capture.fidelity``.
 
     Raises:
         ValueError: an argument outside what is allowed (the message names it).
@@ -112,6 +117,7 @@ class ScaleMonitor(Callback):
         anomaly_steps: int = 0,
         anomaly_factor: float = 10.0,
         update_ratios: bool = False,
+        verify_capture: bool = True,
     ) -> None:
         self.schedule = Schedule(every_n_steps, steps, start_step, stop_step)
         if capture not in CAPTURE_MODES:
@@ -133,6 +139,10 @@ class ScaleMonitor(Callback):
         self._anomaly = AnomalyTrigger(anomaly_steps, anomaly_factor, self._detection_failed)
         self.anomaly_steps, self.anomaly_factor = anomaly_steps, float(anomaly_factor)
         self.update_ratios = bool(update_ratios)
+        if not isinstance(verify_capture, bool):
+            raise ValueError(f"`verify_capture` must be True or False, got {verify_capture!r}")
+        self.verify_capture = verify_capture
+        self._verified: "set[int]" = set()  # ids of the captures the probe has checked
         self._updates = UpdateTracker()
         self.groups = sorted({stats.STATISTICS[s] for s in self.statistics} | {"moments"})
         self.last_tracked_step = -1
@@ -263,6 +273,7 @@ class ScaleMonitor(Callback):
         if any(cap.module is not target for cap in self._captures.values()):
             self._captures.clear()
             self._step_labels.clear()
+            self._verified.clear()
             self._disabled = None
 
     # ---- capture -------------------------------------------------------------------------
@@ -288,9 +299,45 @@ class ScaleMonitor(Callback):
             for m, flag in flags.items():
                 m.training = flag
 
-    def _new_capture(self, target: nn.Module) -> Capture:
+    def _new_capture(self, target: nn.Module, mode: Optional[str] = None) -> Capture:
         units = fsdp_units(target)
-        return capture(target, self.capture_mode, leaf_modules=self.leaf_modules, units=units)
+        return capture(target, mode or self.capture_mode, leaf_modules=self.leaf_modules, units=units)
+
+    def _probes(self, cap: Capture, trainer: pl.Trainer) -> bool:
+        """Whether this step checks ``cap`` first: once per capture; not under FSDP1 or
+        DeepSpeed, whose backward hooks expect one backward per forward (the probe runs two)."""
+        sharded = type(trainer.strategy).__name__ in _ONE_BACKWARD_STRATEGIES
+        return self.verify_capture and id(cap) not in self._verified and not sharded
+
+    def _verifier(self, target: nn.Module, trainer: pl.Trainer) -> Verify:
+        """The fidelity probe for ``target``'s capture: its route first, then the other."""
+
+        def agree(ok: bool) -> bool:
+            return ok if trainer.world_size == 1 else bool(trainer.strategy.reduce_boolean_decision(ok, all=True))
+
+        def verify(cap: Capture, eager: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Capture]:
+            other = "fx" if cap.mode == "dynamo" else "dynamo"
+            routes = [(cap.mode, lambda: cap), (other, lambda: self._new_capture(target, other))]
+            name = type(target).__name__
+            self._verified.add(id(cap))
+            try:
+                outcome = fidelity.verify(target, eager, routes, args, kwargs, agree)
+            except Exception as err:  # noqa: BLE001 - the state is put back: the step runs the user's forward
+                self._disable(f"checking the capture of {name} failed ({type(err).__name__}: {err})")
+                return None
+            if outcome.capture is None:
+                self._disable(
+                    f"the captured forward of {name} does not reproduce its own forward bit for bit, so tracking "
+                    f"would change training ({outcome.describe()}); pass `verify_capture=False` to track it anyway"
+                )
+                return None
+            if outcome.switched:
+                self._captures = {k: (outcome.capture if v is cap else v) for k, v in self._captures.items()}
+                self._verified.add(id(outcome.capture))
+            rank_zero_info(f"ScaleMonitor: capture of {name} verified ({outcome.describe()}); tracking with {outcome.capture.mode}")
+            return outcome.capture
+
+        return verify
 
     def _disable(self, why: str) -> None:
         self._disabled = why
@@ -307,7 +354,8 @@ class ScaleMonitor(Callback):
         if self.value_histograms is not None:
             rec.histogram_keys = Matching(self.value_histograms)  # type: ignore[assignment]  # dynamo labels appear as it compiles
         self._active = TrackedStep(step, prefix, cap, rec)
-        self._active.install(target)
+        verify = None if not self._probes(cap, pl_module.trainer) else self._verifier(target, pl_module.trainer)
+        self._active.install(target, verify)
         if prefix == "":
             self.last_tracked_step = step
 
@@ -323,6 +371,10 @@ class ScaleMonitor(Callback):
         active, self._active = self._active, None
         assert active is not None
         active.uninstall()
+        if active.untracked:  # the fidelity probe fell back to the user's forward
+            self._updates.clear()
+            active.recorder.clear()
+            return
         try:
             self._report(trainer, active)
         finally:
@@ -384,6 +436,9 @@ class ScaleMonitor(Callback):
         if self._updates.error is not None and active.recorder.error is None:
             active.recorder.error = self._updates.error  # pooled as this rank's failure flag: every rank drops the step
         return rows
+
+
+_ONE_BACKWARD_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
 
 
 def _writable_loggers(trainer: pl.Trainer) -> List[Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from typing import Any, Callable, Iterator, List, Tuple
 
 import pytest
@@ -486,7 +487,8 @@ def test_low_coverage_is_reported_with_the_largest_unrecorded_module() -> None:
     report = cap.coverage(recorded)
     assert report.elements == 20 + 320 and report.covered_elements == 20
     assert report.parameter_fraction == pytest.approx(20 / 340)
-    assert "coverage: 6% of parameter elements, 50% of module calls (1/2) recorded" == report.line()
+    # floored, never rounded up; the miss counted in elements
+    assert "coverage: 5% of parameter elements (320 of 340 unrecorded), 50% of module calls (1/2) recorded" == report.line()
     warning = report.warning()
     assert warning is not None and "coverage" in warning and "`big` (320 parameter elements" in warning
     calls_only = cap.coverage(recorded + ["big/linear"])  # the call, but not its weights
@@ -499,3 +501,137 @@ def test_fx_failure_names_what_where_and_the_source_line() -> None:
 
     with pytest.raises(CaptureError, match=r"TypeError: ones\(\) takes .* at .*demos/transformer.py:\d+ \(mask = torch.triu"):
         capture(Transformer(vocab_size=10, ninp=8, nhead=2, nhid=8, nlayers=1), "fx")
+
+
+# ---------------------------------------------------------------------------------------
+# Recurrent layers, Identity, random draws while tracing
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell: type = nn.LSTM) -> None:
+        super().__init__()
+        self.rnn = cell(4, 6, batch_first=True)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out, _ = self.rnn(x)
+        return self.head(out)
+
+
+@pytest.mark.parametrize("mode", ["fx", "dynamo"])
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+def test_an_rnn_is_recorded_under_its_path_and_trains_as_eager(mode: str, cell: type) -> None:
+    """fx keeps it a leaf (its forward writes `_flat_weights`); dynamo, which refuses RNN
+    frames by default, runs the RNN call eagerly and records it at its output."""
+    torch.manual_seed(0)
+    model = Recurrent(cell)
+    reference = copy.deepcopy(model)
+    cap = capture(model, mode)
+    x = torch.randn(3, 5, 4)
+    out, records = tracked_step(cap, x)
+    reference(x).sum().backward()
+    assert torch.equal(out, reference(x))
+    assert_same_training_state(model, reference)
+    labels = cap.tags
+    assert "rnn" in labels and "head" in labels
+    if mode == "fx":
+        assert cap.leaves == ["rnn"] and "rnn/getitem" in labels and not any(t.startswith("getitem") for t in labels)
+    rec = Recorder(groups=GROUPS)
+    with recording(rec):
+        cap.tracked()(x).sum().backward()
+    std = stats.statistic(rec.records(cap.tags, cap.aliases), "std")
+    expected = reference.rnn(x)[0].detach()
+    assert float(std[labels.index("rnn"), FORWARD]) == pytest.approx(float(expected.double().std()), rel=1e-6)
+    recorded = [t for t, row in zip(cap.tags, rec.records(cap.tags, cap.aliases)) if bool((row[:, 0] > 0).any())]
+    assert cap.coverage(recorded).line() == "coverage: 100% of parameter elements, 100% of module calls (2/2) recorded"
+
+
+class DropPathBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.drop_path = nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.drop_path(self.fc(x))
+
+
+def test_identity_output_is_an_alias_of_its_input_under_its_path() -> None:
+    cap = capture(nn.Sequential(DropPathBlock(), DropPathBlock()), "fx")
+    assert cap.aliases["0.drop_path"] == "0.fc/linear" and cap.aliases["1.drop_path"] == "1.fc/linear"
+    rec = Recorder(groups=GROUPS)
+    with recording(rec):
+        cap.tracked()(torch.randn(8, 4)).sum().backward()
+    rows = rec.records(cap.tags, cap.aliases)
+    # the same tensor, forward and backward: the same record
+    assert torch.allclose(rows[cap.tags.index("0.drop_path")], rows[cap.tags.index("0.fc/linear")], rtol=0, atol=0, equal_nan=True)
+    recorded = [t for t, row in zip(cap.tags, rows) if bool((row[:, 0] > 0).any())]
+    report = cap.coverage(recorded)
+    assert (report.covered_modules, report.modules) == (6, 6)
+
+
+def test_an_unrecorded_identity_is_not_a_miss_and_a_small_miss_is_not_100_percent() -> None:
+    model = nn.Sequential(nn.Linear(100, 100), nn.Identity(), nn.LayerNorm(100))
+    report = capture(model, "fx").coverage(["0.weight", "0.bias", "0/linear", "0", "2/layer_norm", "2"])
+    # LayerNorm's 200 of 10,300 parameter elements have no records: 98%, never rounded up
+    assert report.line() == "coverage: 98% of parameter elements (200 of 10,300 unrecorded), 100% of module calls (2/2) recorded"
+    tiny = capture(nn.Sequential(nn.Linear(1000, 28), nn.LayerNorm(28)), "fx").coverage(["0.weight", "0.bias", "0", "1"])
+    assert tiny.line().startswith("coverage: 99.8% of parameter elements (56 of 28,084 unrecorded)")
+
+
+class Compiled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.compile(nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4)), backend="eager")
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.body(x)
+
+
+def test_coverage_says_what_a_compiled_submodule_hides() -> None:
+    cap = capture(Compiled(), "dynamo")
+    rec = Recorder(groups=GROUPS)
+    with recording(rec):
+        cap.tracked()(torch.randn(2, 4)).sum().backward()
+    rows = rec.records(cap.tags, cap.aliases)
+    recorded = [t for t, row in zip(cap.tags, rows) if bool((row[:, 0] > 0).any())]
+    assert recorded == ["body"]
+    assert cap.coverage(recorded).line() == (
+        "coverage: 100% of parameter elements, 100% of module calls (1/1) recorded; "
+        "3 module calls inside compiled `body` run its compiled code, recorded at its output only"
+    )
+
+
+class DrawsWhileTracing(nn.Module):
+    def __init__(self, source: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.source = source
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.source == "numpy":
+            import numpy as np
+
+            noise = torch.from_numpy(np.random.random_sample(4)).float()
+        elif self.source == "random":
+            import random
+
+            noise = torch.full((4,), random.random())
+        else:
+            noise = torch.rand(4)
+        return self.fc(x + noise)
+
+
+@pytest.mark.parametrize(("source", "generator"), [("numpy", "numpy's generator"), ("random", "Python's `random`"), ("torch", "torch's CPU generator")])
+def test_fx_refuses_a_trace_that_draws_random_numbers(source: str, generator: str) -> None:
+    """A draw on concrete values runs once while tracing: the graph would repeat it forever."""
+    import random
+
+    import numpy as np
+
+    model = DrawsWhileTracing(source)
+    before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    with pytest.raises(CaptureError, match=f"forward draws from {re.escape(generator)} outside the traced ops"):
+        capture(model, "fx")
+    assert torch.equal(before[0], torch.get_rng_state()) and (before[1] == np.random.get_state()[1]).all() and before[2] == random.getstate()
+    assert capture(model, "auto").mode == "dynamo"

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import copy
 import os
+import random
 import warnings
 from typing import Any, Callable, Dict, List, Tuple
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -109,6 +111,131 @@ def unit_loss(model: nn.Module, ids: Tensor) -> Tensor:
     return model(ids, ids).loss
 
 
+def olmoe() -> nn.Module:
+    """A real transformers MoE asked for its router logits (output-capturing hooks,
+    registered on the first forward that wants them)."""
+    cfg = transformers.OlmoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=16, output_router_logits=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.OlmoeForCausalLM(cfg)
+
+
+def wav2vec2() -> nn.Module:
+    """CTC speech model with SpecAugment (`mask_time_prob`): its masks come from numpy."""
+    cfg = transformers.Wav2Vec2Config(
+        vocab_size=16, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 2),
+        conv_kernel=(10, 3), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, mask_time_prob=0.3, mask_time_length=2,
+        layerdrop=0.0,  # (LayerDrop skips the one layer on some steps: no records of it there, by design)
+    )  # fmt: skip
+    return transformers.Wav2Vec2ForCTC(cfg)
+
+
+def ctc_loss(model: nn.Module, ids: Tensor) -> Tensor:
+    audio = torch.sin(ids.float().repeat(1, 40))  # (B, 320) samples
+    return model(input_values=audio, labels=ids[:, :4] % 15 + 1).loss
+
+
+def mamba() -> nn.Module:
+    """Takes its `associative_scan` path while dynamo compiles it."""
+    cfg = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4, time_step_rank=4)
+    return transformers.MambaForCausalLM(cfg)
+
+
+def moe_loss(model: nn.Module, ids: Tensor) -> Tensor:
+    out = model(input_ids=ids, labels=ids)
+    assert out.aux_loss is not None  # the router logits were collected
+    return out.loss
+
+
+class RecurrentLM(nn.Module):
+    """Embedding, a 2-layer LSTM or GRU with dropout between layers, a head."""
+
+    def __init__(self, cell: str = "lstm") -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.rnn = (nn.LSTM if cell == "lstm" else nn.GRU)(32, 32, num_layers=2, batch_first=True, dropout=0.1)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, ids: Tensor, labels: Tensor) -> Tensor:
+        h, _ = self.rnn(self.embed(ids))
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+class NumpyMasked(nn.Module):
+    """SpecAugment-style masking of feature channels drawn from numpy's generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.mask_embed = nn.Parameter(torch.rand(32))
+        self.fc = nn.Linear(32, 32)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, ids: Tensor, labels: Tensor) -> Tensor:
+        h = self.embed(ids)
+        if self.training:  # (a fixed shape: an fx trace would draw it once, for every step)
+            mask = torch.from_numpy(np.random.random_sample(32) < 0.3)
+            h = torch.where(mask, self.mask_embed, h)
+        h = torch.relu(self.fc(h))
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+class Gate(nn.Module):
+    """Data-dependent control flow: fx keeps it as a leaf, so ``auto`` picks dynamo."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h if h.abs().max() > 1e6 else self.fc(h)
+
+
+class CompileAware(nn.Module):
+    """Takes another path while TorchDynamo compiles it, as transformers' Mamba does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.gate = Gate()
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, ids: Tensor, labels: Tensor) -> Tensor:
+        h = self.embed(ids)
+        h = h * (1 + 2**-20) if torch.compiler.is_compiling() else h  # (another algorithm: other rounding)
+        h = self.gate(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dwconv = nn.Conv1d(dim, dim, 3, padding=1, groups=dim)
+        self.norm = nn.LayerNorm(dim)
+        self.pw1, self.pw2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.drop_path = nn.Identity()  # (drop_path_rate=0, as ConvNeXt and Swin build it)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.dwconv(x.transpose(1, 2)).transpose(1, 2)
+        return x + self.drop_path(self.pw2(nn.functional.gelu(self.pw1(self.norm(y)))))
+
+
+class ConvNeXtLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.Sequential(*[ConvNeXtBlock(16) for _ in range(3)])
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, ids: Tensor, labels: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(self.head(self.blocks(self.embed(ids))).flatten(0, 1), labels.flatten())
+
+
+def plain_loss(model: nn.Module, ids: Tensor) -> Tensor:
+    return model(ids, ids)
+
+
 # name -> (builder, loss, modules whose output is checked against hooks)
 CASES: Dict[str, Tuple[Callable[[], nn.Module], Callable[[nn.Module, Tensor], Tensor], List[str]]] = {
     # (GPT-2's loss starts with a graph break right after `lm_head`: its output keeps its
@@ -121,6 +248,19 @@ CASES: Dict[str, Tuple[Callable[[], nn.Module], Callable[[nn.Module, Tensor], Te
     "mixtral": (mixtral, lm_loss, ["model.layers.0.self_attn.q_proj", "lm_head"]),
     "lightning-demo-transformer": (demo_transformer, demo_loss, ["transformer.encoder.layers.0.linear1", "decoder"]),
     "unit-scaling": (unit_scaled, unit_loss, ["fc1", "fc2", "head"]),
+    "olmoe-router-logits": (olmoe, moe_loss, ["model.layers.0.self_attn.q_proj", "lm_head"]),
+    "lstm-lm": (RecurrentLM, plain_loss, ["embed", "rnn", "head"]),
+    "gru-lm": (lambda: RecurrentLM("gru"), plain_loss, ["rnn", "head"]),
+    "numpy-rng": (NumpyMasked, plain_loss, ["fc", "head"]),
+    "convnext-drop-path": (ConvNeXtLM, plain_loss, ["blocks.0.drop_path", "blocks.2.pw2", "head"]),
+    "wav2vec2-specaugment": (wav2vec2, ctc_loss, ["wav2vec2.feature_extractor.conv_layers.1.conv", "lm_head"]),
+}
+# Trained only in a Trainer, where the fidelity probe chooses the route: dynamo changes
+# this model's forward, so the step by step test below, which captures with `auto`
+# alone, would not match.
+PROBED: Dict[str, Tuple[Callable[[], nn.Module], Callable[[nn.Module, Tensor], Tensor], List[str]]] = {
+    "is-compiling-branch": (CompileAware, plain_loss, ["gate", "head"]),
+    "mamba": (mamba, lm_loss, ["backbone.layers.0.mixer", "lm_head"]),
 }
 
 
@@ -139,38 +279,98 @@ class Task(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(tmp_path: Any, name: str, make: Callable[[], nn.Module], loss: Callable[[nn.Module, Tensor], Tensor], monitor: bool) -> Tuple[Task, List[str]]:
+def seed(n: int) -> None:
+    """Every generator a forward may draw from: torch's, numpy's, Python's."""
+    torch.manual_seed(n)
+    np.random.seed(n)
+    random.seed(n)
+
+
+def fit(
+    tmp_path: Any, name: str, make: Callable[[], nn.Module], loss: Callable[[nn.Module, Tensor], Tensor], monitor: bool, task: type = None, **kwargs: Any
+) -> Tuple[pl.LightningModule, List[str], Any]:
     torch.manual_seed(0)
-    task = Task(make(), loss)
+    module = (task or Task)(make(), loss)
     data = torch.utils.data.DataLoader([tokens(i)[0] for i in range(6)], batch_size=BATCH)
-    callbacks = [ScaleMonitor(every_n_steps=1, figure=False)] if monitor else []
+    callback = ScaleMonitor(every_n_steps=1, figure=False, **kwargs) if monitor else None
     trainer = pl.Trainer(
-        default_root_dir=tmp_path / name, max_steps=2, callbacks=callbacks, accelerator="cpu", devices=1,
+        default_root_dir=tmp_path / name, max_steps=2, callbacks=[callback] if callback else [], accelerator="cpu", devices=1, log_every_n_steps=1,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         logger=pl.loggers.TensorBoardLogger(tmp_path / name) if monitor else False,
     )  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        torch.manual_seed(1)
-        trainer.fit(task, data)
-    return task, [str(w.message) for w in caught if "ScaleMonitor" in str(w.message)]
+        seed(1)
+        trainer.fit(module, data)
+    module.warned = [f"{w.category.__name__}: {w.message}" for w in caught]  # every warning, whoever raised it
+    return module, [str(w.message) for w in caught if "ScaleMonitor" in str(w.message)], callback
+
+
+def same_state(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
 # Trainer runs cost seconds each: one per capture route (fx leaves, dynamo with graph
-# breaks and checkpointing, side effects in forward, unit scaling); every case also trains
-# bit-identically step by step below, outside the Trainer.
-TRAINER_CASES = ["gpt2-checkpointing", "mixtral", "lightning-demo-transformer", "unit-scaling"]
+# breaks and checkpointing, side effects in forward, unit scaling) and each model of the
+# fidelity round (RNN leaves, MoE hooks, numpy draws, a route the probe must switch,
+# Identity); every case also trains bit-identically step by step below, outside the Trainer.
+TRAINER_CASES = [
+    "gpt2-checkpointing", "mixtral", "lightning-demo-transformer", "unit-scaling",
+    "olmoe-router-logits", "lstm-lm", "numpy-rng", "is-compiling-branch", "convnext-drop-path", "mamba",
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", TRAINER_CASES)
 def test_training_is_bit_identical_and_warns_about_nothing(tmp_path: Any, name: str) -> None:
-    make, loss, _ = CASES[name]
-    plain, _ = fit(tmp_path, "plain", make, loss, monitor=False)
-    tracked, warned = fit(tmp_path, "tracked", make, loss, monitor=True)
-    # No warning at all: causal masks (-inf) are counted, not warned; coverage is >= 90%.
+    make, loss, paths = {**CASES, **PROBED}[name]
+    plain, _, _ = fit(tmp_path, "plain", make, loss, monitor=False)
+    tracked, warned, monitor = fit(tmp_path, "tracked", make, loss, monitor=True)
+    # No warning at all: causal masks (-inf) are counted, not warned; coverage is >= 90%;
+    # and no warning of torch's or dynamo's that the plain fit does not raise too.
     assert warned == []
+    assert [w for w in tracked.warned if w not in plain.warned] == []
     for (key, a), b in zip(plain.state_dict().items(), tracked.state_dict().values()):
         assert torch.equal(a, b), key
+    cap = next(iter(monitor._captures.values()))
+    assert {f"model.{p}" for p in paths} <= set(cap.tags)  # module outputs under their paths
+
+
+def test_the_probe_switches_to_the_route_that_keeps_the_forward(tmp_path: Any) -> None:
+    """Dynamo makes `is_compiling()` true: the probe sees the loss differ and tracks with fx
+    (the data-dependent gate a leaf); without the probe, dynamo's forward trains differently."""
+    make, loss, _ = PROBED["is-compiling-branch"]
+    plain, _, _ = fit(tmp_path, "plain", make, loss, monitor=False)
+    _, warned, monitor = fit(tmp_path, "probed", make, loss, monitor=True)
+    assert warned == [] and [c.mode for c in monitor._captures.values()] == ["fx"]
+    unverified, warned, monitor = fit(tmp_path, "unverified", make, loss, monitor=True, verify_capture=False)
+    assert warned == [] and [c.mode for c in monitor._captures.values()] == ["dynamo"]
+    assert not same_state(plain, unverified)
+
+
+class CompileAwareTask(Task):
+    """No route reproduces it: fx cannot trace its own forward, dynamo changes it."""
+
+    def forward(self, ids: Tensor) -> Tensor:
+        loss = self.loss_fn(self.model, ids)
+        if ids.sum() < 0:  # data-dependent: fx fails on the captured module itself
+            loss = -loss
+        return loss * (1 + 2**-20) if torch.compiler.is_compiling() else loss
+
+
+def test_a_model_no_route_reproduces_trains_untracked_with_one_warning(tmp_path: Any) -> None:
+    make, loss = RecurrentLM, plain_loss
+    plain, _, _ = fit(tmp_path, "plain", make, loss, monitor=False, task=CompileAwareTask)
+    tracked, warned, monitor = fit(tmp_path, "tracked", make, loss, monitor=True, task=CompileAwareTask)
+    assert same_state(plain, tracked)
+    assert len(warned) == 1, warned
+    assert warned[0].startswith(
+        "ScaleMonitor: the captured forward of CompileAwareTask does not reproduce its own forward bit for bit, "
+        "so tracking would change training (dynamo: output differs: 1 of 1 elements differ, max |difference| "
+    )
+    assert "; gradient of `model.head.bias` differs: 64 of 64 elements differ" in warned[0]
+    assert "; fx: could not capture (CaptureError: torch.fx could not trace CompileAwareTask: TraceError: symbolically traced" in warned[0]
+    assert warned[0].endswith("pass `verify_capture=False` to track it anyway; training continues untracked.")
+    assert monitor._disabled and monitor._captures  # one capture, its probe failed: no other step tracked
 
 
 def hook_reference(model: nn.Module, paths: List[str], run: Callable[[], Tensor]) -> Dict[str, Tuple[float, float]]:
@@ -179,7 +379,8 @@ def hook_reference(model: nn.Module, paths: List[str], run: Callable[[], Tensor]
     grads: Dict[str, Tensor] = {}
 
     def keep(path: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, out: Tensor) -> None:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            out = out[0] if isinstance(out, tuple) else out  # (an RNN's output, state)
             outs[path] = out.detach().double().clone()
             out.register_hook(lambda g: grads.__setitem__(path, g.double()))
 
@@ -202,13 +403,13 @@ def test_records_match_hooks_train_bit_identically_and_cover_the_model(name: str
     for step in range(2):
         ids = tokens(step)
         rec = Recorder()
-        torch.manual_seed(step + 1)
+        seed(step + 1)
         with recording(rec):
             out = cap.tracked()(ids)
         out.backward()
         records = rec.records(cap.tags, cap.aliases)
         rec.clear()
-        torch.manual_seed(step + 1)
+        seed(step + 1)
         expected = hook_reference(reference, paths, lambda ids=ids: loss(reference, ids))  # type: ignore[misc]
         for (key, p), q in zip(model.named_parameters(), reference.parameters()):
             assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), key

@@ -438,15 +438,10 @@ class FlagFromStep1(Net):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.parametrize(
-    "mode",
-    [
-        "dynamo",
-        pytest.param("auto", marks=pytest.mark.xfail(strict=True, reason="limitation: an fx graph freezes Python state read at trace time")),
-    ],
-)
+@pytest.mark.parametrize("mode", ["dynamo", "auto"])
 def test_python_state_read_in_forward(tmp_path: Any, mode: str) -> None:
-    # dynamo guards on the flag and replays `random`; fx bakes both into the graph
+    # dynamo guards on the flag and replays `random`; fx would bake both into the graph,
+    # but its trace draws from `random`, so auto refuses fx and takes dynamo
     train_both(tmp_path, lambda: FlagFromStep1(PythonState()), dense(8), steps=4, capture=mode, figure=False)
 
 

@@ -271,10 +271,11 @@ def test_one_transfer_per_tracked_step_and_none_untracked(
     torch.testing.assert_close(torch.stack(model.losses), torch.stack(plain_model.losses), rtol=0, atol=0, equal_nan=True)
     assert plain.counts[nan_step] > 0  # the counter sees the user's reads (GradScaler, logging)
     lagged = {s: int(anomaly and s > 0) for s in range(steps)}  # the detector's copy of step s - 1's loss
+    probe = {s: int(s == 0) for s in range(steps)}  # the fidelity probe's verdict, read once at the first tracked step
     ours = {step: tracked.counts[step] - plain.counts[step] for step in range(steps)}
-    assert ours == {s: int(s in expected) + lagged[s] for s in range(steps)}, (ours, tracked.ops.get(0), plain.ops.get(0))
+    assert ours == {s: int(s in expected) + lagged[s] + probe[s] for s in range(steps)}, (ours, tracked.ops.get(0), plain.ops.get(0))
     for step in range(steps):  # the one blocking read is the pooled copy; the other the lagged one
-        ours_ops = ["cpu"] * (step in expected) + ["to(non_blocking)"] * lagged[step]
+        ours_ops = ["cpu"] * (step in expected) + ["to(non_blocking)"] * lagged[step] + ["aten._local_scalar_dense.default"] * probe[step]
         assert sorted(tracked.ops.get(step, [])) == sorted(plain.ops.get(step, []) + ours_ops), step
     assert tracked.counts["worker"] == 0, tracked.ops.get("worker")
     # and everything was written: every statistic group, spread, histograms, figure

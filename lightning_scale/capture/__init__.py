@@ -7,7 +7,9 @@ with a full, stable label per node (``blocks.0.attn/linear``), module outputs un
 paths, and a coverage report of what was and was not recorded.
 
 Two routes: symbolic tracing with a deep tracer (``tracer``), or TorchDynamo with a backend
-of our own (``dynamo``, ``frames``) where fx cannot trace. ``interpreter`` is the one-off
+of our own (``dynamo``, ``frames``) where fx cannot trace. ``fidelity`` proves, on a
+capture's first tracked step, that its forward is the model's own bit for bit (or picks
+the other route, or none). ``interpreter`` is the one-off
 scale-tracking interpreter with the reference library's API. Imports only ``record``.
 """
 

@@ -6,13 +6,16 @@ resolves them to full labels for the module instances that run it (``frames``). 
 tracked call, compiled submodules (``OptimizedModule``) are opaque to this compile: they
 run their own compiled code and are recorded at their output under their path. Graph
 breaks inside library code resume inside it (``nested_graph_breaks``) instead of running
-the rest of the call unrecorded.
+the rest of the call unrecorded; numpy runs eagerly, as in the user's forward; hooks a
+forward registers are registered eagerly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
+import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
@@ -28,9 +31,16 @@ from lightning_scale.record import recorder
 # module): typed as ``Any`` here so that imports go one way.
 Capture = Any
 
-__all__ = ["WeakBackend", "opaque_compiled", "tracked_forward"]
+__all__ = ["WeakBackend", "opaque_compiled", "opaque_module_paths", "tracked_forward"]
 
-_CONFIG = {k: True for k in ("nested_graph_breaks",) if hasattr(torch._dynamo.config, k)}
+# nested_graph_breaks: a graph break inside library code resumes inside it instead of
+# running the rest of the call unrecorded. trace_numpy off: dynamo would turn numpy calls
+# into torch ops, drawing random numbers from torch's generator instead of numpy's
+# (Wav2Vec2's SpecAugment masks differ); off, numpy runs eagerly, as in the user's forward.
+# allow_rnn: without it dynamo skips every frame that holds an RNN, GRU or LSTM (nothing of
+# a recurrent LM is recorded); with it, the RNN call itself still runs eagerly, recorded
+# at its output (``opaque_compiled``).
+_CONFIG = {k: v for k, v in (("nested_graph_breaks", True), ("trace_numpy", False), ("allow_rnn", True)) if hasattr(torch._dynamo.config, k)}
 MODULE_KEY = "<module>"  # label-dict key prefix of module outputs (no graph node of their own)
 COMPILED_KEY = "<compiled>"  # key prefix of compiled submodules' outputs (recorded, not a node)
 
@@ -132,33 +142,95 @@ def _table(cap: "Capture", graph: frames.FrameGraph, scope: Tuple[str, ...]) -> 
     return observed
 
 
+def opaque_module_paths(cap: "Capture") -> List[str]:
+    """Paths of the modules a tracked dynamo call runs opaque: compiled submodules, and
+    RNNs (dynamo refuses to trace RNN, GRU and LSTM) outside compiled ones."""
+    return [cap._paths()[id(m)] for m in _opaque_modules(cap.module)]
+
+
+def _opaque_modules(root: nn.Module) -> List[nn.Module]:
+    compiled = torch._dynamo.eval_frame.OptimizedModule
+    out: List[nn.Module] = []
+
+    def walk(m: nn.Module) -> None:
+        for child in m.children():
+            if isinstance(child, compiled) and "forward" in child.__dict__:
+                out.append(child)  # (its inside runs its compiled code)
+            elif isinstance(child, nn.RNNBase):
+                out.append(child)
+            else:
+                walk(child)
+
+    walk(root)
+    return out
+
+
 @contextlib.contextmanager
 def opaque_compiled(cap: "Capture") -> Iterator[None]:
-    """Compiled submodules run their own compiled code, recorded at their output."""
+    """Compiled submodules run their own compiled code, and RNNs run eagerly (as dynamo
+    would after a graph break), each recorded at its output under its path."""
     paths = cap._paths()
     saved: List[Tuple[nn.Module, Any]] = []
-    for m in cap.module.modules():
-        if isinstance(m, torch._dynamo.eval_frame.OptimizedModule) and "forward" in m.__dict__:
-            if not any(paths[id(m)] in t.values() for t in cap.labels):
-                cap.graphs.append(fx.GraphModule(nn.Module(), fx.Graph()))  # no graph of its own
-                cap.labels.append({COMPILED_KEY + paths[id(m)]: paths[id(m)]})  # a record of its own
-            saved.append((m, m.__dict__["forward"]))
-            m.__dict__["forward"] = _recorded_at_output(m.__dict__["forward"], paths[id(m)])
+    for m in _opaque_modules(cap.module):
+        if not any(paths[id(m)] in t.values() for t in cap.labels):
+            cap.graphs.append(fx.GraphModule(nn.Module(), fx.Graph()))  # no graph of its own
+            cap.labels.append({COMPILED_KEY + paths[id(m)]: paths[id(m)]})  # a record of its own
+        previous = m.__dict__.get("forward", _MISSING)
+        saved.append((m, previous))
+        forward = previous if previous is not _MISSING else type(m).forward.__get__(m)
+        m.__dict__["forward"] = _recorded_at_output(forward, paths[id(m)])
     try:
         yield
     finally:
         for m, forward in saved:
-            m.__dict__["forward"] = forward
+            if forward is _MISSING:
+                del m.__dict__["forward"]
+            else:
+                m.__dict__["forward"] = forward
+
+
+_MISSING = object()
 
 
 def _recorded_at_output(forward: Callable[..., Any], label: str) -> Callable[..., Any]:
     @torch.compiler.disable
     def run(*args: Any, **kwargs: Any) -> Any:
         out = forward(*args, **kwargs)
-        recorder.observe(out, label)
+        recorder.observe(out[0] if isinstance(out, tuple) and out else out, label)  # (an RNN's: output, state)
         return out
 
     return run
+
+
+# Hook registration in forward (transformers installs its output-capturing hooks on the
+# first call that asks for router logits) runs eagerly: after a nested graph break dynamo
+# hands it the module's hook tables rebuilt as plain dicts, and registering fails
+# ("cannot create weak reference to 'dict' object").
+_HOOK_METHODS = [name for name in vars(nn.Module) if name.startswith("register_") and name.endswith("hook")]
+_EAGER_HOOK_METHODS = {name: torch.compiler.disable(getattr(nn.Module, name)) for name in _HOOK_METHODS}
+
+# Dynamo's own warnings about how it traces: the user's forward does not compile, so they
+# would appear only because of tracking, and the fidelity probe checks what they warn of.
+_DYNAMO_WARNINGS = (
+    "Dynamo detected a call to a `functools.lru_cache`-wrapped function",  # it traces through the cache
+    "To copy construct from a tensor",  # its example values of a `torch.tensor(tensor)`
+    "Dynamo does not know how to trace the builtin",  # it runs the builtin eagerly, at a graph break
+)
+
+
+@contextlib.contextmanager
+def _dynamo_settings() -> Iterator[None]:
+    originals = {name: vars(nn.Module)[name] for name in _HOOK_METHODS}
+    with warnings.catch_warnings(), torch._dynamo.config.patch(**_CONFIG):
+        for message in _DYNAMO_WARNINGS:
+            warnings.filterwarnings("ignore", message=re.escape(message), category=UserWarning, module=r"torch\._dynamo")
+        for name, fn in _EAGER_HOOK_METHODS.items():
+            setattr(nn.Module, name, fn)
+        try:
+            yield
+        finally:
+            for name, fn in originals.items():
+                setattr(nn.Module, name, fn)
 
 
 def tracked_forward(cap: "Capture", compiled: Callable[..., Any]) -> Callable[..., Any]:
@@ -169,7 +241,7 @@ def tracked_forward(cap: "Capture", compiled: Callable[..., Any]) -> Callable[..
     def run(*args: Any, **kwargs: Any) -> Any:
         before = set(breaks)
         try:
-            with opaque_compiled(cap), torch._dynamo.config.patch(**_CONFIG):
+            with opaque_compiled(cap), _dynamo_settings():
                 return compiled(*args, **kwargs)
         finally:  # graph-break reasons, for the coverage report
             cap._breaks.extend(str(k).splitlines()[0][:160] for k in breaks if k not in before)

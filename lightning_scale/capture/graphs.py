@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Set, Tuple, Type, Union
@@ -32,7 +33,7 @@ import torch
 from torch import fx, nn
 
 from lightning_scale.capture import coverage, frames
-from lightning_scale.capture.dynamo import MODULE_KEY, WeakBackend, tracked_forward
+from lightning_scale.capture.dynamo import MODULE_KEY, WeakBackend, opaque_module_paths, tracked_forward
 from lightning_scale.capture.interpreter import instrument
 from lightning_scale.capture.labels import label_graph, view_aliases
 from lightning_scale.capture.tracer import DEFAULT_LEAF_TYPES, DeepTracer, failure_reason, trace_module
@@ -135,8 +136,13 @@ class Capture:
     def coverage(self, recorded: Sequence[str]) -> coverage.CoverageReport:
         """How much of the module the labels ``recorded`` (those with a record on a
         tracked step) cover; ``.line()`` for the log, ``.warning()`` below 90%."""
-        opaque = [frames.strip_compiled(p) for p in self.leaves] + self._opaque_compiled()
-        return coverage.measure(self.module, recorded, opaque, self._why_missing)
+        compiled = self._opaque_compiled()
+        opaque = [frames.strip_compiled(p) for p in self.leaves] + compiled + self._opaque_rnns()
+        return coverage.measure(self.module, recorded, opaque, self._why_missing, compiled=compiled)
+
+    def _opaque_rnns(self) -> List[str]:
+        """RNN modules dynamo runs eagerly and ``opaque_modules`` records at their output."""
+        return [p for p in opaque_module_paths(self) if p not in self._opaque_compiled()] if self.mode == "dynamo" else []
 
     def _opaque_compiled(self) -> List[str]:
         compiled = torch._dynamo.eval_frame.OptimizedModule
@@ -224,7 +230,7 @@ def _fx_capture(
     taken: Dict[str, int] = {}
     labels = label_graph(gm, module, taken)
     aliases = view_aliases(gm, labels)
-    labels = _with_module_outputs(gm, labels, aliases)
+    labels = _with_module_outputs(gm, labels, aliases, tracer.passthrough)
     cap = Capture("fx", module, [gm], [labels], list(tracer.leaves), dict(tracer.fallbacks), aliases, _taken=taken)
     cap._fns.append(instrument(gm, _observed(labels, aliases), live=module))
     return cap
@@ -253,12 +259,17 @@ def _add_units(
         cap._unit_fns.append((path, instrument(gm, _observed(labels, aliases), live=unit)))
 
 
-def _with_module_outputs(gm: fx.GraphModule, labels: Dict[str, str], aliases: Dict[str, str], scope: str = "") -> Dict[str, str]:
+def _with_module_outputs(
+    gm: fx.GraphModule, labels: Dict[str, str], aliases: Dict[str, str], passthrough: Optional[Dict[str, str]] = None, scope: str = ""
+) -> Dict[str, str]:
     """``labels`` plus, after each module's last node, the module's path as an alias of
-    that node (``fc1`` -> ``fc1/linear``): a layer's output is found by its name."""
+    that node (``fc1`` -> ``fc1/linear``): a layer's output is found by its name. A leaf
+    with a tuple output (an LSTM's) is its first item; a module that returns its input
+    (``nn.Identity``) is that input."""
     ends: Dict[str, List[str]] = {}
-    outputs = frames.module_outputs(gm, parse=lambda p: (None, p))
-    outputs += [(None, str(n.target), n.name) for n in gm.graph.nodes if n.op == "call_module"]
+    outputs = [(None, str(n.target), _first_item(n)) for n in gm.graph.nodes if n.op == "call_module"]
+    outputs += [(None, path, node) for path, node in (passthrough or {}).items()]
+    outputs += frames.module_outputs(gm, parse=lambda p: (None, p))
     for _, path, node in outputs:
         full = frames.strip_compiled(".".join(p for p in (scope, path) if p))
         source = labels.get(node)
@@ -272,6 +283,14 @@ def _with_module_outputs(gm: fx.GraphModule, labels: Dict[str, str], aliases: Di
         for full in ends.get(name, []):
             out[MODULE_KEY + full] = full
     return out
+
+
+def _first_item(node: fx.Node) -> str:
+    """A leaf's output node, or the ``[0]`` item of it where the graph unpacks a tuple."""
+    for user in node.users:
+        if user.op == "call_function" and user.target is operator.getitem and user.args[1] == 0:
+            return user.name
+    return node.name
 
 
 def _observed(labels: Dict[str, str], aliases: Dict[str, str]) -> Dict[str, str]:

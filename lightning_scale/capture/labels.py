@@ -8,6 +8,7 @@ statistics equal their input's, so they are copied rather than computed.
 
 from __future__ import annotations
 
+import operator
 import re
 from typing import Dict, Optional, Set
 
@@ -80,8 +81,19 @@ def _base_label(node: fx.Node, root: Optional[nn.Module], scope: str) -> str:
         return f"{scope}/{name}" if scope else name
     if node.op == "call_module":
         return f"{under(str(node.target))}/{_op_name(node, root)}"
+    leaf = _leaf_item(node)
+    if leaf is not None:  # an item of a leaf's tuple output (an LSTM's): under the leaf's path
+        return f"{under(str(leaf.target))}/getitem"
     path = under(_module_path(node))
     return f"{path}/{_op_name(node, root)}" if path else _op_name(node, root)
+
+
+def _leaf_item(node: fx.Node) -> Optional[fx.Node]:
+    """The ``call_module`` node whose output ``node`` indexes (``out, state = rnn(x)``), if any."""
+    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        source = node.args[0]
+        return source if source.op == "call_module" else _leaf_item(source)
+    return None
 
 
 def label_graph(

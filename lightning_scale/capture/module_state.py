@@ -5,11 +5,20 @@ live module, and the traced graph never repeats the write. ``guarded(root)`` rec
 attribute write on a module of ``root`` while the trace runs (with the source line that
 made it) and afterwards restores each module's attributes, parameters, buffers and
 submodules as they were, so nothing of a trace stays on the model.
+
+``Snapshot`` is the same promise for a forward that runs for real but must leave no trace
+(the fidelity probe, a trace that draws random numbers): the random number generators
+(torch's CPU and CUDA generators, numpy's and Python's ``random``) and every module's
+state (buffer values such as BatchNorm's running statistics, attributes, the contents of
+dict, list and set attributes such as hook tables) are saved and put back exactly.
+Parameter values are not saved: a forward that writes its parameters in place is not
+undone.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Set, Tuple
 import torch
 from torch import nn
 
-__all__ = ["Write", "guarded"]
+__all__ = ["Snapshot", "Write", "forked_rng", "guarded"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FX_DIR = os.path.join(_TORCH_DIR, "fx")
@@ -95,3 +104,95 @@ def _restore(
 
 
 _GONE = object()
+
+
+_CONTAINERS = (dict, list, set)
+
+
+class Snapshot:
+    """The random number generators and ``root``'s module state now; ``restore()`` puts
+    them back (as often as needed), keeping every object's identity."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self._rng = _rng_state()
+        self._modules = [_module_state(m) for m in root.modules()]
+
+    def restore(self) -> None:
+        _set_rng_state(self._rng)
+        for m, attrs, contents, tensors in self._modules:
+            m.__dict__.clear()
+            m.__dict__.update(attrs)
+            for container, saved in contents:
+                _refill(container, saved)
+            with torch.no_grad():
+                for t, value in tensors:
+                    t.copy_(value)
+
+
+def _module_state(m: nn.Module) -> Tuple[nn.Module, Dict[str, Any], List[Tuple[Any, Any]], List[Tuple[torch.Tensor, torch.Tensor]]]:
+    attrs = dict(m.__dict__)
+    # containers (``_buffers``, ``_forward_hooks``, user lists) are refilled in place
+    contents = [(v, _copy_of(v)) for v in attrs.values() if isinstance(v, _CONTAINERS)]
+    values = [*m._buffers.values(), *(v for v in attrs.values() if type(v) is torch.Tensor)]
+    tensors = [(t, t.detach().clone()) for t in values if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
+    return m, attrs, contents, tensors
+
+
+def _copy_of(container: Any) -> Any:
+    return list(container.items()) if isinstance(container, dict) else list(container)
+
+
+def _refill(container: Any, saved: Any) -> None:
+    container.clear()
+    if isinstance(container, dict):
+        container.update(saved)
+    elif isinstance(container, list):
+        container.extend(saved)
+    else:
+        container.update(saved)
+
+
+def _rng_state() -> Dict[str, Any]:
+    state: Dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["random"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        sys.modules["numpy"].random.set_state(state["numpy"])
+
+
+_RNG_NAMES = {"torch": "torch's CPU generator", "cuda": "torch's CUDA generators", "numpy": "numpy's generator", "random": "Python's `random`"}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if hasattr(a, "shape") and hasattr(a, "dtype"):  # a numpy array
+        return bool((a == b).all())
+    return bool(a == b)
+
+
+@contextmanager
+def forked_rng() -> Iterator[List[str]]:
+    """Random numbers drawn in the block leave every generator as it was. Yields a list
+    that, after the block, names the generators it drew from."""
+    state = _rng_state()
+    drawn: List[str] = []
+    try:
+        yield drawn
+    finally:
+        after = _rng_state()
+        drawn.extend(_RNG_NAMES[k] for k in state if k in after and not _same(state[k], after[k]))
+        _set_rng_state(state)

@@ -3,7 +3,8 @@
 ``DeepTracer`` traces into every ``nn.Module`` (``torch.fx.symbolic_trace`` stops at each
 one), so parameters and the ops inside layers are graph nodes. A submodule whose trace
 raises is rolled back and kept as a ``call_module`` leaf, with the reason. ``trace_module``
-runs a trace under ``module_state.guarded``: nothing of it stays on the user's modules,
+runs a trace under ``module_state.guarded`` and ``forked_rng``: nothing of it stays on the
+user's modules or random number generators,
 and attribute writes in ``forward`` raise ``SideEffectError``. ``failure_reason`` turns a
 trace error into what failed, in which module, at which source line.
 """
@@ -20,14 +21,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, U
 import torch
 from torch import fx, nn
 
-from lightning_scale.capture.module_state import guarded
+from lightning_scale.capture.module_state import forked_rng, guarded
 
 __all__ = ["DEFAULT_LEAF_TYPES", "DeepTracer", "SideEffectError", "failure_reason", "trace_module"]
 
 #: Modules kept as leaves by default: fx cannot trace them (control flow on proxies),
-#: or tracing would drop their buffer updates (BatchNorm's ``num_batches_tracked``).
+#: tracing would drop their buffer updates (BatchNorm's ``num_batches_tracked``), or their
+#: forward writes module state (RNN, GRU and LSTM refresh ``_flat_weights``).
 DEFAULT_LEAF_TYPES: Tuple[Type[nn.Module], ...] = (
     nn.modules.batchnorm._BatchNorm,
+    nn.RNNBase,
     nn.MultiheadAttention,
     nn.TransformerEncoderLayer,
     nn.TransformerDecoderLayer,
@@ -68,6 +71,7 @@ class DeepTracer(fx.Tracer):
         self.fallback = fallback
         self.fallbacks: Dict[str, str] = {}
         self.leaves: List[str] = []
+        self.passthrough: Dict[str, str] = {}  # module path -> node it returned unchanged (nn.Identity)
         self.target_to_function: Dict[str, FunctionType] = {}
         self.function_to_node: Dict[FunctionType, fx.Node] = {}
         self._modes: Optional[Tuple[Any, ...]] = None
@@ -95,7 +99,10 @@ class DeepTracer(fx.Tracer):
         before = list(self.graph.nodes)[-1] if len(self.graph.nodes) else None
         stack = dict(self.module_stack)
         try:
-            return super().call_module(m, forward, args, kwargs)
+            out = super().call_module(m, forward, args, kwargs)
+            if isinstance(out, fx.Proxy) and any(out is a for a in args) and name not in self.passthrough:
+                self.passthrough[name] = out.node.name  # its output is its input: no node of its own
+            return out
         except Exception as err:  # noqa: BLE001 - any trace failure means "keep as leaf"
             self._rollback(before)
             self.module_stack.clear()
@@ -153,11 +160,14 @@ class SideEffectError(RuntimeError):
 
 def trace_module(module: nn.Module, tracer: DeepTracer) -> fx.GraphModule:
     """``tracer``'s graph of ``module`` as a GraphModule; nothing of the trace stays on ``module``."""
-    # Nothing of the trace may stay on the user's modules (fx runs forward on proxies).
-    with warnings.catch_warnings(), guarded(module) as writes:
+    # Nothing of the trace may stay on the user's modules (fx runs forward on proxies), nor
+    # on the random number generators (ops without proxy inputs, numpy, run for real).
+    with warnings.catch_warnings(), forked_rng() as drawn, guarded(module) as writes:
         warnings.simplefilter("ignore")
         graph = tracer.trace(module)
         gm = fx.GraphModule(module, graph)
+    if drawn:  # ops on concrete values ran while tracing: the graph holds their one result
+        raise SideEffectError(f"forward draws from {' and '.join(drawn)} outside the traced ops; a graph would repeat one draw on every step")
     if writes:
         where = ", ".join(str(w) for w in writes[:3])
         raise SideEffectError(f"forward writes module state ({where}), which a graph does not replay")

@@ -96,6 +96,7 @@ _CONDITION = 4.0
 def _host_moments(x: Tensor, out: List[Entry], with_max: bool = False, one_read: bool = True) -> Optional[float]:
     """Fills mean, m2, nan and inf of ``x`` on the host. Returns max |x| where it came
     with the sums (``with_max`` and the native kernel, ``one_read``), else None."""
+    x = x.detach()  # (the fast path hands it the graph's tensor: no autograd, no warning on float())
     n = x.numel()
     if one_read and n > _DOT_MAX:
         taken, top = _native_moments(x, out, with_max)
@@ -241,5 +242,5 @@ def _strided_rows(y: Tensor) -> Optional[Tensor]:
 
 
 def _host_absmax(x: Tensor) -> float:
-    lo, hi = torch.aminmax(x)
+    lo, hi = torch.aminmax(x.detach())
     return max(abs(float(lo)), abs(float(hi)))
