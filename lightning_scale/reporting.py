@@ -3,8 +3,8 @@
 ``Reporter.pool`` sends a step's records, value histograms, failure flag, loss scale and
 update rows (``lightning_scale.updates``) in one collective (one device-to-host
 transfer). ``Reporter.report`` then decides, on the training thread, what little must be
-decided there (anomaly warnings, which nodes to write, the ``max_tags`` cap; all on the
-pooled host copy) and hands the rest (unscaling, annotated code, scalars, histograms,
+decided there (anomaly warnings, which nodes to write; all on the pooled host copy; the
+``max_tags`` cap applies to the per-node scalars only, the dashboard's records hold every node) and hands the rest (unscaling, annotated code, scalars, histograms,
 figure, text, update ratios) to a ``Worker`` for TensorBoard loggers;
 ``Reporter.log_anomaly`` queues an anomaly event there too. Other loggers (CSV, W&B,
 MLflow, ...) are not safe to call from a second thread while Lightning logs: they get
@@ -15,7 +15,7 @@ and the accumulation factor in.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -82,6 +82,7 @@ class _Written:
     loss_scale: Optional[float]
     updates: Optional[Tuple[List[str], Tensor]]  # parameter names, their pooled update rows
     code: Optional[List[Tuple[fx.GraphModule, Dict[str, str]]]]
+    aliases: Dict[str, str] = field(default_factory=dict)  # label -> label of the same tensor
 
 
 class Reporter:
@@ -189,7 +190,7 @@ class Reporter:
             self.warn_once(f"empty{data.prefix}", _nothing_recorded(data))
             return
         self._coverage(data, [labels[i] for i in keep])
-        keep = self._cap(keep)
+        self._warn_cap(len(keep))
         if not loggers:
             return
         records, per_rank = _unscaled(pooled, self.unscale_gradients, accumulate / (loss_scale or 1.0))
@@ -197,7 +198,7 @@ class Reporter:
         job = _Written(
             data.step, data.prefix, [labels[i] for i in keep], records[keep], per_rank[:, keep] if self.rank_spread else None,
             {f"{'fwd' if d == FORWARD else 'bwd'}/{l}": pooled.histograms[i, d] for i, l in enumerate(hist_labels) for d in (FORWARD, BACKWARD)},
-            loss_scale, _updates(data, step), list(zip(data.capture.graphs, data.capture.labels)) if self.code else None,
+            loss_scale, _updates(data, step), list(zip(data.capture.graphs, data.capture.labels)) if self.code else None, dict(data.capture.aliases),
         )  # fmt: skip
         boards, others = _split(loggers)
         if boards:
@@ -233,22 +234,20 @@ class Reporter:
             self._warned[key] = True
             self.warn(message)
 
-    def _cap(self, keep: List[int]) -> List[int]:
-        if len(keep) <= self.max_tags:
-            return keep
-        self.warn_once(
-            "max_tags",
-            f"ScaleMonitor: {len(keep)} nodes have tensors; writing the first {self.max_tags} "
-            "(raise `max_tags`, or narrow with `include` / `exclude` / `prune_views`)",
-        )
-        return keep[: self.max_tags]
+    def _warn_cap(self, nodes: int) -> None:
+        if nodes > self.max_tags:
+            self.warn_once(
+                "max_tags",
+                f"ScaleMonitor: {nodes} nodes have tensors; writing the first {self.max_tags} "
+                f"(raise `max_tags`, or narrow with `include` / `exclude` / `prune_views`) as scalars; the SCALES dashboard shows all {nodes}",
+            )
 
     def _writer(self, loggers: Sequence[Any], prefix: str, parameters: Collection[str], kind: str) -> ScaleWriter:
         """One writer per tag prefix and kind: ``boards`` is used on the worker only,
         ``others`` on the training thread only (neither shares its caches across threads)."""
         key = f"{kind}:{prefix}"
         if key not in self._writers:
-            self._writers[key] = ScaleWriter(loggers, self.statistics, self.histograms, self.figure, prefix, self.figure_every, parameters=parameters)
+            self._writers[key] = ScaleWriter(loggers, self.statistics, self.histograms, self.figure, prefix, self.figure_every, parameters=parameters, max_tags=self.max_tags)
         return self._writers[key]
 
 
@@ -269,7 +268,7 @@ def _split(loggers: Sequence[Any]) -> Tuple[List[Any], List[Any]]:
 
 def _write(writer: ScaleWriter, job: _Written, loggers: List[Any], index: Dict[str, int], all_records: Tensor) -> None:
     code = _code(job.code, index, all_records) if job.code is not None else None
-    writer.write(job.step, job.labels, job.records, code, job.per_rank)
+    writer.write(job.step, job.labels, job.records, code, job.per_rank, job.aliases)
     if job.loss_scale is not None:
         for logger in loggers:
             logger.log_metrics({f"{job.prefix}scale_loss/loss_scale": job.loss_scale}, step=job.step)
