@@ -317,9 +317,11 @@ class ScaleWriter:
         draw = self._writes % self.figure_every == 0
         self._writes += 1
         rows = self._rows(values, keep, spread)
+        written = set(labels)
+        same = {a: s for a, s in (aliases or {}).items() if a in written and s in written}
         for writer in self._tensorboards():
-            self._write_records(writer, step, labels, rows, aliases or {})
-            self._write_extras(writer, step, labels, records, n, code, draw, aliases or {})
+            self._write_records(writer, step, labels, rows, same)
+            self._write_extras(writer, step, labels, records, n, code, draw, same)
 
     def _rows(self, values: Tensor, keep: Tensor, spread: Optional[Tensor]) -> Tensor:
         """The dashboard's ``[nodes, 2, statistics]`` array: NaN where nothing was recorded."""

@@ -8,5 +8,5 @@ export function drawCode(root, data) {
   }
   const flagged = data.lines.filter((l) => l.flag).length;
   root.innerHTML = `<p class="note">step ${data.step}: ${flagged} lines flagged (!&lt; std below the FP16 smallest normal, !&gt; above its max)</p>
-    <pre class="code">${data.lines.map((l) => `<span class="line${l.flag ? ' flag' : ''}">${esc(l.text)}</span>`).join('\n')}</pre>`;
+    <pre class="code">${data.lines.map((l) => `<span class="line${l.flag ? ' flag' : ''}">${esc(l.text) || ' '}</span>`).join('')}</pre>`;
 }
