@@ -140,7 +140,7 @@ export function drawHeatmap(root, data, query) {
   const html = parts.map((b, k) => {
     const folded = collapsed.has(b.group);
     const labels = b.rows.map((i) => `<div class="row-label${params.has(data.labels[i]) ? ' param' : ''}" data-row="${i}" title="${esc(data.labels[i])}">${params.has(data.labels[i]) ? '◆ ' : ''}${esc(data.labels[i])}</div>`).join('');
-    const canvases = ['fwd', 'bwd'].map((d) => `<canvas class="hm-canvas" data-dir="${d}" data-block="${k}" width="${gridW}" height="${b.rows.length * ROW}"></canvas>`).join('');
+    const canvases = ['fwd', 'bwd'].map((d) => `<canvas class="hm-canvas" data-dir="${d}" data-block="${k}" data-cw="${cw}" width="${gridW}" height="${b.rows.length * ROW}"></canvas>`).join('');
     return `<div class="hm-block${k % 2 ? ' odd' : ''}" data-group="${esc(b.group)}"><div class="hm-band" data-group="${esc(b.group)}">${folded ? '▸' : '▾'} ${esc(b.group)} <span class="count">${b.rows.length} node${b.rows.length > 1 ? 's' : ''}</span></div>${folded ? '' : `<div class="hm-rows" style="grid-template-columns:${labelW}px ${gridW}px ${gridW}px">${`<div class="hm-labels">${labels}</div>`}${canvases}</div>`}</div>`;
   }).join('');
   const axis = stepAxis(data, cw);

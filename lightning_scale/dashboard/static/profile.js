@@ -55,7 +55,7 @@ function header(x, lo, hi, log, stat, width, labelW) {
   for (const e of marks.labels) {
     const y = e.row * 12 + 10;
     svg += `<line x1="${e.px}" x2="${e.px}" y1="${y + 2}" y2="${height - 14}" stroke="${e.colour}" stroke-dasharray="2,2"/>`;
-    svg += `<text class="edge-label" x="${e.start}" y="${y}" fill="${e.colour}">${esc(e.text)}<title>${e.names.join(', ')} ${e.kind === 'min' ? 'smallest normal' : 'largest finite value'}: 2^${fmt(e.v)}</title></text>`;
+    svg += `<g><title>${e.names.join(', ')} ${e.kind === 'min' ? 'smallest normal' : 'largest finite value'}: 2^${fmt(e.v)}</title><text class="edge-label" x="${e.start}" y="${y}" fill="${e.colour}">${esc(e.text)}</text></g>`;
   }
   for (const t of axisTicks(lo, hi, log)) {
     svg += `<text class="tick axis" x="${x(t)}" y="${height - 3}">${+t.toPrecision(6)}</text>`;
