@@ -3,7 +3,7 @@
 ``python benchmarks/accuracy.py``: the sweep of docs/statistics.md (sizes 1e3, 1e5, 1.6e7;
 |mean|/std 0, 3, 9.5, 100, 1e4; ``x = (randn(n) + offset).to(dtype)`` against
 ``x.double()``, one thread). The host path is measured with the native one-read kernel
-(``lightning_scale.native``, float32 and bfloat16) and with torch's kernels; the mean's
+(``lightning_scale.record.native``, float32 and bfloat16) and with torch's kernels; the mean's
 error is relative to |mean| + std (as tests/test_stats_property.py judges it).
 """
 
@@ -15,7 +15,8 @@ from typing import Dict, Tuple
 import workload  # noqa: F401 - puts the checkout's package on sys.path
 import torch
 
-from lightning_scale import native, stats
+from lightning_scale.record import native
+from lightning_scale.record import stats
 
 SIZES = (1_000, 100_000, 16_000_000)
 OFFSETS = (0.0, 3.0, 9.5, 100.0, 1e4)

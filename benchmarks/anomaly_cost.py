@@ -36,7 +36,7 @@ from timing import Samples, between_noise_floor
 from workload import MAIN, Workload
 
 from lightning_scale import ScaleMonitor
-from lightning_scale.anomaly import AnomalyDetector
+from lightning_scale.step.anomaly import AnomalyDetector
 
 #: The monitors compared, by name: both features off, both on.
 MONITORS = {"off": {}, "on": {"anomaly_steps": 8, "update_ratios": True}}
@@ -90,7 +90,7 @@ def measure(rounds: int = 3, steps: int = 30, skip: int = 5, budget_s: Optional[
                     out.plain_by_round.append(kept)
                     continue
                 out.hooks[name] += timer.hook_times()[skip:]
-                detector = monitor._detector  # noqa: SLF001 - the benchmark checks no anomaly fired
+                detector = monitor._anomaly.detector  # noqa: SLF001 - the benchmark checks no anomaly fired
                 assert detector is None or not detector.anomalies, "an anomaly fired: the steps timed were not all untracked"
             out.rounds = r + 1
     return out

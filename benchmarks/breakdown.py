@@ -18,9 +18,10 @@ from typing import Any, Callable, Dict, List, Tuple
 
 from workload import Size
 
-from lightning_scale import ScaleMonitor, worker
+from lightning_scale import ScaleMonitor
+from lightning_scale.report import worker
 from lightning_scale.callback import ScaleMonitor as _Monitor
-from lightning_scale.recorder import Recorder
+from lightning_scale.record.recorder import Recorder
 
 #: (row, class, method) of each part timed; the writer's jobs are ``worker.Worker._call``.
 PARTS: Tuple[Tuple[str, Any, str], ...] = (

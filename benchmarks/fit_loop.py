@@ -32,7 +32,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from timing import Samples, Stopwatch
 from workload import Size, Workload  # puts the repository root on sys.path
 
-from lightning_scale import ScaleMonitor, native, stats
+from lightning_scale import ScaleMonitor
+from lightning_scale.record import native
+from lightning_scale.record import stats
 
 #: "Every statistic group" of issue 10's goal: moments, range and formats (std, absmax,
 #: zeros, min_nonzero, the format fractions); the opt-in ``fp8`` what-if is measured apart.
@@ -289,14 +291,14 @@ def _sort_steps(out: TrackedFits, timer: Any, monitor: Any, group: str) -> None:
 
 #: Where the time of a tracked step goes: (row, function, file suffix) read from cProfile.
 PROFILE_PARTS = (
-    ("recording in the forward (`observe`, its statistics included)", "observe", "lightning_scale/recorder.py"),
-    ("recording gradients (`Recorder._on_grad`, its statistics included)", "_on_grad", "lightning_scale/recorder.py"),
-    ("of which the statistics one tensor at a time, native kernel's short path (`stats.fast_host_record`), both directions", "record", "lightning_scale/stats.py"),
-    ("of which the statistics one tensor at a time, general path (`stats.record_of`), both directions", "record_of", "lightning_scale/stats.py"),
-    ("assembling the records (`Recorder.records`)", "records", "lightning_scale/recorder.py"),
-    ("of which the short tensors' statistics, all at once (`ShortRecords.flush`)", "flush", "lightning_scale/short_records.py"),
-    ("pooling, the one transfer (`distributed.pool_step`)", "pool_step", "lightning_scale/distributed.py"),
-    ("checks and queueing on the training thread (`Reporter.report`)", "report", "lightning_scale/reporting.py"),
+    ("recording in the forward (`observe`, its statistics included)", "observe", "lightning_scale/record/recorder.py"),
+    ("recording gradients (`Recorder._on_grad`, its statistics included)", "_on_grad", "lightning_scale/record/recorder.py"),
+    ("of which the statistics one tensor at a time, native kernel's short path (`stats.fast_host_record`), both directions", "record", "lightning_scale/record/stats/host.py"),
+    ("of which the statistics one tensor at a time, general path (`stats.record_of`), both directions", "record_of", "lightning_scale/record/stats/__init__.py"),
+    ("assembling the records (`Recorder.records`)", "records", "lightning_scale/record/recorder.py"),
+    ("of which the short tensors' statistics, all at once (`ShortRecords.flush`)", "flush", "lightning_scale/record/short_records.py"),
+    ("pooling, the one transfer (`pool.pool_step`)", "pool_step", "lightning_scale/report/pool.py"),
+    ("checks and queueing on the training thread (`Reporter.report`)", "report", "lightning_scale/report/reporting.py"),
     ("end of step in total (`ScaleMonitor._finish`)", "_finish", "lightning_scale/callback.py"),
 )
 
@@ -318,7 +320,7 @@ def profile_tracked(size: Size, statistics: List[str], steps: int = 12) -> Profi
     import cProfile
     import pstats
 
-    from lightning_scale import worker
+    from lightning_scale.report import worker
 
     out = Profile(list(statistics), steps - 2)
     spent: List[float] = []
@@ -359,7 +361,7 @@ def recorded_elements(size: Size) -> Tuple[int, int]:
     """(records, elements) a tracked step of ``size`` computes statistics of: one bare
     fx-tracked training step, both directions (tensors that share a record counted once)."""
     from lightning_scale import Recorder, capture, recording
-    from lightning_scale.recorder import Recorder as _Recorder
+    from lightning_scale.record.recorder import Recorder as _Recorder
 
     work = Workload(size)
     cap = capture(work.model, "fx")

@@ -15,7 +15,7 @@ import torch
 
 import workload  # noqa: F401 - puts the checkout's package on sys.path
 
-from lightning_scale import stats
+from lightning_scale.record.stats import formats
 
 
 def measure(numel: int = 1 << 20) -> float:
@@ -25,7 +25,7 @@ def measure(numel: int = 1 << 20) -> float:
     x = torch.randn(numel, generator=torch.Generator().manual_seed(3))
     nan = torch.isnan(x).sum()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        stats._format_counts_device(x, nan)  # noqa: SLF001 - the path measured
+        formats._format_counts_device(x, nan)  # noqa: SLF001 - the path measured
     allocated = sum(e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0)
     return allocated / numel
 

@@ -35,7 +35,7 @@ import timing  # noqa: E402
 import test_models as cases  # noqa: E402
 
 from lightning_scale.capture import capture  # noqa: E402
-from lightning_scale.recorder import Recorder, recording  # noqa: E402
+from lightning_scale.record.recorder import Recorder, recording  # noqa: E402
 
 
 def _sgd(model: nn.Module) -> None:

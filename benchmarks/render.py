@@ -100,7 +100,7 @@ def header(res: Results) -> List[str]:
         f"1-minute load average {res.load[0]} at the start, {res.load[1]} at the end. "
         f"Host-path statistics: {m.get('native', 'unknown')}.",
         "",
-        "Workload: `lightning_scale.models.GPT` (4 heads, sequence 64, vocabulary 256), a batch of "
+        "Workload: `lightning_scale.tools.models.GPT` (4 heads, sequence 64, vocabulary 256), a batch of "
         "16 x 64 tokens from `synthetic_tokens`, CPU. A training step is zero_grad, forward, "
         "cross-entropy, backward, AdamW step. Variants run side by side in interleaved rounds "
         "(plain, tracked, ..., plain, tracked, ...); a cell is the median step time over the "
@@ -402,7 +402,7 @@ def profile_table(res: Results) -> List[str]:
         f"{elements / 1e6:.1f}M elements (forward values and gradients; a tensor shared by several nodes, such as a "
         "residual stream's gradient, once). Recording, forward and backward, is most of a tracked step's extra time, and "
         "most of that is the statistics themselves: memory passes over each recorded tensor. std reads each tensor "
-        "once with the native kernel (`lightning_scale.native`: sum and sum of squares in one read; twice with torch's "
+        "once with the native kernel (`lightning_scale.record.native`: sum and sum of squares in one read; twice with torch's "
         "kernels, a sum and norms of 512-element rows, see the torch-kernels row above), which is the floor of this "
         "design; every group adds |x|, its "
         "extremes and one compare-and-count per format threshold in range (about four more passes). Tensors of up to "

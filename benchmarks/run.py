@@ -28,7 +28,7 @@ import format_bytes
 import fit_loop
 import memory
 import render
-from lightning_scale import native
+from lightning_scale.record import native
 from timing import CLOCKS, Summary, between_noise_floor, interleaved, load_average, noise_floor
 from workload import MAIN, SIZES, VARIANTS, Size, Workload
 

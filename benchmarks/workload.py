@@ -20,7 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, fx, nn  # noqa: E402
 
 from lightning_scale import Recorder, ScaleTrackingInterpreter, capture, recording  # noqa: E402
-from lightning_scale.models import GPT, GPTConfig, synthetic_tokens  # noqa: E402
+from lightning_scale.tools.models import GPT, GPTConfig, synthetic_tokens  # noqa: E402
 
 Step = Callable[[], None]
 

@@ -23,7 +23,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_scale import ScaleMonitor
-from lightning_scale.demo import GPTModule, token_loaders
+from lightning_scale.tools.demo import GPTModule, token_loaders
 
 
 class SpikyGPT(GPTModule):

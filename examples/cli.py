@@ -17,8 +17,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_scale.demo import GPTModule
-from lightning_scale.models import synthetic_tokens
+from lightning_scale.tools.demo import GPTModule
+from lightning_scale.tools.models import synthetic_tokens
 
 
 class TokenDataModule(pl.LightningDataModule):

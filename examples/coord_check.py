@@ -1,7 +1,7 @@
 """Coordinate check of the demo GPT: standard vs unit-scaled parametrisation.
 
-Trains ``lightning_scale.demo.GPTModule`` (AdamW, lr 3e-3, synthetic tokens) at several
-widths for a few steps with ``lightning_scale.coord_check``, once with the standard GPT
+Trains ``lightning_scale.tools.demo.GPTModule`` (AdamW, lr 3e-3, synthetic tokens) at several
+widths for a few steps with ``lightning_scale.tools.coord_check``, once with the standard GPT
 and once with ``GPTConfig(unit_scaled=True)``; prints the slope of log2 std against log2
 width per op group at the first and last step and draws both at the last step::
 
@@ -17,9 +17,9 @@ import warnings
 from typing import Callable, List, Optional, Sequence
 
 from lightning_scale import coord_check
-from lightning_scale.coord_check import CoordRow
-from lightning_scale.demo import GPTModule, token_loaders
-from lightning_scale.models import GPT, GPTConfig
+from lightning_scale.tools.coord_check import CoordRow
+from lightning_scale.tools.demo import GPTModule, token_loaders
+from lightning_scale.tools.models import GPT, GPTConfig
 
 # One group per op kind of the activations (parameters and UnitLinear's weight scaling
 # are left out); the group is the op name without its numbering.

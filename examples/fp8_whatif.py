@@ -25,7 +25,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_scale import ScaleMonitor
-from lightning_scale.demo import GPTModule, token_loaders
+from lightning_scale.tools.demo import GPTModule, token_loaders
 
 #: (direction, format, what): E4M3 forward, E5M2 for gradients, and gradients in E4M3.
 SECTIONS = (("fwd", "e4m3", "forward values"), ("bwd", "e5m2", "gradients"), ("bwd", "e4m3", "gradients (recipes with E4M3 everywhere)"))

@@ -2,10 +2,10 @@
 
 from lightning_scale.callback import ScaleMonitor
 from lightning_scale.capture import Capture, CaptureError, DeepTracer, capture
-from lightning_scale.coord_check import coord_check
-from lightning_scale.interpreter import ScalePair, ScaleTrackingInterpreter
-from lightning_scale.recorder import Recorder, recording
-from lightning_scale.report import analyse_module, records_table
+from lightning_scale.capture.interpreter import ScalePair, ScaleTrackingInterpreter
+from lightning_scale.coord_check import coord_check  # the documented module path, then the function
+from lightning_scale.record.recorder import Recorder, recording
+from lightning_scale.tools.analyse import analyse_module, records_table
 
 __all__ = [
     "Capture",

@@ -21,15 +21,16 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_scale import distributed, native, stats
-from lightning_scale.anomaly import AnomalyDetector, check_arguments
 from lightning_scale.capture import CAPTURE_MODES, Capture, capture
-from lightning_scale.recorder import Recorder
-from lightning_scale.reporting import Reporter, StepData, UpdateRows
-from lightning_scale.schedule import Schedule
-from lightning_scale.selection import Matching, Selection, compile_pattern, resolve_submodule
-from lightning_scale.tracked_step import TrackedStep, fsdp_units, replicated_labels
-from lightning_scale.updates import UpdateTracker
+from lightning_scale.record import native, stats
+from lightning_scale.record.recorder import Recorder
+from lightning_scale.record.updates import UpdateTracker
+from lightning_scale.report import pool
+from lightning_scale.report.reporting import Reporter, StepData, UpdateRows
+from lightning_scale.step.anomaly import AnomalyTrigger
+from lightning_scale.step.schedule import Schedule
+from lightning_scale.step.selection import Matching, Selection, compile_pattern, resolve_submodule
+from lightning_scale.step.tracked_step import TrackedStep, fsdp_units, replicated_labels
 
 __all__ = ["ScaleMonitor"]
 
@@ -46,7 +47,7 @@ class ScaleMonitor(Callback):
             ``forward``).
         capture: ``"auto"`` (fx where it traces the model, TorchDynamo otherwise), ``"fx"``
             or ``"dynamo"``.
-        statistics: statistics to log as scalars, from ``lightning_scale.stats.STATISTICS``
+        statistics: statistics to log as scalars, from ``lightning_scale.record.stats.STATISTICS``
             (default ``["std"]``, logged as ``scale/``).
         include: regex; log only nodes whose label matches it.
         exclude: regex; do not log nodes whose label matches it.
@@ -71,12 +72,12 @@ class ScaleMonitor(Callback):
         anomaly_steps: when a step's loss is non-finite, jumps above ``anomaly_factor`` x
             its running median, or a GradScaler skips the step, track the next this many
             steps whatever the schedule, after one step of latency (0: off). Logged as
-            ``anomaly/loss`` and the text ``anomaly/event``. See ``lightning_scale.anomaly``.
+            ``anomaly/loss`` and the text ``anomaly/event``. See ``lightning_scale.step.anomaly``.
         anomaly_factor: the spike threshold, a multiple of the running median loss (> 1).
         update_ratios: on tracked steps, log ``update_ratio/<parameter>`` (RMS of the
             optimizer step's update / RMS of the parameter before it) and
             ``grad_std/<parameter>`` (std of the gradient the optimizer used). Holds a copy
-            of the parameters during a tracked step. See ``lightning_scale.updates``.
+            of the parameters during a tracked step. See ``lightning_scale.record.updates``.
 
     Raises:
         ValueError: an argument outside what is allowed (the message names it).
@@ -129,13 +130,10 @@ class ScaleMonitor(Callback):
         self.capture_mode = capture
         self.track_validation = track_validation
         self.leaf_modules = list(leaf_modules or [])
-        check_arguments(anomaly_steps, anomaly_factor)
+        self._anomaly = AnomalyTrigger(anomaly_steps, anomaly_factor, self._detection_failed)
         self.anomaly_steps, self.anomaly_factor = anomaly_steps, float(anomaly_factor)
         self.update_ratios = bool(update_ratios)
-        self._detector: Optional[AnomalyDetector] = None
         self._updates = UpdateTracker()
-        self._scale_before: Optional[Tensor] = None
-        self._batch_step = -1
         self.groups = sorted({stats.STATISTICS[s] for s in self.statistics} | {"moments"})
         self.last_tracked_step = -1
         self._captures: Dict[Tuple[bool, ...], Capture] = {}
@@ -190,7 +188,7 @@ class ScaleMonitor(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        step = self._batch_step = trainer.global_step
+        step = trainer.global_step
         self._poll_anomaly(trainer, step)
         if self._disabled or step == self.last_tracked_step or not self._is_tracked(step):
             return
@@ -206,7 +204,7 @@ class ScaleMonitor(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
-        self._remember_scale(trainer)
+        self._anomaly.remember_scale(getattr(trainer.precision_plugin, "scaler", None))
         if self.update_ratios and trainer.global_step == self.last_tracked_step and not self._updates.pending:
             self._updates.snapshot(self._target(pl_module).named_parameters(), trainer.global_step)
 
@@ -216,7 +214,7 @@ class ScaleMonitor(Callback):
             self._active.uninstall()  # later micro-batches of the step run untouched
             if not self._waits_for_optimizer_step(trainer):
                 self._finish(trainer, pl_module)
-        self._observe_anomaly(trainer, outputs)
+        self._anomaly.observe(outputs, getattr(trainer.precision_plugin, "scaler", None))
 
     @override
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -237,8 +235,7 @@ class ScaleMonitor(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._abort(pl_module)
-        if self._detector is not None:
-            self._detector.reset()
+        self._anomaly.reset()
         self.reporter.flush()
 
     @override
@@ -259,7 +256,7 @@ class ScaleMonitor(Callback):
         self.reporter.start_run()
         if stage == "fit":
             self.last_tracked_step = -1  # a resumed checkpoint restores it after setup
-            self._detector = AnomalyDetector(self.anomaly_steps, self.anomaly_factor) if self.anomaly_steps else None
+            self._anomaly.start_fit()
         if any(cap.module is not target for cap in self._captures.values()):
             self._captures.clear()
             self._step_labels.clear()
@@ -313,7 +310,7 @@ class ScaleMonitor(Callback):
 
     def _abort(self, pl_module: pl.LightningModule) -> None:
         self._updates.clear()
-        self._scale_before = None
+        self._anomaly.clear()
         if self._active is not None:
             self._active.uninstall()
             self._active.recorder.clear()
@@ -334,7 +331,7 @@ class ScaleMonitor(Callback):
         data = StepData(active.step, active.prefix, cap, active.recorder, labels, self.submodule or "", active.loss_scale, self._update_rows(trainer, active), replicated)
         try:
             pooled = self.reporter.pool(data, trainer.strategy.root_device, replicated)
-        except distributed.RankFailedError as err:  # raised on every rank alike
+        except pool.RankFailedError as err:  # raised on every rank alike
             error = active.recorder.error
             here = f"; here: {error!r}" if error is not None else ""
             self.reporter.warn_once("error", f"ScaleMonitor: {err} at step {active.step}{here}; nothing logged for it")
@@ -356,43 +353,19 @@ class ScaleMonitor(Callback):
             seen = self._step_labels[id(cap)] = (cap, size, self.selection.labels(cap), replicated_labels(target))
         return seen[2], seen[3]
 
-    # ---- anomaly-triggered tracking and update ratios (lightning_scale.anomaly, .updates)
+    # ---- anomaly-triggered tracking and update ratios (lightning_scale.step.anomaly, .updates)
 
     def _is_tracked(self, step: int) -> bool:
-        return self.schedule.is_tracked(step) or (self._detector is not None and self._detector.tracks(step))
+        return self.schedule.is_tracked(step) or self._anomaly.tracks(step)
 
     def _poll_anomaly(self, trainer: pl.Trainer, step: int) -> None:
         """Judge the loss read one batch late; an anomaly extends what ``_is_tracked`` says."""
-        if self._detector is None:
-            return
-        try:
-            found = self._detector.poll(step)
-        except Exception as err:  # noqa: BLE001 - a monitor fault must not stop training
-            self._stop_detection(err)
-            return
+        found = self._anomaly.poll(step)
         if found is not None and trainer.is_global_zero:
             rank_zero_info(f"ScaleMonitor: anomaly at {found.describe()}")
-            self.reporter.log_anomaly(_writable_loggers(trainer), found)
+            self.reporter.log_anomaly(_writable_loggers(trainer), found.step, found.loss, found.describe())
 
-    def _observe_anomaly(self, trainer: pl.Trainer, outputs: Any) -> None:
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if self._detector is None or not isinstance(loss, Tensor):
-            return
-        after = getattr(getattr(trainer.precision_plugin, "scaler", None), "_scale", None) if self._scale_before is not None else None
-        try:
-            self._detector.observe(self._batch_step, loss, self._scale_before, after)
-        except Exception as err:  # noqa: BLE001 - a monitor fault must not stop training
-            self._stop_detection(err)
-        self._scale_before = None
-
-    def _remember_scale(self, trainer: pl.Trainer) -> None:
-        """The GradScaler's scale before its update (a device copy): it shrinks iff the step is skipped."""
-        scale = getattr(getattr(trainer.precision_plugin, "scaler", None), "_scale", None)
-        if self._detector is not None and isinstance(scale, Tensor):
-            self._scale_before = scale.detach().clone()
-
-    def _stop_detection(self, err: Exception) -> None:
-        self._detector = None
+    def _detection_failed(self, err: Exception) -> None:
         self.reporter.warn_once("anomaly", f"ScaleMonitor: anomaly detection failed ({type(err).__name__}: {err}); it is off for this fit")
 
     def _waits_for_optimizer_step(self, trainer: pl.Trainer) -> bool:

@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence
 import pytest
 import torch
 
-from lightning_scale.anomaly import LATENCY, Anomaly, AnomalyDetector, check_arguments, judge
+from lightning_scale.step.anomaly import LATENCY, Anomaly, AnomalyDetector, check_arguments, judge
 
 
 def _run(detector: AnomalyDetector, losses: Sequence[float], skipped: Sequence[int] = ()) -> List[int]:

@@ -707,8 +707,8 @@ class MaskThenOutput(nn.Module):
 
 
 def test_anomaly_rules_on_pooled_records() -> None:
-    from lightning_scale import stats
-    from lightning_scale.anomalies import AnomalyWatch, consumers_of
+    from lightning_scale.record import stats
+    from lightning_scale.report.anomalies import AnomalyWatch, consumers_of
     from lightning_scale.capture import capture
 
     cap = capture(MaskThenOutput(), "fx")

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from lightning_scale import stats
+from lightning_scale.record import stats
 from lightning_scale.capture import Capture, CaptureError, DeepTracer, capture
-from lightning_scale.interpreter import ScaleTrackingInterpreter
-from lightning_scale.models import GPT, GPTConfig
-from lightning_scale.recorder import BACKWARD, FORWARD, Recorder, recording
+from lightning_scale.capture.interpreter import ScaleTrackingInterpreter
+from lightning_scale.tools.models import GPT, GPTConfig
+from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder, recording
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the tiny GPT-2 is built from a config
 GROUPS = ("moments", "range", "formats")

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_scale import coord_check
-from lightning_scale.coord_check import CoordCheck, CoordRow, op_type
+from lightning_scale.tools.coord_check import CoordCheck, CoordRow, op_type
 
 D_IN = 32
 
@@ -230,7 +230,7 @@ def test_a_width_that_records_nothing_raises() -> None:
 
 @pytest.mark.parametrize("dim", [32, 128])
 def test_unit_scaled_gpt_has_unit_scale_at_init(dim: int) -> None:
-    from lightning_scale.models import GPT, GPTConfig, UnitLinear
+    from lightning_scale.tools.models import GPT, GPTConfig, UnitLinear
 
     torch.manual_seed(0)
     x = torch.randn(256, 4 * dim)

@@ -194,7 +194,7 @@ def test_headroom_closed_forms() -> None:
 
 
 def test_writer_rejects_a_bad_top_k() -> None:
-    from lightning_scale.tensorboard import ScaleWriter
+    from lightning_scale.report.tensorboard import ScaleWriter
 
     with pytest.raises(ValueError, match="`top_k` must be a positive integer, got 0"):
         ScaleWriter([], ["std"], top_k=0)

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import Tensor
 
-from lightning_scale import distributed, stats
-from lightning_scale.recorder import BACKWARD, FORWARD
+from lightning_scale.report import pool as distributed
+from lightning_scale.record import stats
+from lightning_scale.record.recorder import BACKWARD, FORWARD
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "run_dist.py"

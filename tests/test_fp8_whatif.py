@@ -16,8 +16,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_scale import ScaleMonitor
-from lightning_scale.demo import GPTModule
-from lightning_scale.models import synthetic_tokens
+from lightning_scale.tools.demo import GPTModule
+from lightning_scale.tools.models import synthetic_tokens
 
 STEPS = 2
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

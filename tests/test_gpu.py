@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_scale import stats
+from lightning_scale.record import stats
 from lightning_scale.capture import capture
-from lightning_scale.distributed import pool
-from lightning_scale.models import GPT, GPTConfig, synthetic_tokens
-from lightning_scale.recorder import Recorder, recording
+from lightning_scale.report.pool import pool
+from lightning_scale.tools.models import GPT, GPTConfig, synthetic_tokens
+from lightning_scale.record.recorder import Recorder, recording
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -53,7 +53,7 @@ def test_gpu_statistics_match_float64() -> None:
 
 
 def test_anomaly_detection_never_syncs_on_steps_it_reads_in_time() -> None:
-    from lightning_scale.anomaly import AnomalyDetector
+    from lightning_scale.step.anomaly import AnomalyDetector
 
     det = AnomalyDetector(steps=2)
     losses = [torch.tensor(v, device="cuda") for v in [1.0] * 6 + [50.0] + [1.0] * 5]

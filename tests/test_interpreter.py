@@ -16,11 +16,11 @@ import unit_scaling.functional
 from torch import Tensor, fx, nn
 from unit_scaling import utils as reference
 
-from lightning_scale import interpreter
+from lightning_scale.capture import interpreter
 from lightning_scale.capture import DeepTracer
-from lightning_scale.interpreter import ScalePair, ScaleTrackingInterpreter, instrument
-from lightning_scale.models import GPT, GPTConfig
-from lightning_scale.recorder import BACKWARD, FORWARD, Recorder, recording
+from lightning_scale.capture.interpreter import ScalePair, ScaleTrackingInterpreter, instrument
+from lightning_scale.tools.models import GPT, GPTConfig
+from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder, recording
 
 
 def trace_like_reference(module: nn.Module, **kwargs: Any) -> fx.GraphModule:

@@ -20,10 +20,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_scale import stats
+from lightning_scale.record import stats
 from lightning_scale.callback import ScaleMonitor
 from lightning_scale.capture import capture
-from lightning_scale.recorder import BACKWARD, FORWARD, Recorder, recording
+from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder, recording
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""The native one-read kernel (lightning_scale.native): its numbers against float64 for
+"""The native one-read kernel (lightning_scale.record.native): its numbers against float64 for
 every layout it accepts, the layouts it refuses, the statistics it feeds against torch's
 kernels and numpy float64, and each way it falls back (switched off, no working compiler,
 a kernel that fails its self-check, two processes building at once)."""
@@ -16,7 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_scale import native, stats
+from lightning_scale.record import native, stats
+from lightning_scale.record.stats import formats
 
 from test_stats_property import check_against_reference, fields, sample
 
@@ -190,7 +191,7 @@ def test_two_processes_building_at_once_both_load(tmp_path):
     env.pop(native.ENV, None)
     code = textwrap.dedent(
         """
-        from lightning_scale import native
+        from lightning_scale.record import native
         assert native.load() is not None, native.status()
         print(native._loaded.path)
         """
@@ -206,7 +207,7 @@ def test_two_processes_building_at_once_both_load(tmp_path):
 def test_the_recorders_short_path_gives_record_ofs_numbers(kernels, serial, groups):
     """``Recorder`` takes ``stats.fast_host_record`` for long host tensors: the very numbers
     of ``record_of``, its fallbacks included (mean-dominated, non-finite, huge values)."""
-    from lightning_scale.recorder import BACKWARD, FORWARD, Recorder
+    from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder
 
     g = torch.Generator().manual_seed(0)
     cases = {
@@ -240,7 +241,7 @@ def test_every_group_of_a_big_tensor_matches_numpy(kernels, serial, dtype):
     x = torch.randn(1 << 20, generator=g, dtype=torch.float64) * torch.pow(2.0, torch.randint(-140, 127, (1 << 20,), generator=g).double())
     x[::1000] = 0.0
     x = x.to(dtype)
-    assert native.every_group(x, stats._NATIVE_BOUNDS) is not None
+    assert native.every_group(x, formats._NATIVE_BOUNDS) is not None
     check_against_reference(x, True)
     y = x.clone()
     y[7], y[70_000] = math.inf, -math.inf

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_scale import stats
+from lightning_scale.record import stats
 from lightning_scale.capture import capture
-from lightning_scale.recorder import BACKWARD, FORWARD, Recorder, recording
-from lightning_scale.short_records import ShortRecords
+from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder, recording
+from lightning_scale.record.short_records import ShortRecords
 
 
 class Identityish(nn.Module):

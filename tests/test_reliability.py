@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import lightning_scale.callback
-from lightning_scale import ScaleMonitor, recorder
+from lightning_scale import ScaleMonitor
+from lightning_scale.record import recorder
 from lightning_scale.capture import CaptureError, capture
 
 STEPS = 3
@@ -514,7 +515,7 @@ def test_model_neither_fx_nor_dynamo_can_capture_warns_once(tmp_path: Any, monke
         raise RuntimeError("graph cannot be labelled")
 
     # fx fails on the root's `if`; the dynamo backend then fails on every graph it gets
-    monkeypatch.setattr(importlib.import_module("lightning_scale.frames"), "node_sites", broken)
+    monkeypatch.setattr(importlib.import_module("lightning_scale.capture.frames"), "node_sites", broken)
     run, monitor = train_both(tmp_path, lambda: BranchingRoot(Dropouts()), dense(8), figure=False)
     assert modes(monitor) == ["dynamo"]
     assert len(run.warnings) == 1 and "graph cannot be labelled" in run.warnings[0], run.warnings

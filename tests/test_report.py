@@ -14,10 +14,11 @@ import torch
 from torch import Tensor, fx, nn
 from unit_scaling import utils as reference
 
-from lightning_scale import report, stats
+from lightning_scale.tools import analyse as report
+from lightning_scale.record import stats
 from lightning_scale.capture import DeepTracer, capture
-from lightning_scale.interpreter import ScalePair, ScaleTrackingInterpreter
-from lightning_scale.recorder import Recorder, recording
+from lightning_scale.capture.interpreter import ScalePair, ScaleTrackingInterpreter
+from lightning_scale.record.recorder import Recorder, recording
 
 ANNOTATION = re.compile(r"^\s*(\w+) = .*;  \(-> ([-\d.e+]+|n/a), <- ([-\d.e+]+|n/a)\)$")
 

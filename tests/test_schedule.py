@@ -6,7 +6,7 @@ from typing import Any, Dict
 
 import pytest
 
-from lightning_scale.schedule import Schedule
+from lightning_scale.step.schedule import Schedule
 
 
 def tracked(schedule: Schedule, upto: int = 40) -> list:

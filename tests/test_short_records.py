@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_scale import stats
-from lightning_scale.recorder import FORWARD, Recorder
-from lightning_scale.short_records import MAX_ELEMENTS, batchable, records_of_many
+from lightning_scale.record import stats
+from lightning_scale.record.recorder import FORWARD, Recorder
+from lightning_scale.record.short_records import MAX_ELEMENTS, batchable, records_of_many
 
 GROUPS = ("moments", "range", "formats")
 EXACT = ["count", "nan", "inf", "absmax", "zeros", "min_nonzero"] + [f for f in stats.FIELDS if f.startswith(("underflow", "below_normal", "overflow"))]
@@ -65,7 +65,7 @@ def test_recorder_batches_short_tensors_and_keeps_their_value_at_observe_time() 
 
 
 def test_a_failure_of_the_batched_statistics_is_kept_in_error_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_scale import short_records
+    from lightning_scale.record import short_records
 
     def broken(*args: object) -> None:
         raise RuntimeError("broken statistics")

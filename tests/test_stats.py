@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from lightning_scale import stats
+from lightning_scale.record import stats
 
 ALL_GROUPS = ("moments", "range", "formats", "fp8")
 # fp8 records merge as separately scaled parts (test_stats_property.py); these do not

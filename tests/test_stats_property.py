@@ -13,7 +13,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from lightning_scale import stats
+from lightning_scale.record import stats
+from lightning_scale.record.stats import formats, fp8
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 TOL = 1e-6  # the accuracy goal for mean and std, relative to float64
@@ -234,7 +235,7 @@ def test_fp8_widening_by_table_is_torchs_cast() -> None:
     codes = torch.arange(256, dtype=torch.uint8).repeat(3)  # every bit pattern, NaNs included
     for dtype in FP8.values():
         q = codes.view(dtype)
-        torch.testing.assert_close(stats._widen(q), q.double(), rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(fp8._widen(q), q.double(), rtol=0, atol=0, equal_nan=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -247,7 +248,7 @@ def test_format_counts_need_at_most_20_bytes_per_element() -> None:
     x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3))
     nan = torch.isnan(x).sum()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        stats._format_counts_device(x, nan)
+        formats._format_counts_device(x, nan)
     # every allocation counted once, frees ignored: an upper bound of the peak
     allocated = sum(e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0)
     assert 8 <= allocated / x.numel() <= 20  # |x| and bucket indices at least

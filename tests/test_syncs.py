@@ -19,7 +19,7 @@ The background writer's thread is counted too.
 With ``anomaly_steps`` on, the detector adds one read per step, and it is counted as one:
 the 3-number loss payload queued at a batch end is copied to the host with
 ``non_blocking=True`` at the next batch start and read a batch later (on CUDA into pinned
-memory behind an event; see ``lightning_scale.anomaly``). It never blocks on the step in
+memory behind an event; see ``lightning_scale.step.anomaly``). It never blocks on the step in
 flight, but it is a device-to-host copy, so the test asserts exactly one such
 non-blocking copy on every step after the first, and, beside it, still exactly one
 blocking transfer per tracked step (the triggered ones included) and none untracked.
@@ -48,8 +48,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_scale import ScaleMonitor, stats
-from lightning_scale.worker import Worker
+from lightning_scale import ScaleMonitor
+from lightning_scale.record import stats
+from lightning_scale.report.worker import Worker
 
 pytestmark = pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning", "ignore:.*LeafSpec.*:FutureWarning")
 

@@ -6,9 +6,9 @@ import math
 import torch
 from tensorboard.compat.proto.summary_pb2 import Summary
 
-from lightning_scale import stats
+from lightning_scale.record import stats
 from lightning_scale.dashboard import headroom
-from lightning_scale.tensorboard import DIRECTIONS, _summary_bytes, scalar_metrics, summary_metrics, worst_table
+from lightning_scale.report.tensorboard import DIRECTIONS, _summary_bytes, scalar_metrics, summary_metrics, worst_table
 
 
 def _records() -> torch.Tensor:
@@ -76,7 +76,7 @@ def test_fast_record_checksums_equal_tensorboards_own() -> None:
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
     from tensorboard.summary.writer import record_writer
 
-    from lightning_scale.tensorboard import _masked_crc32c, fast_record_checksums
+    from lightning_scale.report.tensorboard import _masked_crc32c, fast_record_checksums
 
     torch.manual_seed(0)
     for n in (0, 1, 12, 1000):

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_scale import ScaleMonitor
-from lightning_scale.worker import Worker
+from lightning_scale.report.worker import Worker
 
 pytestmark = pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning", "ignore:.*LeafSpec.*:FutureWarning")
 

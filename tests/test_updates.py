@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_scale import stats, updates
+from lightning_scale.record import stats
+from lightning_scale.record import updates
 
 REL = 1e-12
 

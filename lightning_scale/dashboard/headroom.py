@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
-from lightning_scale.stats import FORMATS
+from lightning_scale.record.stats import FORMATS
 
 __all__ = ["FORMAT_NAMES", "below_normal_counts", "drift", "headroom", "log2", "rank"]
 

@@ -15,7 +15,7 @@ import numpy as np
 from lightning_scale.dashboard import headroom
 from lightning_scale.dashboard.data import DIRS, RunData
 from lightning_scale.dashboard.layout import module_group
-from lightning_scale.stats import FORMATS
+from lightning_scale.record.stats import FORMATS
 
 __all__ = ["FP8_RECIPE", "LOG2_STATS", "code", "heatmap", "nearest_step", "outside", "profile", "series", "worst"]
 

@@ -21,7 +21,7 @@ from typing import Any, List
 import torch
 import torch.distributed as dist
 
-_FILE = Path(__file__).resolve().parents[2] / "lightning_scale" / "anomaly.py"
+_FILE = Path(__file__).resolve().parents[2] / "lightning_scale" / "step" / "anomaly.py"
 
 
 def _anomaly_module() -> Any:

@@ -89,7 +89,8 @@ def full_state(module: nn.Module) -> dict:
 
 def _fail_on_rank_1() -> None:
     if int(os.environ.get("LOCAL_RANK", "0")) == 1:
-        from lightning_scale import short_records, stats
+        from lightning_scale.record import short_records
+        from lightning_scale.record import stats
 
         def record_of(*args: object, **kwargs: object) -> None:
             raise RuntimeError("injected failure on rank 1")

@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_scale.updates as updates
+import lightning_scale.record.updates as updates
 from lightning_scale import ScaleMonitor
 
 FAIL = {"armed": False, "now": False}

@@ -32,10 +32,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_scale import stats
 from lightning_scale.dashboard import headroom, layout, metadata
-from lightning_scale.figure import scale_figure
-from lightning_scale.recorder import BACKWARD, FORWARD
+from lightning_scale.record import stats
+from lightning_scale.record.recorder import BACKWARD, FORWARD
+from lightning_scale.report.figure import scale_figure
 
 __all__ = ["DIRECTIONS", "WORST_COLUMNS", "ScaleWriter", "fast_record_checksums", "is_tensorboard", "scale_figure", "scalar_metrics", "summary_metrics", "worst_table"]
 

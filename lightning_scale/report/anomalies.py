@@ -16,9 +16,9 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from torch import Tensor, fx
 
-from lightning_scale import stats
 from lightning_scale.capture import Capture
-from lightning_scale.recorder import BACKWARD, FORWARD
+from lightning_scale.record import stats
+from lightning_scale.record.recorder import BACKWARD, FORWARD
 
 __all__ = ["AnomalyWatch", "consumers_of"]
 

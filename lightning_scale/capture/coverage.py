@@ -13,7 +13,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Set, Tuple
 
 from torch import nn
 
-from lightning_scale.frames import strip_compiled
+from lightning_scale.capture.frames import strip_compiled
 
 __all__ = ["THRESHOLD", "CoverageReport", "measure"]
 

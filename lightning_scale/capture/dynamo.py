@@ -14,16 +14,19 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 from torch import fx, nn
 
-from lightning_scale import frames, recorder
-from lightning_scale.interpreter import instrument
+from lightning_scale.capture import frames
+from lightning_scale.capture.interpreter import instrument
+from lightning_scale.capture.labels import view_aliases
+from lightning_scale.record import recorder
 
-if TYPE_CHECKING:
-    from lightning_scale.capture import Capture
+# The backend reads and extends the state of a ``graphs.Capture`` (which imports this
+# module): typed as ``Any`` here so that imports go one way.
+Capture = Any
 
 __all__ = ["WeakBackend", "opaque_compiled", "tracked_forward"]
 
@@ -82,8 +85,6 @@ def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
     for prefix, body in bodies:
         sites += frames.node_sites(body, _op, prefix)
         outputs += frames.module_outputs(body, prefix)
-    from lightning_scale.labels import view_aliases
-
     names = {s.name: s.name for s in sites}
     views = view_aliases(gm, {k: v for k, v in names.items() if "." not in k})
     graph = frames.FrameGraph(gm, sites, outputs, views)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, U
 import torch
 from torch import fx, nn
 
-from lightning_scale.module_state import guarded
+from lightning_scale.capture.module_state import guarded
 
 __all__ = ["DEFAULT_LEAF_TYPES", "DeepTracer", "SideEffectError", "failure_reason", "trace_module"]
 
@@ -165,7 +165,7 @@ def trace_module(module: nn.Module, tracer: DeepTracer) -> fx.GraphModule:
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package
 
 
 def failure_reason(err: BaseException) -> str:

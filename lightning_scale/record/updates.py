@@ -29,7 +29,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from lightning_scale import stats
+from lightning_scale.record import stats
 
 __all__ = ["UpdateTracker", "is_sharded", "pool", "ratios", "row_of"]
 

@@ -33,13 +33,13 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, List, Optional, Tuple
+from typing import Any, Callable, Deque, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Anomaly", "AnomalyDetector", "LATENCY", "judge"]
+__all__ = ["Anomaly", "AnomalyDetector", "AnomalyTrigger", "LATENCY", "judge"]
 
 #: Steps between the step whose loss is anomalous and the first step it triggers, minus one.
 LATENCY = 1
@@ -192,6 +192,73 @@ class AnomalyDetector:
         found = Anomaly(seen, loss, math.nan if median is None else median, reason, first, self._until)
         self.anomalies.append(found)
         return found
+
+
+class AnomalyTrigger:
+    """A fit's anomaly detection as the callback drives it: the detector of the current
+    fit, the GradScaler's scale before each optimizer step (it shrinks iff the step is
+    skipped), and a detector that fails switched off with ``on_error`` called once (a
+    monitor fault must not stop training).
+
+    Args:
+        steps: how many steps an anomaly tracks; 0: detection is off.
+        factor: the spike threshold (see ``AnomalyDetector``).
+        on_error: called with the exception when detection fails; it is then off for the fit.
+    """
+
+    def __init__(self, steps: int, factor: float, on_error: Callable[[Exception], None]) -> None:
+        check_arguments(steps, factor)
+        self.steps, self.factor, self.on_error = steps, float(factor), on_error
+        self.detector: Optional[AnomalyDetector] = None
+        self._scale_before: Optional[Tensor] = None
+        self._batch_step = -1
+
+    def start_fit(self) -> None:
+        self.detector = AnomalyDetector(self.steps, self.factor) if self.steps else None
+
+    def tracks(self, step: int) -> bool:
+        return self.detector is not None and self.detector.tracks(step)
+
+    def poll(self, step: int) -> Optional[Anomaly]:
+        """At batch start: the anomaly judged from the loss read one batch late, if any."""
+        self._batch_step = step
+        if self.detector is None:
+            return None
+        try:
+            return self.detector.poll(step)
+        except Exception as err:  # noqa: BLE001 - a monitor fault must not stop training
+            self._stop(err)
+            return None
+
+    def remember_scale(self, scaler: Any) -> None:
+        """Before the optimizer step: a device copy of the GradScaler's scale."""
+        scale = getattr(scaler, "_scale", None)
+        if self.detector is not None and isinstance(scale, Tensor):
+            self._scale_before = scale.detach().clone()
+
+    def observe(self, outputs: Any, scaler: Any) -> None:
+        """At batch end: the step's loss (``training_step``'s output) and the scale after."""
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if self.detector is None or not isinstance(loss, Tensor):
+            return
+        after = getattr(scaler, "_scale", None) if self._scale_before is not None else None
+        try:
+            self.detector.observe(self._batch_step, loss, self._scale_before, after)
+        except Exception as err:  # noqa: BLE001 - a monitor fault must not stop training
+            self._stop(err)
+        self._scale_before = None
+
+    def clear(self) -> None:
+        self._scale_before = None
+
+    def reset(self) -> None:
+        """After an exception in the fit: nothing in flight is waited for."""
+        if self.detector is not None:
+            self.detector.reset()
+
+    def _stop(self, err: Exception) -> None:
+        self.detector = None
+        self.on_error(err)
 
 
 def check_arguments(steps: int, factor: float) -> None:

@@ -1,7 +1,7 @@
 """Reporting a tracked step: pool it, check it, write it off the training thread.
 
 ``Reporter.pool`` sends a step's records, value histograms, failure flag, loss scale and
-update rows (``lightning_scale.updates``) in one collective (one device-to-host
+update rows (``lightning_scale.record.updates``) in one collective (one device-to-host
 transfer). ``Reporter.report`` then decides, on the training thread, what little must be
 decided there (anomaly warnings, which nodes to write; all on the pooled host copy; the
 ``max_tags`` cap applies to the per-node scalars only, the dashboard's records hold every node) and hands the rest (unscaling, annotated code, scalars, histograms,
@@ -21,15 +21,15 @@ from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, 
 import torch
 from torch import Tensor, fx
 
-from lightning_scale import distributed, stats, updates
-from lightning_scale.anomalies import AnomalyWatch
-from lightning_scale.anomaly import Anomaly
 from lightning_scale.capture import Capture
-from lightning_scale.interpreter import ScalePair
-from lightning_scale.recorder import BACKWARD, FORWARD, Recorder
-from lightning_scale.report import annotate_code
-from lightning_scale.tensorboard import ScaleWriter, is_tensorboard
-from lightning_scale.worker import Worker
+from lightning_scale.capture.interpreter import ScalePair
+from lightning_scale.record import stats, updates
+from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder
+from lightning_scale.report import pool
+from lightning_scale.report.anomalies import AnomalyWatch
+from lightning_scale.report.code import annotate_code
+from lightning_scale.report.tensorboard import ScaleWriter, is_tensorboard
+from lightning_scale.report.worker import Worker
 
 __all__ = ["PooledStep", "Reporter", "StepData", "UpdateRows", "scale_backward"]
 
@@ -64,7 +64,7 @@ class StepData:
 class PooledStep:
     """One tracked step pooled over all ranks, on the host."""
 
-    pooled: distributed.Pooled  # the node records, histograms
+    pooled: pool.Pooled  # the node records, histograms
     loss_scale: Optional[float]
     updates: Optional[Tensor]  # [k, 2, FIELDS] update rows pooled by ``updates.pool``
 
@@ -139,7 +139,7 @@ class Reporter:
         flag in one collective, also when its statistics failed, so no rank is left waiting.
 
         Raises:
-            distributed.RankFailedError: a rank's statistics failed (on every rank alike).
+            pool.RankFailedError: a rank's statistics failed (on every rank alike).
         """
         rec, cap, labels = data.recorder, data.capture, data.labels
         rec.flush()  # (the short tensors' statistics: a failure there is a failure too)
@@ -158,14 +158,14 @@ class Reporter:
         hist_labels = self.histogram_labels(data)
         hists = rec.histogram_tensor(hist_labels) if hist_labels else None
         dynamo = cap.mode != "fx"
-        out = distributed.pool_step(
+        out = pool.pool_step(
             records, [*labels, *names], rows=max(records.shape[0], _DYNAMO_ROWS) if dynamo else None, replicated=replicated,
             failed=failed, histograms=hists, histogram_labels=hist_labels, histogram_rows=_DYNAMO_HIST_ROWS if dynamo else None,
         )  # fmt: skip
         n, k = len(labels), len(names)
         scale = None if data.loss_scale is None else float(out.records[-1, FORWARD, 1])
         pooled_updates = updates.pool(out.per_rank[:, n : n + k], data.updates.sharded) if data.updates is not None and k else None
-        return PooledStep(distributed.Pooled(out.records[:n], out.per_rank[:, :n], out.histograms), scale, pooled_updates)
+        return PooledStep(pool.Pooled(out.records[:n], out.per_rank[:, :n], out.histograms), scale, pooled_updates)
 
     def histogram_labels(self, data: StepData) -> List[str]:
         """The selected labels whose value histograms are pooled (capped under dynamo)."""
@@ -208,14 +208,14 @@ class Reporter:
             writer = self._writer(others, data.prefix, data.parameters, "others")
             self.worker.run_now(f"step {data.step}", _write, writer, replace(job, code=None, histograms={}), others, {}, records)
 
-    def log_anomaly(self, loggers: Sequence[Any], found: Anomaly) -> None:
-        """Log the scalar ``anomaly/loss`` and the text ``anomaly/event`` at the anomalous step
-        (queued for TensorBoard, at once for other loggers)."""
+    def log_anomaly(self, loggers: Sequence[Any], step: int, loss: float, text: str) -> None:
+        """Log the scalar ``anomaly/loss`` and the text ``anomaly/event`` at the anomalous
+        ``step`` (queued for TensorBoard, at once for other loggers)."""
         boards, others = _split(loggers)
         if boards:
-            self.worker.submit(f"anomaly at step {found.step}", _write_anomaly, boards, found)
+            self.worker.submit(f"anomaly at step {step}", _write_anomaly, boards, step, loss, text)
         if others:
-            self.worker.run_now(f"anomaly at step {found.step}", _write_anomaly, others, found)
+            self.worker.run_now(f"anomaly at step {step}", _write_anomaly, others, step, loss, text)
 
     def _coverage(self, data: StepData, recorded: List[str]) -> None:
         """Once per run, after the first tracked training step (dynamo compiles lazily)."""
@@ -280,12 +280,12 @@ def _write(writer: ScaleWriter, job: _Written, loggers: List[Any], index: Dict[s
             logger.log_metrics(ratios, step=job.step)
 
 
-def _write_anomaly(loggers: List[Any], found: Anomaly) -> None:
+def _write_anomaly(loggers: List[Any], step: int, loss: float, text: str) -> None:
     for logger in loggers:
-        logger.log_metrics({"anomaly/loss": found.loss}, step=found.step)
+        logger.log_metrics({"anomaly/loss": loss}, step=step)
         add_text = getattr(logger.experiment, "add_text", None)  # TensorBoard's SummaryWriter
         if add_text is not None:
-            add_text("anomaly/event", found.describe(), found.step)
+            add_text("anomaly/event", text, step)
 
 
 def _updates(data: StepData, step: PooledStep) -> Optional[Tuple[List[str], Tensor]]:
@@ -311,7 +311,7 @@ def _code(graphs: List[Tuple[fx.GraphModule, Dict[str, str]]], index: Dict[str, 
     return "\n\n".join(texts)
 
 
-def _unscaled(pooled: distributed.Pooled, unscale: bool, factor: float) -> Tuple[Tensor, Tensor]:
+def _unscaled(pooled: pool.Pooled, unscale: bool, factor: float) -> Tuple[Tensor, Tensor]:
     if not unscale:
         return pooled.records, pooled.per_rank
     return scale_backward(pooled.records, factor), scale_backward(pooled.per_rank, factor)

@@ -26,8 +26,8 @@ from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Seque
 import torch
 from torch import Tensor, fx
 
-from lightning_scale import stats
-from lightning_scale.recorder import BACKWARD, FORWARD, Recorder, observe
+from lightning_scale.record import stats
+from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder, observe
 
 __all__ = ["ScalePair", "ScaleTrackingInterpreter", "instrument", "scales_from_records"]
 

@@ -3,7 +3,7 @@ user's own back.
 
 Untracked steps run the user's module untouched; a tracked step replaces ``forward`` of
 each captured part (the target module, or its FSDP units) by the captured graph running
-under a :class:`~lightning_scale.recorder.Recorder`, and ``uninstall`` restores exactly
+under a :class:`~lightning_scale.record.recorder.Recorder`, and ``uninstall`` restores exactly
 what was there (an instance attribute, or none so the class's ``forward`` shows through).
 """
 
@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Tuple
 from torch import Tensor, nn
 
 from lightning_scale.capture import Capture
-from lightning_scale.recorder import Recorder, recording
+from lightning_scale.record.recorder import Recorder, recording
 
 __all__ = ["TrackedStep", "fsdp_units", "replicated_labels"]
 

@@ -31,11 +31,11 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Set, 
 import torch
 from torch import fx, nn
 
-from lightning_scale import coverage, frames
-from lightning_scale.dynamo_backend import MODULE_KEY, WeakBackend, tracked_forward
-from lightning_scale.interpreter import instrument
-from lightning_scale.labels import label_graph, view_aliases
-from lightning_scale.tracer import DEFAULT_LEAF_TYPES, DeepTracer, failure_reason, trace_module
+from lightning_scale.capture import coverage, frames
+from lightning_scale.capture.dynamo import MODULE_KEY, WeakBackend, tracked_forward
+from lightning_scale.capture.interpreter import instrument
+from lightning_scale.capture.labels import label_graph, view_aliases
+from lightning_scale.capture.tracer import DEFAULT_LEAF_TYPES, DeepTracer, failure_reason, trace_module
 
 __all__ = ["CAPTURE_MODES", "Capture", "CaptureError", "DeepTracer", "capture", "label_graph"]
 

@@ -7,8 +7,8 @@ from typing import Any, Sequence
 
 from torch import Tensor
 
-from lightning_scale import stats
-from lightning_scale.recorder import BACKWARD, FORWARD
+from lightning_scale.record import stats
+from lightning_scale.record.recorder import BACKWARD, FORWARD
 
 __all__ = ["scale_figure"]
 

@@ -18,8 +18,8 @@ from typing import Any, Dict, Hashable, Iterator, List, Mapping, Optional, Seque
 import torch
 from torch import Tensor
 
-from lightning_scale import stats
-from lightning_scale.short_records import MAX_ELEMENTS, ShortRecords, batchable
+from lightning_scale.record import stats
+from lightning_scale.record.short_records import MAX_ELEMENTS, ShortRecords, batchable
 
 __all__ = ["BACKWARD", "FORWARD", "HOST_READS_ENV", "Recorder", "active", "observe", "recording"]
 

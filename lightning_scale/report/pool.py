@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_scale import stats
-from lightning_scale.recorder import FORWARD
+from lightning_scale.record import stats
+from lightning_scale.record.recorder import FORWARD
 
 __all__ = ["Pooled", "RankFailedError", "RankMismatchError", "fingerprint", "pool", "pool_step", "world_size"]
 

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_scale import stats
+from lightning_scale.record import stats
+from lightning_scale.record.stats import formats
 
 __all__ = ["MAX_ELEMENTS", "ShortRecords", "batchable", "records_of_many"]
 
@@ -107,7 +108,7 @@ def records_of_many(values: "np.ndarray", sizes: List[int], groups: Collection[s
 
 def _format_fields(a: "np.ndarray", starts: "np.ndarray", sizes: List[int], nan: "np.ndarray", out: "np.ndarray") -> None:
     """zeros, min_nonzero and the format counts into ``out``, from |x| (float32)."""
-    bounds = stats._BOUNDS[torch.float32][0]  # noqa: SLF001 - the one definition of the boundaries
+    bounds = formats._BOUNDS[torch.float32][0]  # noqa: SLF001 - the one definition of the boundaries
     clean = np.where(np.isnan(a), np.float32(0), a)  # NaN joins the zeros' bucket; subtracted below
     bucket = np.searchsorted(np.asarray(bounds, dtype=np.float32), clean, side="right")
     width = len(bounds) + 1
@@ -116,4 +117,4 @@ def _format_fields(a: "np.ndarray", starts: "np.ndarray", sizes: List[int], nan:
     zeros = cum[:, 0] - nan  # cum[:, k] = #{|x| < bounds[k]}: bounds[0] is the smallest positive float32
     out[:, _IX["zeros"]] = zeros
     out[:, _IX["min_nonzero"]] = np.minimum.reduceat(np.where(clean > 0, clean, np.float32(math.inf)), starts)
-    out[:, _FMT] = stats._format_fields_of_cumulative(cum, torch.float32)  # noqa: SLF001 - shared with record_of's host path
+    out[:, _FMT] = formats._format_fields_of_cumulative(cum, torch.float32)  # noqa: SLF001 - shared with record_of's host path

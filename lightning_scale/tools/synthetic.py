@@ -1,7 +1,7 @@
 """Synthetic logs of an ``n``-node model, written through ``ScaleWriter``: for trying and
 timing the dashboard at sizes no CPU demo reaches.
 
-    python -m lightning_scale.dashboard.synthetic --nodes 1000 --steps 20 --logdir /tmp/synth
+    python -m lightning_scale.tools.synthetic --nodes 1000 --steps 20 --logdir /tmp/synth
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from lightning_scale import stats
-from lightning_scale.tensorboard import ScaleWriter
+from lightning_scale.record import stats
+from lightning_scale.report.tensorboard import ScaleWriter
 
 __all__ = ["labels_of", "main", "records_of"]
 

@@ -1,0 +1,245 @@
+"""The host path: statistics of tensors in host memory, read back as they are computed.
+
+Moments from one read where the native kernel takes the tensor (``native``), else from
+torch's kernels: one-pass sums where they can be trusted, a shifted or scaled two-pass
+otherwise. ``fast_host_record`` is the recorder's short path for long tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Collection, List, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_scale.record import native
+from lightning_scale.record.stats.device import _scaled_moments
+from lightning_scale.record.stats.fields import _ABSMAX, _COUNT, _FMT0, _FP80, _INF, _M2, _MEAN, _MINNZ, _NAN, _NAN_ROW, _WIDE, _ZEROS, Entry, _host_sum
+from lightning_scale.record.stats.formats import _NATIVE_BOUNDS, _format_fields_of_row
+
+
+def fast_host_record(groups: Collection[str]) -> Optional[Callable[[Tensor], Optional[List[Entry]]]]:
+    """For groups within moments, range and formats: a function giving
+    ``record_of(x, groups, True)`` of a tensor above 4096 elements from one read of the
+    native kernel (``lightning_scale.record.native``), with fewer steps than ``record_of`` takes
+    (a tracked step calls it for every recorded tensor), or None where that does not apply
+    (the kernel declines the tensor; without formats, also where its values are not
+    finite, tiny or mean-dominated: the cases ``record_of`` hands to its other passes).
+    None for other groups (fp8)."""
+    if set(groups) == {"moments", "formats"} or set(groups) == {"moments", "range", "formats"}:
+        keep_max = "range" in groups
+
+        def record(x: Tensor) -> Optional[List[Entry]]:  # (the name the benchmarks profile)
+            out = _NAN_ROW.copy()
+            if not _native_every_group(x, out):
+                return None
+            out[_COUNT] = float(x.numel())
+            if not keep_max:
+                out[_ABSMAX] = math.nan
+            return out
+
+        return record
+    if not set(groups) <= {"moments", "range"}:
+        return None
+    with_max = "range" in groups
+
+    def record(x: Tensor) -> Optional[List[Entry]]:  # (the name the benchmarks profile)
+        out = _NAN_ROW.copy()
+        taken, top = _native_moments(x, out, with_max)
+        if not taken:
+            return None
+        out[_COUNT] = float(x.numel())
+        if with_max:
+            out[_ABSMAX] = top if top is not None else _host_absmax(x)
+        return out
+
+    return record
+
+
+def _native_every_group(x: Tensor, out: List[Entry]) -> bool:
+    """Fills the moments, absmax and the formats group of ``x`` from one read of the
+    native kernel (``native.every_group``); False, with nothing filled, where it declines
+    ``x``. Moments the one-pass sums cannot give (non-finite, tiny or mean-dominated
+    values) come from ``_host_moments``'s other passes."""
+    got = native.every_group(x, _NATIVE_BOUNDS)
+    if got is None:
+        return False
+    (total, sumsq, top, least, nan), counts = got
+    n = x.numel()
+    m2 = _one_pass_m2(total, sumsq, n, _TINY[torch.float32])
+    if m2 is not None:
+        out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, m2, 0.0, 0.0
+    else:
+        _host_moments(x, out, one_read=False)
+    # counts[k] = #{|x| < bound k} without NaN; the non-NaN count last, as cumulative counts end
+    cum = counts.tolist()
+    cum.append(n - int(nan))
+    out[_ZEROS], out[_MINNZ], out[_ABSMAX] = float(cum[0]), float(least), float(top)
+    out[_FMT0:_FP80] = _format_fields_of_row(cum, torch.float32)
+    return True
+
+
+# ---------------------------------------------------------------------------------------
+# Moments: count, mean, m2, nan, inf.
+
+_ROW = 512  # row norms this short stay within ~1e-7 (measured; 4096-element rows: 2e-6)
+# Squares of values below ~sqrt(smallest normal) lose bits: below this mean square the
+# fast path hands over to the scaled one.
+_TINY = {torch.float32: 2.0**-100, torch.float64: 2.0**-900}
+# The one-pass formula m2 = sumsq - sum * mean amplifies the sums' ~1e-7 relative error
+# by sumsq / m2 = 1 + mean**2 / var: above 4 (|mean| > 1.7 std) take the scaled two-pass.
+_CONDITION = 4.0
+
+
+def _host_moments(x: Tensor, out: List[Entry], with_max: bool = False, one_read: bool = True) -> Optional[float]:
+    """Fills mean, m2, nan and inf of ``x`` on the host. Returns max |x| where it came
+    with the sums (``with_max`` and the native kernel, ``one_read``), else None."""
+    n = x.numel()
+    if one_read and n > _DOT_MAX:
+        taken, top = _native_moments(x, out, with_max)
+        if taken:
+            return top
+    own = x.dtype not in _WIDE
+    if not own and n > _DOT_MAX and n % _ROW == 0 and x.is_contiguous():
+        # The common case, straight to the kernels `_sum_of_squares` would pick (the same
+        # values) without its checks: ~150 tensors a tracked step pay them. Row norms
+        # first: the sum then finds x in cache (~1% of a tracked step).
+        y = x
+        sumsq = _norms_sum_of_squares(x.view(-1, _ROW))
+        total = float(x.sum())
+    else:
+        y = _dense(x.float() if own else x)  # half types: one float32 copy (ours), then fast
+        total = float(y.sum())
+        sumsq = _sum_of_squares(y)
+    if math.isfinite(total) and math.isfinite(sumsq):
+        m2 = _one_pass_m2(total, sumsq, n, _TINY[y.dtype])
+        if m2 is not None:
+            out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, m2, 0.0, 0.0
+            return None
+        shifted = _shifted_moments(y, total / n, sumsq)
+        if shifted is not None:
+            out[_MEAN], out[_M2], out[_NAN], out[_INF] = *shifted, 0.0, 0.0
+            return None
+    else:
+        nan, inf = float(torch.isnan(x).sum()), float(torch.isinf(x).sum())
+        if nan or inf:  # as torch.mean in float64: inf for [inf, 1, 2], NaN with a NaN or both infinities
+            # (float64: finite values whose float32 sum overflows must not turn -inf into NaN)
+            out[_MEAN], out[_M2], out[_NAN], out[_INF] = float(x.sum(dtype=torch.float64)) / n, math.nan, nan, inf
+            return None
+    mean, m2, _ = _scaled_moments(y, _host_sum, own=own)
+    out[_MEAN], out[_M2], out[_NAN], out[_INF] = float(mean), float(m2), 0.0, 0.0
+    return None
+
+
+def _one_pass_m2(total: float, sumsq: float, n: int, tiny: float) -> Optional[float]:
+    """``m2 = sumsq - total * mean`` where the one-pass sums can be trusted: finite, a mean
+    square above ``tiny`` (no square lost bits) and ``sumsq <= _CONDITION * m2`` (the
+    sums' error amplified at most that much); else None."""
+    if not (math.isfinite(total) and math.isfinite(sumsq)):
+        return None
+    m2 = sumsq - total * (total / n)
+    return m2 if sumsq >= n * tiny and _CONDITION * m2 >= sumsq else None
+
+
+def _native_moments(x: Tensor, out: List[Entry], with_max: bool) -> Tuple[bool, Optional[float]]:
+    """Mean, m2, nan and inf of ``x`` from one read of the native kernel, torch's other
+    passes where its sums cannot be trusted (non-finite, tiny or mean-dominated values).
+    Returns (whether the kernel took ``x``; nothing is filled where not, and max |x|
+    where ``with_max`` and the sums are finite, so that it is exact, else None)."""
+    got = native.sums(x, with_max)
+    if got is None:
+        return False, None
+    total, sumsq, top = got
+    n = x.numel()
+    m2 = _one_pass_m2(total, sumsq, n, _TINY[torch.float32])  # (the kernel squares in float32, bfloat16 too)
+    if m2 is not None:
+        out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, m2, 0.0, 0.0
+    else:
+        _host_moments(x, out, one_read=False)  # (its own reads: rare)
+    exact = with_max and math.isfinite(total) and math.isfinite(sumsq)
+    return True, top if exact else None
+
+
+def _dense(y: Tensor) -> Tensor:
+    """``y``'s elements in a contiguous layout without a copy where one exists: a
+    transposed or permuted tensor (the sums do not depend on the order). Else ``y``."""
+    if y.is_contiguous() or y.dim() < 2:
+        return y
+    order = sorted(range(y.dim()), key=lambda i: -y.stride(i))
+    p = y.permute(order)
+    return p if p.is_contiguous() else y
+
+
+# Shifting by the mean squares y - c, down to ~2**-48 c: above this mean square that
+# stays a float32 (float64) normal number.
+_SHIFT_MIN = {torch.float32: 2.0**-40, torch.float64: 2.0**-800}
+
+
+def _shifted_moments(y: Tensor, mean: float, sumsq: float) -> Optional[Tuple[float, float]]:
+    """(mean, m2) of a mean-dominated ``y`` from ``z = y - c``, ``c`` the rough mean rounded
+    to ``y``'s dtype: ``c + sum(z) / n`` and ``sum(z**2) - sum(z)**2 / n``. Near c,
+    ``y - c`` is exact (Sterbenz), and the sum of squares is about m2 itself, so its
+    ~1e-7 relative error stays ~1e-7. Two passes and a copy instead of the scaled path's
+    seven. None where that does not hold (tiny values, or still ill-conditioned)."""
+    n = y.numel()
+    if not sumsq >= n * _SHIFT_MIN[y.dtype]:
+        return None
+    c = float(np.float32(mean)) if y.dtype == torch.float32 else mean  # (rounded to y's dtype)
+    z = y - c  # (a copy: the scaled path may still need y)
+    s1, s2 = float(z.sum()), _sum_of_squares(z)
+    m2 = s2 - s1 * (s1 / n)
+    return (c + s1 / n, m2) if math.isfinite(s2) and _CONDITION * m2 >= s2 else None
+
+
+_DOT_MAX = 4096  # up to here a sum of squares is one float64 dot (above: vectorised float32 row norms)
+
+
+def _sum_of_squares(y: Tensor) -> float:
+    n = y.numel()
+    if n <= _DOT_MAX and y.is_contiguous():  # small tensors are overhead-bound: one copy, one dot
+        # (in float64: a float32 dot adds every square into one of a few running sums,
+        # ~1e-6 off where one square dominates, such as an outlier among values near it)
+        flat = y.view(-1).double()
+        return float(torch.dot(flat, flat))
+    if n % _ROW == 0 and y.is_contiguous():  # the common case: no copy, no tail
+        rows = y.view(-1, _ROW)
+    elif (strided := _strided_rows(y)) is not None:  # a slice of a wider tensor (q, k, v of a fused projection)
+        rows = strided
+    elif n < _ROW:
+        return float(torch.linalg.vector_norm(y)) ** 2
+    else:
+        flat = y.reshape(-1)
+        m = n // _ROW * _ROW
+        tail = float(torch.linalg.vector_norm(flat[m:])) ** 2 if m < n else 0.0
+        return _sum_of_squares(flat[:m]) + tail
+    return _norms_sum_of_squares(rows)
+
+
+def _norms_sum_of_squares(rows: Tensor) -> float:
+    """The sum of squares of a 2-D tensor of short rows: their norms (vectorised,
+    accurate), added by a dot of the norms."""
+    norms = torch.linalg.vector_norm(rows, dim=1)
+    if norms.numel() > 4096:  # a float32 dot stays within ~1e-7 up to here
+        norms = norms.double()
+    return float(torch.dot(norms, norms))
+
+
+_MIN_ROW = 64  # shorter strided rows: a copy and rows of 512 are faster
+
+
+def _strided_rows(y: Tensor) -> Optional[Tensor]:
+    """``y`` as 2-D rows of its contiguous last dimension without a copy, if there is
+    such a view and the rows are long enough to be worth it."""
+    if y.is_contiguous() or y.dim() < 2 or y.stride(-1) != 1 or y.size(-1) < _MIN_ROW:
+        return None
+    try:
+        return y.view(-1, y.size(-1))
+    except RuntimeError:  # the outer dimensions do not merge
+        return None
+
+
+def _host_absmax(x: Tensor) -> float:
+    lo, hi = torch.aminmax(x)
+    return max(abs(float(lo)), abs(float(hi)))
