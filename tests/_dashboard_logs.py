@@ -80,7 +80,7 @@ def write_gpt_logs(root: Path, layers: int = 56) -> Path:
     """The demo GPT with ``layers`` narrow layers (width 8: ~36 nodes a layer, 56 layers ~2,000
     nodes) trained ``GPT_STEPS`` steps with default ``ScaleMonitor`` options but every step
     tracked (so ``max_tags=1000`` caps its scalars); the log dir. A few seconds on a CPU."""
-    from lightning_scale.demo import GPTModule, token_loaders
+    from lightning_scale.tools.demo import GPTModule, token_loaders
 
     torch.manual_seed(0)
     train, _ = token_loaders(n=64, seq=8, vocab=32, batch=4)

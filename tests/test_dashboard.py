@@ -23,7 +23,7 @@ from werkzeug.test import Client
 from lightning_scale.capture import capture
 from lightning_scale.dashboard import headroom, metadata
 from lightning_scale.dashboard.layout import PER_CHART, custom_scalar_layout, module_group
-from lightning_scale.tensorboard import WORST_COLUMNS
+from lightning_scale.report.tensorboard import WORST_COLUMNS
 from lightning_scale.dashboard.plugin import ScalesPlugin
 
 FP16_MIN, FP16_MAX = 2.0**-14, 65504.0
@@ -128,8 +128,8 @@ def test_custom_scalar_layout_has_a_hard_limit_on_charts() -> None:
 def test_records_hold_every_node_whatever_max_tags(tmp_path: Path) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
-    from lightning_scale import stats
-    from lightning_scale.tensorboard import ScaleWriter
+    from lightning_scale.record import stats
+    from lightning_scale.report.tensorboard import ScaleWriter
 
     class Logger:
         def __init__(self, writer: Any) -> None:
