@@ -40,6 +40,15 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def _dumps(body: Any) -> str:
+    """JSON of ``body``; the tables already write non-finite values as None, so the walk that
+    replaces them (a third of a 2,000-node profile's time) runs only where one slipped through."""
+    try:
+        return json.dumps(body, allow_nan=False)
+    except ValueError:
+        return json.dumps(_json_safe(body))
+
+
 class ScalesPlugin(base_plugin.TBPlugin):
     """Profile, heatmap, worst nodes and annotated code of the scales ``ScaleMonitor`` logged.
 
@@ -90,7 +99,7 @@ class ScalesPlugin(base_plugin.TBPlugin):
             body = compute(run_data, args)
         except ValueError as e:
             return http_util.Respond(request, {"error": str(e)}, "application/json", code=400)
-        return http_util.Respond(request, json.dumps(_json_safe(body)), "application/json")
+        return http_util.Respond(request, _dumps(body), "application/json")
 
     @wrappers.Request.application
     def _runs(self, request: Request) -> wrappers.Response:
