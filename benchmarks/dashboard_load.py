@@ -120,7 +120,7 @@ def time_views(url: str, browser: Any, shots: Optional[Path] = None, suffix: str
     return out
 
 
-def time_custom_scalars(url: str, browser: Any, timeout_s: float = 120.0) -> Dict[str, Any]:
+def time_custom_scalars(url: str, browser: Any, timeout_s: float = 120.0, shots: Optional[Path] = None) -> Dict[str, Any]:
     """Seconds from navigation to CUSTOM SCALARS' first chart with a line (None: not within ``timeout_s``)."""
     layout = json.load(urllib.request.urlopen(f"{url}/data/plugin/custom_scalars/layout", timeout=30))
     charts = sum(len(c.get("chart", [])) for c in layout.get("category", []))
@@ -133,6 +133,9 @@ def time_custom_scalars(url: str, browser: Any, timeout_s: float = 120.0) -> Dic
         seconds: Optional[float] = time.perf_counter() - t0
     except Exception:  # playwright's TimeoutError
         seconds = None
+    if shots:
+        page.wait_for_timeout(1000)
+        page.screenshot(path=str(shots / "scales_custom_scalars.png"))
     page.close()
     return {"charts": charts, "open": opened, "categories": len(layout.get("category", [])), "first_chart": seconds}
 
@@ -168,7 +171,7 @@ def main() -> None:
             with sync_playwright() as p:
                 browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
                 views = time_views(url, browser, Path(args.screenshots) if args.screenshots and k == 0 else None)
-                custom = time_custom_scalars(url, browser, args.custom_timeout)
+                custom = time_custom_scalars(url, browser, args.custom_timeout, Path(args.screenshots) if args.screenshots and k == 0 else None)
                 browser.close()
         finally:
             proc.terminate()

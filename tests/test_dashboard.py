@@ -300,3 +300,28 @@ def test_validation_and_code_routes(run: Tuple[Path, Any, Any], plugin: ScalesPl
         grads = [float(v) for v in re.findall(r"<- ([0-9.e+-]+)\)", line["text"])]
         assert (line["flag"] == "!<") == any(0 < g < FP16_MIN for g in grads), line  # forward stds here are ~1
     assert any(line["flag"] for line in code["lines"])
+
+
+def test_logs_without_records_are_read_from_their_scalars(tmp_path: Path) -> None:
+    """Logs written before the records existed: scalars only (and no node list)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    tb = SummaryWriter(str(tmp_path / "old"))
+    for step in (0, 10):
+        for label, std in (("blocks.0.fc/linear", 2.0**-16), ("blocks.0.fc.weight", 0.5)):
+            tb.add_scalar(f"scale/fwd/{label}", std * (step + 1), step)
+            tb.add_scalar(f"scale/bwd/{label}", std / 8, step)
+            tb.add_scalar(f"absmax/fwd/{label}", std * 4, step)
+    tb.close()
+    mux = plugin_event_multiplexer.EventMultiplexer(size_guidance={"scalars": 0, "tensors": 0})
+    mux.AddRunsFromDirectory(str(tmp_path))
+    mux.Reload()
+    plugin = ScalesPlugin(base_plugin.TBContext(data_provider=data_provider.MultiplexerDataProvider(mux, str(tmp_path)), logdir=str(tmp_path)))
+    assert get(plugin, "/runs") == {"old": [""]}
+    body = get(plugin, "/profile", run="old", step=10)
+    nodes = {n["label"]: n for n in body["nodes"]}
+    assert body["steps"] == [0, 10] and set(nodes) == {"blocks.0.fc/linear", "blocks.0.fc.weight"}
+    assert nodes["blocks.0.fc/linear"]["fwd"]["std"] == pytest.approx(11 * 2.0**-16) and nodes["blocks.0.fc.weight"]["param"]
+    assert nodes["blocks.0.fc/linear"]["bwd_out"] == ["fp16", "e4m3", "e5m2"] and "absmax" not in nodes["blocks.0.fc/linear"]["bwd"]
+    worst = get(plugin, "/worst", run="old", step=10)["rows"]
+    assert (worst[0]["label"], worst[0]["dir"]) == ("blocks.0.fc/linear", "bwd") and worst[0]["first_out"] == 0 and worst[0]["out_steps"] == 2

@@ -4,10 +4,12 @@ Scalar tags sort alphabetically, carry no structure and are capped by ``max_tags
 dashboard needs every node, in execution order. The writer stores, as ``tensor``
 summaries with ``plugin_name="scales"``:
 
-- ``<prefix>scale_nodes``: a JSON document ``{"version": 2, "labels": [...],
+- ``<prefix>scale_nodes``: a JSON document ``{"version": 1, "labels": [...],
   "parameters": [...], "statistics": [...], "aliases": {alias: source}}``, written once
   and again whenever the labels or the statistics change. ``aliases`` names the labels
-  that are the same tensor as another label (a view, a module's output).
+  that are the same tensor as another label (a view, a module's output). ``statistics``
+  and ``aliases`` were added without a new version: a dashboard that predates them
+  ignores them and reads the scalars.
 - ``<prefix>scale_records/<first step>``: one float32 array ``[nodes, 2, statistics]`` per
   tracked step (axis 1: forward, backward; NaN where nothing was recorded), in the order
   of the node list in force at that step. A tag holds at most ``CHUNK`` steps:
@@ -26,7 +28,7 @@ PLUGIN_NAME = "scales"
 TAG = "scale_nodes"
 RECORDS = "scale_records"
 CHUNK = 10  # TensorBoard's default reservoir for a third-party plugin's tensors
-_VERSIONS = (1, 2)
+_VERSION = 1
 
 
 def _summary(tag: str, tensor: Any, content: bytes) -> Any:
@@ -47,8 +49,8 @@ def nodes_summary(
 
     params, present = set(parameters), set(labels)
     same = {a: s for a, s in (aliases or {}).items() if a in present and s in present}
-    doc = {"version": 2, "labels": list(labels), "parameters": [l for l in labels if l in params], "statistics": list(statistics), "aliases": same}
-    return _summary(tag, tensor_util.make_tensor_proto(np.array(json.dumps(doc).encode(), dtype=object)), b"2")
+    doc = {"version": _VERSION, "labels": list(labels), "parameters": [l for l in labels if l in params], "statistics": list(statistics), "aliases": same}
+    return _summary(tag, tensor_util.make_tensor_proto(np.array(json.dumps(doc).encode(), dtype=object)), b"1")
 
 
 def records_summary(tag: str, values: Any) -> Any:
@@ -56,12 +58,12 @@ def records_summary(tag: str, values: Any) -> Any:
     import numpy as np
     from tensorboard.util import tensor_util
 
-    return _summary(tag, tensor_util.make_tensor_proto(np.ascontiguousarray(values, dtype=np.float32)), b"2")
+    return _summary(tag, tensor_util.make_tensor_proto(np.ascontiguousarray(values, dtype=np.float32)), b"1")
 
 
 def decode(value: Any) -> Dict[str, Any]:
     """The document of a ``nodes_summary`` read back (a numpy bytes scalar, bytes or str);
-    a version 1 document gets empty ``statistics`` and ``aliases``.
+    one written before ``statistics`` and ``aliases`` existed gets them empty.
 
     Raises:
         ValueError: not a node list this version reads.
@@ -71,7 +73,7 @@ def decode(value: Any) -> Dict[str, Any]:
         doc = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
     except (ValueError, AttributeError) as e:
         raise ValueError(f"not a scales node list: {str(raw)[:80]!r}") from e
-    if not isinstance(doc, dict) or doc.get("version") not in _VERSIONS:
+    if not isinstance(doc, dict) or doc.get("version") != _VERSION:
         raise ValueError(f"unsupported scales node list version: {doc.get('version') if isinstance(doc, dict) else doc!r}")
     out: Dict[str, Any] = {"labels": list(doc["labels"]), "parameters": list(doc.get("parameters", []))}
     out["statistics"] = list(doc.get("statistics", []))

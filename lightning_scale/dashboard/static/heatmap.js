@@ -141,11 +141,11 @@ export function drawHeatmap(root, data, query) {
     const folded = collapsed.has(b.group);
     const labels = b.rows.map((i) => `<div class="row-label${params.has(data.labels[i]) ? ' param' : ''}" data-row="${i}" title="${esc(data.labels[i])}">${params.has(data.labels[i]) ? '◆ ' : ''}${esc(data.labels[i])}</div>`).join('');
     const canvases = ['fwd', 'bwd'].map((d) => `<canvas class="hm-canvas" data-dir="${d}" data-block="${k}" data-cw="${cw}" width="${gridW}" height="${b.rows.length * ROW}"></canvas>`).join('');
-    return `<div class="hm-block${k % 2 ? ' odd' : ''}" data-group="${esc(b.group)}"><div class="hm-band" data-group="${esc(b.group)}">${folded ? '▸' : '▾'} ${esc(b.group)} <span class="count">${b.rows.length} node${b.rows.length > 1 ? 's' : ''}</span></div>${folded ? '' : `<div class="hm-rows" style="grid-template-columns:${labelW}px ${gridW}px ${gridW}px">${`<div class="hm-labels">${labels}</div>`}${canvases}</div>`}</div>`;
+    return `<div class="hm-block${k % 2 ? ' odd' : ''}" data-group="${esc(b.group)}"><div class="hm-band" data-group="${esc(b.group)}">${folded ? '▸' : '▾'} ${esc(b.group)} <span class="count">${b.rows.length} node${b.rows.length > 1 ? 's' : ''}</span></div>${folded ? '' : `<div class="hm-rows" style="grid-template-columns:${labelW}px ${gridW}px ${gridW}px;column-gap:12px">${`<div class="hm-labels">${labels}</div>`}${canvases}</div>`}</div>`;
   }).join('');
   const axis = stepAxis(data, cw);
   root.innerHTML = `<div class="legend">${log2 ? legend(what) : linearLegend(lo, hi, stat)}</div>
-    <div class="hm-head" style="grid-template-columns:${labelW}px ${gridW}px ${gridW}px"><div class="hm-corner">node · ${data.labels.length} rows, ${parts.length} blocks (click a band to fold it)</div><div class="hm-dir"><b>forward</b><div class="steps">${axis}</div></div><div class="hm-dir"><b>backward</b><div class="steps">${axis}</div></div></div>
+    <div class="hm-head" style="grid-template-columns:${labelW}px ${gridW}px ${gridW}px;column-gap:12px"><div class="hm-corner">node · ${data.labels.length} rows, ${parts.length} blocks (click a band to fold it)</div><div class="hm-dir"><b>forward</b><div class="steps">${axis}</div></div><div class="hm-dir"><b>backward</b><div class="steps">${axis}</div></div></div>
     <div class="hm">${html}</div><div class="series-box" hidden></div><div class="tip" hidden></div>`;
   const bar = document.querySelector('.toolbar');
   root.querySelector('.hm-head').style.top = `${bar ? bar.offsetHeight : 0}px`;
