@@ -109,6 +109,10 @@ def time_views(url: str, browser: Any, shots: Optional[Path] = None, suffix: str
         frame.click(f"button[data-view={view}]")
         frame.wait_for_selector(sel, timeout=120_000, state="attached")
         out[view] = time.perf_counter() - t1
+        if view == "heatmap":
+            out["heatmap_elements"] = frame.evaluate("document.querySelectorAll('*').length")
+            out["heatmap_fetches"] = frame.evaluate("performance.getEntriesByType('resource').filter((e) => e.name.includes('/heatmap?')).length")
+            out["heatmap_bytes"] = frame.evaluate("Math.max(0, ...performance.getEntriesByType('resource').filter((e) => e.name.includes('/heatmap?')).map((e) => e.decodedBodySize))")
         if view == "heatmap" and shots:
             canvas = frame.locator("canvas.hm-canvas[data-dir=bwd]").first
             canvas.click(position={"x": canvas.bounding_box()["width"] - 3, "y": 20})
@@ -179,7 +183,8 @@ def main() -> None:
         first = "not within the timeout" if custom["first_chart"] is None else f"{custom['first_chart']:.2f} s"
         print(
             f"{logdir}: {views['nodes']} nodes; profile {views['profile']:.2f} s after navigation; heatmap {views['heatmap']:.2f} s, "
-            f"worst {views['worst']:.2f} s, code {views['code']:.2f} s; CUSTOM SCALARS {custom['charts']} charts in {custom['categories']} "
+            f"worst {views['worst']:.2f} s, code {views['code']:.2f} s; heatmap: {views['heatmap_elements']} elements, "
+            f"{views['heatmap_fetches']} fetch of {views['heatmap_bytes'] / 1e6:.2f} MB; CUSTOM SCALARS {custom['charts']} charts in {custom['categories']} "
             f"categories ({custom['open']} open), first chart {first}; page errors: {views['errors'] or 'none'}",
             flush=True,
         )

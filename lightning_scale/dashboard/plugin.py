@@ -3,7 +3,8 @@
 Registered through the ``tensorboard_plugins`` entry point, so it appears in any
 TensorBoard started where the package is installed. Its frontend is the static ES module
 ``static/index.js`` (no build step); the server does the arithmetic (ranking, per-step
-tables) and the browser draws.
+tables, which nodes are outside which format) on the run's per-step records
+(``data.py``), cached until the run's logs grow, and the browser draws.
 
 Routes (``run`` and ``prefix`` select a run and ``""`` / ``"val_"``): ``/runs``,
 ``/profile?step=``, ``/heatmap?stat=``, ``/series?label=``, ``/worst?step=&by=&regex=``,
