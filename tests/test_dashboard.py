@@ -325,3 +325,30 @@ def test_logs_without_records_are_read_from_their_scalars(tmp_path: Path) -> Non
     assert nodes["blocks.0.fc/linear"]["bwd_out"] == ["fp16", "e4m3", "e5m2"] and "absmax" not in nodes["blocks.0.fc/linear"]["bwd"]
     worst = get(plugin, "/worst", run="old", step=10)["rows"]
     assert (worst[0]["label"], worst[0]["dir"]) == ("blocks.0.fc/linear", "bwd") and worst[0]["first_out"] == 0 and worst[0]["out_steps"] == 2
+
+
+def test_a_trainer_run_capped_by_max_tags_shows_every_node(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_scale import ScaleMonitor
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(32, 8), torch.randn(32, 2))
+    trainer = pl.Trainer(
+        max_steps=2, accelerator="cpu", logger=pl.loggers.TensorBoardLogger(str(tmp_path), name="cap"), enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[ScaleMonitor(every_n_steps=1, max_tags=4, figure=False)],
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=r"writing the first 4 .* as scalars; the SCALES dashboard shows all \d+"):
+        trainer.fit(Blocks(), DataLoader(data, batch_size=16))
+    acc, scalars = logged(Path(trainer.logger.log_dir))
+    doc = metadata.decode(acc.Tensors(metadata.TAG)[-1].tensor_proto.string_val[0])
+    assert len(logged_labels(scalars)) == 4 < len(doc["labels"])
+    mux = plugin_event_multiplexer.EventMultiplexer(size_guidance={"scalars": 0, "tensors": 0})
+    mux.AddRunsFromDirectory(str(tmp_path))
+    mux.Reload()
+    plugin = ScalesPlugin(base_plugin.TBContext(data_provider=data_provider.MultiplexerDataProvider(mux, str(tmp_path)), logdir=str(tmp_path)))
+    nodes = get(plugin, "/profile", run="cap/version_0", step=1)["nodes"]
+    assert [n["label"] for n in nodes] == doc["labels"] and all(n["fwd"].get("std") for n in nodes)  # every node has its value
+    for node in nodes[:4]:  # where both exist, the records and the scalars agree
+        assert node["fwd"]["std"] == pytest.approx(scalars[f"scale/fwd/{node['label']}"][1])

@@ -3,9 +3,10 @@
 ``Reporter.pool`` sends a step's records, value histograms, failure flag, loss scale and
 update rows (``lightning_scale.record.updates``) in one collective (one device-to-host
 transfer). ``Reporter.report`` then decides, on the training thread, what little must be
-decided there (anomaly warnings, which nodes to write; all on the pooled host copy; the
-``max_tags`` cap applies to the per-node scalars only, the dashboard's records hold every node) and hands the rest (unscaling, annotated code, scalars, histograms,
-figure, text, update ratios) to a ``Worker`` for TensorBoard loggers;
+decided there (anomaly warnings, which nodes to write; all on the pooled host copy) and
+hands the rest (unscaling, annotated code, scalars, histograms, figure, text, the
+dashboard's records, update ratios) to a ``Worker`` for TensorBoard loggers; ``max_tags``
+caps the per-node scalars only (``ScaleWriter``), the dashboard's records hold every node.
 ``Reporter.log_anomaly`` queues an anomaly event there too. Other loggers (CSV, W&B,
 MLflow, ...) are not safe to call from a second thread while Lightning logs: they get
 their scalars through ``log_metrics`` on the training thread. Nothing here imports Lightning: the callback passes loggers, the rank
