@@ -2,7 +2,8 @@
 
 Step time of every variant at three GPT sizes (interleaved rounds), untracked and tracked
 steps in a real Trainer fit loop, whole fits with ``ScaleMonitor()``'s defaults, peak memory in fresh processes, and capture time of a 12-layer
-GPT. Prints a markdown page and writes it to ``--out``. ``--quick`` runs a few rounds
+GPT, and the accelerator path's cost of one record per statistic group and kernel (Triton's fused kernel
+or torch's; ``kernel_ops``). Prints a markdown page and writes it to ``--out``. ``--quick`` runs a few rounds
 of everything, to check the suite itself (minutes matter on a 2-core machine).
 """
 
@@ -25,6 +26,7 @@ import anomaly_cost
 import breakdown
 import capture_time
 import format_bytes
+import kernel_ops
 import fit_loop
 import memory
 import render
@@ -153,6 +155,17 @@ def memory_peaks(res: render.Results, quick: bool) -> None:
         _log(f"memory {size.name}: steps {render.memory_ratio(res, size, 'steps_kb'):.3f}x, training with the capture {render.memory_ratio(res, size, 'training_kb'):.3f}x")
 
 
+def accelerator_costs() -> str:
+    """The accelerator path's cost of one record per group and kernel (``kernel_ops``)."""
+    try:
+        res = kernel_ops.measure()
+    except Exception as err:  # noqa: BLE001 - e.g. triton not installed: say so, keep the suite
+        return f"## Accelerator path: cost of one record, per kernel\n\nNot measured: {type(err).__name__}: {str(err)[:300]}"
+    for key, r in res.items():
+        _log(f"record on the accelerator path, {key}: {r['ops']} aten ops, {r['full']} full-size, {r['launches']} Triton launches, {r['bytes']:.2f} B/element")
+    return kernel_ops.section(res)
+
+
 def row_labels() -> Dict[str, str]:
     """Variant -> row label, in table order: the Trainer fit rows after the tracked ones."""
     ours = [k for k in VARIANTS if k not in ("reference", "interpreter")]
@@ -191,12 +204,13 @@ def main(argv: List[str]) -> int:
     tracked_profiles(res, args.quick)
     anomaly_times(res, args.quick)
     res.format_bytes = format_bytes.measure()
+    kernel_section = accelerator_costs()
     memory_peaks(res, args.quick)
     res.capture = capture_time.measure(Size(128, 12), fx_repeats=5, dynamo_repeats=2 if args.quick else 3)
     _log(f"capture: fx {res.capture.fx_median:.3f} s, dynamo {res.capture.dynamo_median:.2f} s")
     res.seconds = time.perf_counter() - start
     res.load = (load_start, load_average())
-    text = render.page(res)
+    text = render.page(res) + "\n\n" + kernel_section + "\n"
     print(text)
     if args.out:
         with open(args.out, "w") as f:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_scale.capture import CAPTURE_MODES, Capture, capture
-from lightning_scale.record import native, stats
+from lightning_scale.record import kernels, native, stats
 from lightning_scale.record.recorder import Recorder
 from lightning_scale.record.updates import UpdateTracker
 from lightning_scale.report import pool
@@ -183,9 +183,12 @@ class ScaleMonitor(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._capture(self._target(pl_module), train=True, announce=True)
-        if pl_module.device.type == "cpu":  # host statistics: build the one-read kernel now, not in a tracked step
+        host_reads = Recorder().host_reads  # (the environment's choice; raises on a bad value)
+        if pl_module.device.type == "cpu" and host_reads is not False:  # host statistics: build the one-read kernel now, not in a tracked step
             native.load()
             rank_zero_info(f"ScaleMonitor: {native.status()}")
+        else:  # device statistics: which kernel (LIGHTNING_SCALE_KERNEL)
+            rank_zero_info(f"ScaleMonitor: {kernels.status(pl_module.device, host_reads)}")
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:

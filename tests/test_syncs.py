@@ -237,9 +237,28 @@ def worker_counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[List[SyncCounter
     yield active
 
 
-@pytest.mark.parametrize("anomaly", [False, True], ids=["schedule", "anomaly"])
-def test_one_transfer_per_tracked_step_and_none_untracked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, worker_counted: List[SyncCounter], anomaly: bool) -> None:
+def _triton_interpreted() -> bool:
+    from lightning_scale.record import kernels
+
+    if kernels.triton_missing() is not None:
+        return False
+    from lightning_scale.record import triton_stats
+
+    return triton_stats.interpreted()
+
+
+@pytest.mark.parametrize(
+    "anomaly,kernel",
+    [(False, "torch"), (True, "torch"), pytest.param(False, "triton", marks=pytest.mark.skipif(not _triton_interpreted(), reason="needs triton with TRITON_INTERPRET=1"))],
+    ids=["schedule", "anomaly", "schedule-triton"],
+)
+def test_one_transfer_per_tracked_step_and_none_untracked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, worker_counted: List[SyncCounter], anomaly: bool, kernel: str
+) -> None:
+    """(``triton``: the fused kernel, run by Triton's interpreter on the CPU: the same
+    launches and record rows as on a GPU.)"""
     monkeypatch.setenv("LIGHTNING_SCALE_HOST_READS", "0")
+    monkeypatch.setenv("LIGHTNING_SCALE_KERNEL", kernel)
     steps, nan_step = 6, 2
     # every 2nd step; the NaN loss (and the GradScaler's skip) at step 2 tracks 4 and 5
     expected = [0, 2, 4, 5] if anomaly else [0, 2, 4]

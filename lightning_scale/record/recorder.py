@@ -13,12 +13,12 @@ import functools
 import os
 import weakref
 from contextlib import contextmanager
-from typing import Any, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from lightning_scale.record import stats
+from lightning_scale.record import kernels, stats
 from lightning_scale.record.short_records import MAX_ELEMENTS, ShortRecords, batchable
 
 __all__ = ["BACKWARD", "FORWARD", "HOST_READS_ENV", "Recorder", "active", "observe", "recording"]
@@ -42,21 +42,28 @@ class Recorder:
             environment variable ``LIGHTNING_SCALE_HOST_READS`` is ``0`` (device path
             forced) or ``1`` (host reads everywhere).
 
+    Device-path records that the fused Triton kernel computes (``LIGHTNING_SCALE_KERNEL``,
+    see ``lightning_scale.record.kernels``) are written straight into rows of a buffer on
+    the device, which ``records()`` stacks.
+
     Raises:
-        ValueError: ``LIGHTNING_SCALE_HOST_READS`` is set to something else.
+        ValueError: ``LIGHTNING_SCALE_HOST_READS`` or ``LIGHTNING_SCALE_KERNEL`` is set to
+            something else.
     """
 
     def __init__(self, groups: Sequence[str] = ("moments", "range"), host_reads: Optional[bool] = None) -> None:
         self.groups = tuple(groups)
         self.host_reads = _host_reads_from_env() if host_reads is None else host_reads
+        self.kernel = kernels.choice()
+        self._buffer = _RowBuffer()  # the device rows the fused kernel writes
         self._slots: Dict[Hashable, int] = {}  # key -> slot
         self._keys: List[Hashable] = []  # slot -> key
-        self._rows: List[Tuple[int, int, List[stats.Entry]]] = []
+        self._rows: List[Tuple[int, int, Union[List[stats.Entry], Tensor]]] = []
         self._handles: List[Any] = []
         self._host_only = True  # every entry so far is a float (host-read records)
         self._previous: Optional[Tuple[Any, int, int]] = None  # (weakref, version, slot)
         self._same: Dict[int, List[int]] = {}  # slot -> slots that returned the same tensor
-        self._grads: Dict[int, Tuple[Any, int, List[stats.Entry]]] = {}  # id -> (weakref, version, entry)
+        self._grads: Dict[int, Tuple[Any, int, Union[List[stats.Entry], Tensor]]] = {}  # id -> (weakref, version, entry)
         self._short = ShortRecords(self.groups)  # host tensors of a few elements: taken together
         self._fast = stats.fast_host_record(self.groups)  # host tensors above them: one read, few steps
         self.error: Optional[BaseException] = None
@@ -122,7 +129,7 @@ class Recorder:
         except Exception as err:  # noqa: BLE001 - never break the user's backward
             self.error = err
 
-    def _add(self, slot: int, direction: int, x: Tensor) -> List[stats.Entry]:
+    def _add(self, slot: int, direction: int, x: Tensor) -> Union[List[stats.Entry], Tensor]:
         if self.device is None:
             self.device = x.device
         host = x.is_cpu if self.host_reads is None else self.host_reads
@@ -132,7 +139,13 @@ class Recorder:
         else:
             self._host_only = self._host_only and host
             fast = self._fast(x) if host and n > MAX_ELEMENTS and self._fast is not None else None
-            entry = fast if fast is not None else stats.record_of(x, self.groups, host)
+            if fast is not None:
+                entry = fast
+            elif not host and n and kernels.uses_triton(x, self.kernel):
+                entry = self._buffer.take(x.device)
+                kernels.record_into(x, self.groups, entry)
+            else:
+                entry = stats.record_of(x, self.groups, host, self.kernel)
         self._rows.append((slot, direction, entry))
         if self.histogram_keys:
             self._histogram(slot, direction, x)
@@ -158,7 +171,7 @@ class Recorder:
         self.flush()
         out = torch.zeros(len(keys), 2, len(stats.FIELDS), dtype=torch.float64, device=self.device)
         targets = self._targets(keys, aliases or {})
-        entries: List[List[stats.Entry]] = []
+        entries: List[Union[List[stats.Entry], Tensor]] = []
         dst: List[int] = []  # flat output row (key * 2 + direction) of each placement
         src: List[int] = []  # its entry
         for slot, d, entry in self._rows:
@@ -226,6 +239,7 @@ class Recorder:
         self._same.clear()
         self._grads.clear()
         self._short.clear()
+        self._buffer.clear()
         self.histograms.clear()
         self.error = None
         self.remove_hooks()
@@ -235,6 +249,29 @@ class Recorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+class _RowBuffer:
+    """Record rows on the device, handed out one by one and reused after ``clear()``:
+    chunks of ``CHUNK`` rows, never moved (a kernel may still be writing a row)."""
+
+    CHUNK = 256
+
+    def __init__(self) -> None:
+        self._chunks: Dict[torch.device, List[Tensor]] = {}
+        self._used: Dict[torch.device, int] = {}
+
+    def take(self, device: torch.device) -> Tensor:
+        chunks = self._chunks.setdefault(device, [])
+        used = self._used.get(device, 0)
+        if used == len(chunks) * self.CHUNK:
+            chunks.append(torch.empty(self.CHUNK, len(stats.FIELDS), dtype=torch.float64, device=device))
+        self._used[device] = used + 1
+        return chunks[used // self.CHUNK][used % self.CHUNK]
+
+    def clear(self) -> None:
+        """Hand the rows out again (``records()`` has copied them, in stream order)."""
+        self._used.clear()
 
 
 def _host_reads_from_env() -> Optional[bool]:

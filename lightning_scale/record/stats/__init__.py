@@ -12,8 +12,10 @@ from __future__ import annotations
 import math
 from typing import Collection, List, Optional
 
+import torch
 from torch import Tensor
 
+from lightning_scale.record import kernels
 from lightning_scale.record.stats.device import _device_moments
 from lightning_scale.record.stats.fields import (
     _ABSMAX,
@@ -44,7 +46,7 @@ from lightning_scale.record.stats.fields import (
     summarise,
 )  # fmt: skip
 from lightning_scale.record.stats.formats import _format_counts_device, _format_counts_host
-from lightning_scale.record.stats.fp8 import _fp8_fields
+from lightning_scale.record.stats.fp8 import CHUNK, _fp8_fields
 from lightning_scale.record.stats.host import _DOT_MAX, _host_absmax, _host_moments, _native_every_group, fast_host_record
 
 __all__ = [
@@ -69,7 +71,7 @@ __all__ = [
 ]
 
 
-def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Optional[bool] = None) -> List[Entry]:
+def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Optional[bool] = None, kernel: Optional[str] = None) -> List[Entry]:
     """Statistics of ``x`` as a list of ``len(FIELDS)`` entries (floats or 0-dim tensors).
 
     Args:
@@ -80,6 +82,9 @@ def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Opt
             skip work (cheap only where the tensor lives in host memory). Defaults to
             ``x.device.type == "cpu"``. With host reads every entry is a float; without,
             every entry stays a 0-dim tensor on the device and nothing is read back.
+        kernel: without host reads, which kernel (``kernels.CHOICES``; default: the
+            ``LIGHTNING_SCALE_KERNEL`` environment variable, ``auto``): the fused Triton
+            kernel writes the whole record in one read (two with fp8).
 
     Example:
         >>> rec = assemble([record_of(torch.tensor([1.0, 2.0, 3.0]))])
@@ -95,6 +100,10 @@ def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Opt
     if n == 0:
         out[_MEAN], out[_M2] = 0.0, 0.0
         return out
+    if not host_reads and kernels.uses_triton(x, kernel):
+        row = torch.empty(len(FIELDS), dtype=torch.float64, device=x.device)
+        kernels.record_into(x, groups, row)
+        return list(row.unbind(0))
     if host_reads:
         if "formats" in groups and n > _DOT_MAX and _native_every_group(x, out):
             if "range" not in groups:
@@ -117,6 +126,6 @@ def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Opt
         if "formats" in groups:
             out[_ZEROS:_FP80] = _format_counts_device(x, out[_NAN])  # type: ignore[arg-type]
     if "fp8" in groups:
-        fp8 = _fp8_fields(x, _host_sum if host_reads else _sum64)
+        fp8 = _fp8_fields(x, _host_sum) if host_reads else _fp8_fields(x, _sum64, CHUNK)
         out[_FP80:] = [float(v) for v in fp8] if host_reads else fp8
     return out

@@ -101,8 +101,11 @@ def index_tensor(values: Sequence[int], device: torch.device) -> Tensor:
 # Assembly, merging and derived statistics on float64 record tensors.
 
 
-def assemble(rows: Sequence[Sequence[Entry]], device: Optional[torch.device] = None, host_only: bool = False) -> Tensor:
+def assemble(rows: Sequence[Union[Sequence[Entry], Tensor]], device: Optional[torch.device] = None, host_only: bool = False) -> Tensor:
     """Stack per-tensor entry lists into one float64 ``[N, len(FIELDS)]`` tensor.
+
+    A row may also be a float64 tensor of ``len(FIELDS)`` elements (a record the fused
+    kernel wrote into the step's buffer): those are stacked at once.
 
     Host-known floats are placed first; device entries are stacked (a handful of kernel
     launches in total, whatever N) and scattered in. Nothing is read back to the host.
@@ -111,6 +114,19 @@ def assemble(rows: Sequence[Sequence[Entry]], device: Optional[torch.device] = N
     if host_only:  # (numpy builds it from Python floats ~3x faster than torch.tensor)
         out = torch.from_numpy(np.array(rows, dtype=np.float64).reshape(len(rows), len(FIELDS)))
         return out if device is None else out.to(device)
+    whole = [r for r, row in enumerate(rows) if isinstance(row, Tensor)]
+    if whole:  # rows the fused kernel wrote: one stack
+        stacked = torch.stack([rows[r] for r in whole])  # type: ignore[misc]
+        dev = stacked.device if device is None else torch.device(device)
+        stacked = stacked if stacked.device == dev else stacked.to(dev)  # (the same device: no move at all)
+        if len(whole) == len(rows):
+            return stacked
+        keep = [r for r, row in enumerate(rows) if not isinstance(row, Tensor)]
+        rest = assemble([rows[r] for r in keep], dev)  # type: ignore[misc]
+        full = torch.empty(len(rows), len(FIELDS), dtype=torch.float64, device=dev)
+        full[index_tensor(whole, dev)] = stacked
+        full[index_tensor(keep, dev)] = rest
+        return full
     template = torch.tensor([[v if isinstance(v, float) else 0.0 for v in row] for row in rows], dtype=torch.float64).reshape(len(rows), len(FIELDS))
     by_dtype: Dict[torch.dtype, Tuple[List[int], List[Tensor]]] = {}
     for r, row in enumerate(rows):

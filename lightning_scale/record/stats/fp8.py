@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -13,7 +13,12 @@ from lightning_scale.record.stats.fields import FORMATS, FP8_DTYPES, _acc_dtype,
 # FP8 what-if: per-tensor amax scaling, cast, and the error it makes.
 
 
-def _fp8_fields(x: Tensor, total_of: _Sum) -> List[Tensor]:
+#: The device path quantises tensors above this many elements a chunk at a time: its
+#: float64 temporaries (about 60 bytes an element) stay within a chunk's, not the tensor's.
+CHUNK = 1 << 22
+
+
+def _fp8_fields(x: Tensor, total_of: _Sum, chunk: Optional[int] = None) -> List[Tensor]:
     """For E4M3 then E5M2: sum of squared error, sum of squares, nonzeros flushed to 0.
 
     Quantisation as a per-tensor-scaled FP8 recipe does it: ``scale = max / amax`` (in
@@ -21,11 +26,33 @@ def _fp8_fields(x: Tensor, total_of: _Sum) -> List[Tensor]:
     ``q = fp8(x * scale)``. The error is what dequantising loses, ``q / scale - x``, taken
     in float64 as ``(q - x * scale) / scale``. Non-finite elements are left out (zero
     error, zero square, not flushed): the ``nan``/``inf`` counts report them.
+
+    ``chunk``: above this many elements, ``x`` is read a chunk at a time (the amax first,
+    then the sums, added in float64), so that no temporary is the tensor's size.
     """
-    acc = _acc_dtype(x)
-    xf = torch.nan_to_num(x.to(acc), nan=0.0, posinf=0.0, neginf=0.0)
+    if chunk is None or x.numel() <= chunk:
+        return _fp8_sums(_finite(x), None, total_of)
+    flat = (x if x.is_contiguous() else x.contiguous()).view(-1)  # (a copy in x's dtype only where strided)
+    parts = flat.split(chunk)
+    amax = torch.stack([_amax(_finite(p)) for p in parts]).amax()
+    sums = [_fp8_sums(_finite(p), amax, total_of) for p in parts]
+    return [torch.stack(column).sum() for column in zip(*sums)]
+
+
+def _finite(x: Tensor) -> Tensor:
+    return torch.nan_to_num(x.to(_acc_dtype(x)), nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _amax(xf: Tensor) -> Tensor:
     lo, hi = torch.aminmax(xf)
-    amax = torch.maximum(lo.abs(), hi.abs())
+    return torch.maximum(lo.abs(), hi.abs())
+
+
+def _fp8_sums(xf: Tensor, amax: Optional[Tensor], total_of: _Sum) -> List[Tensor]:
+    """``_fp8_fields`` of the finite values ``xf`` (in their accumulation dtype), with the
+    tensor's ``amax`` (None: ``xf``'s own)."""
+    acc = xf.dtype
+    amax = _amax(xf) if amax is None else amax
     nonzero = torch.count_nonzero(xf)
     x64 = xf.double()
     sq = total_of(x64.square())  # the same for both formats
