@@ -53,7 +53,8 @@ class ScaleMonitor(Callback):
         exclude: regex; do not log nodes whose label matches it.
         prune_views: do not log views/reshapes whose statistics equal their input's
             (their records are their input's; on by default).
-        max_tags: the most nodes whose scalars are written (beyond it, a warning once).
+        max_tags: the most nodes whose scalars are written (beyond it, a warning once); the
+            SCALES dashboard's records hold every node.
         histograms: write ``scale_hist/fwd`` and ``scale_hist/bwd``.
         figure: also write the per-node scale figure (needs matplotlib; drawn on the
             background writer; off by default: the dashboard shows the profile).

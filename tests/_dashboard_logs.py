@@ -73,6 +73,25 @@ def write_logs(root: Path) -> Path:
     return Path(trainer.logger.log_dir)
 
 
+GPT_STEPS = 3
+
+
+def write_gpt_logs(root: Path, layers: int = 56) -> Path:
+    """The demo GPT with ``layers`` narrow layers (width 8: ~36 nodes a layer, 56 layers ~2,000
+    nodes) trained ``GPT_STEPS`` steps with default ``ScaleMonitor`` options but every step
+    tracked (so ``max_tags=1000`` caps its scalars); the log dir. A few seconds on a CPU."""
+    from lightning_scale.tools.demo import GPTModule, token_loaders
+
+    torch.manual_seed(0)
+    train, _ = token_loaders(n=64, seq=8, vocab=32, batch=4)
+    trainer = pl.Trainer(
+        max_steps=GPT_STEPS, accelerator="cpu", logger=pl.loggers.TensorBoardLogger(str(root), name="gpt"), callbacks=[ScaleMonitor(every_n_steps=1)],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+    )  # fmt: skip
+    trainer.fit(GPTModule(vocab=32, seq=8, layers=layers, dim=8, heads=2), train)
+    return Path(trainer.logger.log_dir)
+
+
 def logged(log_dir: Path) -> Tuple[EventAccumulator, Dict[str, Dict[int, float]]]:
     """The run's events and every scalar as ``{tag: {step: value}}``."""
     acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})

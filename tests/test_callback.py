@@ -281,7 +281,7 @@ def test_extras_can_be_switched_off(tmp_path: Path) -> None:
     acc = events(fit(MLP(), tmp_path, [ScaleMonitor(every_n_steps=2, histograms=False, figure=False, code=False)]))
     tags = acc.Tags()
     assert not tags["histograms"] and not tags["images"]
-    assert sorted(tags["tensors"]) == ["custom_scalars__config__", "scale_nodes", "scale_worst/text_summary"]
+    assert sorted(tags["tensors"]) == ["custom_scalars__config__", "scale_nodes", "scale_records/000000000000", "scale_worst/text_summary"]  # records: the SCALES dashboard's
     assert steps_of(scalars(acc)) == {0, 2}
 
 

@@ -1,10 +1,17 @@
-"""The Custom Scalars layout: one chart per node (forward and backward), grouped by module.
+"""The Custom Scalars layout: per block, one chart of its forward and one of its backward log2 stds.
+
+TensorBoard's CUSTOM SCALARS tab stamps every chart of every open category at once
+(~880 per-node charts took 99 s to draw the first; ~2,000 never drew), and colours a
+chart's lines by run, so forward and backward lines of one run share a colour. So: one
+category per block (``model.blocks.3``), holding a forward chart and a backward chart of
+at most ``per_chart`` nodes each (a block with more gets more charts), and no layout at
+all beyond ``max_charts`` charts (the SCALES dashboard shows every node at any size). The
+writer writes every category but the first closed: TensorBoard stamps a category's
+charts only when it is opened.
 
 TensorBoard matches a layout entry's tags as regexes from the start of the tag, so each
 tag is escaped and anchored (``add`` must not also draw ``add_1``), and only tags that
-were written are listed. Nodes are grouped by module path (``model.blocks.0.attn/view`` ->
-``model.blocks.0``) into categories of at most ``per_category`` charts, so no category
-fires hundreds of requests at once.
+were written are listed.
 """
 
 from __future__ import annotations
@@ -12,7 +19,15 @@ from __future__ import annotations
 import re
 from typing import Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["custom_scalar_layout", "module_group"]
+__all__ = ["MAX_CHARTS", "PER_CHART", "custom_scalar_layout", "module_group"]
+
+#: The most charts a layout holds; beyond it none is written.
+MAX_CHARTS = 256
+#: The most nodes (lines) in one chart.
+PER_CHART = 48
+
+#: ``[(category title, [(chart title, [anchored tag regex, ...]), ...]), ...]``
+Layout = List[Tuple[str, List[Tuple[str, List[str]]]]]
 
 
 def module_group(label: str, parameter: Optional[bool] = None) -> str:
@@ -38,38 +53,39 @@ def module_group(label: str, parameter: Optional[bool] = None) -> str:
     return ".".join(parts[:2]) or "(top)"
 
 
-def _chunks(groups: Dict[str, List[str]], per_category: int) -> List[Tuple[str, List[str]]]:
-    out: List[Tuple[str, List[str]]] = []
-    for name, labels in groups.items():
-        pieces = [labels[i : i + per_category] for i in range(0, len(labels), per_category)]
-        for k, piece in enumerate(pieces):
-            out.append((name if len(pieces) == 1 else f"{name} ({k + 1}/{len(pieces)})", piece))
-    return out
-
-
 def custom_scalar_layout(
-    prefix: str, labels: Sequence[str], written: Mapping[str, Sequence[str]], stat: str = "scale_log2", per_category: int = 24, parameters: Optional[Collection[str]] = None
-) -> Dict[str, Dict[str, list]]:
-    """``{category: {chart title: ["Multiline", [anchored regex, ...]]}}`` for ``add_custom_scalars``.
+    prefix: str,
+    labels: Sequence[str],
+    written: Mapping[str, Sequence[str]],
+    stat: str = "scale_log2",
+    per_chart: int = PER_CHART,
+    max_charts: int = MAX_CHARTS,
+    parameters: Optional[Collection[str]] = None,
+) -> Layout:
+    """One category per block, each with a forward and a backward chart of its written tags;
+    ``[]`` when that would take more than ``max_charts`` charts.
 
     Args:
         prefix: tag prefix (``""`` or ``"val_"``).
         labels: nodes in execution order.
         written: ``{"fwd": labels with a forward tag, "bwd": ...}``; only those are charted.
         stat: the tag's statistic part (``scale_log2`` or ``scale``).
-        per_category: most charts in one category.
+        per_chart: most nodes in one chart.
+        max_charts: most charts in the layout.
         parameters: the labels that are parameters or buffers, if known (see ``module_group``).
     """
     sets = {d: set(v) for d, v in written.items()}
     groups: Dict[str, List[str]] = {}
     for label in labels:
-        if any(label in s for s in sets.values()):
-            groups.setdefault(module_group(label, None if parameters is None else label in parameters), []).append(label)
-    out: Dict[str, Dict[str, list]] = {}
-    for category, members in _chunks(groups, per_category):
-        charts = {}
-        for label in members:
-            tags = [f"{prefix}{stat}/{d}/{label}" for d in ("fwd", "bwd") if label in sets.get(d, ())]
-            charts[label] = ["Multiline", [f"^{re.escape(t)}$" for t in tags]]
-        out[f"{prefix}{stat} · {category}"] = charts
-    return out
+        groups.setdefault(module_group(label, None if parameters is None else label in parameters), []).append(label)
+    out: Layout = []
+    for block, members in groups.items():
+        charts = []
+        for d, name in (("fwd", "forward"), ("bwd", "backward")):
+            tags = [f"^{re.escape(f'{prefix}{stat}/{d}/{label}')}$" for label in members if label in sets.get(d, ())]
+            pieces = [tags[i : i + per_chart] for i in range(0, len(tags), per_chart)]
+            for k, piece in enumerate(pieces):
+                charts.append((f"{block} · {name}" + (f" ({k + 1}/{len(pieces)})" if len(pieces) > 1 else ""), piece))
+        if charts:
+            out.append((f"{prefix}{stat} · {block}", charts))
+    return out if sum(len(c) for _, c in out) <= max_charts else []

@@ -1,20 +1,23 @@
 """Per-step tables the dashboard's views draw: computed here, on the server, from ``RunData``.
 
-Every function returns plain JSON-ready structures; missing values are ``None``.
+Every function returns plain JSON-ready structures; missing values are ``None``. The
+arithmetic runs on ``RunData.values`` (numpy), so a 2,000-node run answers in milliseconds.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
 
 from lightning_scale.dashboard import headroom
 from lightning_scale.dashboard.data import DIRS, RunData
 from lightning_scale.dashboard.layout import module_group
 from lightning_scale.record.stats import FORMATS
 
-__all__ = ["FP8_RECIPE", "LOG2_STATS", "code", "heatmap", "nearest_step", "profile", "series", "worst"]
+__all__ = ["FP8_RECIPE", "LOG2_STATS", "code", "heatmap", "nearest_step", "outside", "profile", "series", "worst"]
 
 RANKINGS = (*FORMATS, "drift", "fp8")
 #: Magnitudes, drawn and coloured as log2; every other statistic (fractions, dB, counts) as logged.
@@ -23,8 +26,44 @@ LOG2_STATS = ("std", "absmax", "rms", "min_nonzero")
 FP8_RECIPE = {"fwd": "e4m3", "bwd": "e5m2"}
 
 
-def _clean(v: float) -> Optional[float]:
+def _clean(v: Optional[float]) -> Optional[float]:
     return None if v is None or not math.isfinite(v) else v
+
+
+def _listed(a: np.ndarray, digits: Optional[int] = None) -> Any:
+    """``a.tolist()`` with NaN and infinities as None (rounded to ``digits`` if given)."""
+    a = np.asarray(a, dtype=np.float64)
+    if digits is not None:
+        a = np.round(a, digits)
+    out = np.where(np.isfinite(a), a, np.nan).astype(object)
+    out[~np.isfinite(a)] = None
+    return out.tolist()
+
+
+def _log2(a: np.ndarray) -> np.ndarray:
+    """log2 where positive and finite, else NaN (``headroom.log2`` on arrays)."""
+    ok = (a > 0) & np.isfinite(a)
+    return np.where(ok, np.log2(np.where(ok, a, 1.0)), np.nan)
+
+
+def rooms(std: np.ndarray, absmax: np.ndarray, fmt: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``headroom.headroom`` on arrays: (above min normal, below max, headroom), NaN where unknown."""
+    f = FORMATS[fmt]
+    log_std, top = _log2(std), _log2(absmax)
+    top = np.where(np.isnan(top), log_std, top)
+    under, over = log_std - math.log2(f.min_normal), math.log2(f.max) - top
+    return under, over, np.minimum(under, over)  # NaN where either is
+
+
+def outside(data: RunData, t: int) -> Dict[str, np.ndarray]:
+    """``{format: [nodes, 2] bool}``: which node directions are outside each format's normal
+    range at step index ``t`` (std below the smallest normal, or absmax above the max)."""
+    std, absmax = data.column("std")[t], data.column("absmax")[t]
+    out = {}
+    for fmt in FORMATS:
+        under, over, _ = rooms(std, absmax, fmt)
+        out[fmt] = (under < 0) | (over < 0)
+    return out
 
 
 def nearest_step(data: RunData, step: Optional[int]) -> Optional[int]:
@@ -38,54 +77,74 @@ def nearest_step(data: RunData, step: Optional[int]) -> Optional[int]:
 
 
 def profile(data: RunData, step: Optional[int]) -> Dict[str, Any]:
-    """Every node at ``step`` in execution order with every logged statistic, forward and backward."""
+    """Every node at ``step`` in execution order with every logged statistic, forward and
+    backward, and the formats whose normal range each direction is outside of."""
     step = nearest_step(data, step)
     nodes = []
-    for label in data.labels:
-        row: Dict[str, Any] = {"label": label, "param": label in data.parameters, "group": module_group(label, label in data.parameters)}
-        for d in DIRS:
-            row[d] = {stat: _clean(data.value(stat, d, label, step)) for stat in data.values if step is not None}
-            row[d] = {k: v for k, v in row[d].items() if v is not None}
+    if step is not None:
+        t = data.steps.index(step)
+        at = _listed(data.values[t])  # [nodes][2][stats]
+        out = {fmt: flags.tolist() for fmt, flags in outside(data, t).items()}
+    for i, label in enumerate(data.labels):
+        param = label in data.parameters
+        row: Dict[str, Any] = {"label": label, "param": param, "group": module_group(label, param)}
+        if label in data.aliases:
+            row["alias_of"] = data.aliases[label]
+        for d, name in enumerate(DIRS):
+            row[name] = {} if step is None else {stat: v for stat, v in zip(data.stats, at[i][d]) if v is not None}
+            row[f"{name}_out"] = [] if step is None else [fmt for fmt in FORMATS if out[fmt][i][d]]
         nodes.append(row)
-    ratios = {p: _clean(s.get(step, math.nan)) for p, s in data.ratios.items()}
-    return {"step": step, "steps": data.steps, "stats": sorted(data.values), "nodes": nodes, "ratios": ratios}
+    ratios = {p: _clean(s.get(step, math.nan)) if step is not None else None for p, s in data.ratios.items()}
+    return {"step": step, "steps": data.steps, "stats": sorted(data.stats), "nodes": nodes, "ratios": ratios}
 
 
 def heatmap(data: RunData, stat: str = "std") -> Dict[str, Any]:
     """``stat`` of every node (rows, execution order) at every tracked step (columns), both
-    directions: log2 for the magnitudes of ``LOG2_STATS``, as logged for the others.
+    directions: log2 for the magnitudes of ``LOG2_STATS`` (rounded to 4 decimals: the view
+    shows 2), as logged for the others.
 
     Raises:
         ValueError: ``stat`` is not a statistic the run logged.
     """
-    if stat != "std" and stat not in data.values:
-        raise ValueError(f"`stat` must be one of the logged statistics {sorted(data.values)}, got {stat!r}")
+    if stat != "std" and stat not in data.stats:
+        raise ValueError(f"`stat` must be one of the logged statistics {sorted(data.stats)}, got {stat!r}")
     log = stat in LOG2_STATS
-    out: Dict[str, Any] = {"labels": data.labels, "steps": data.steps, "params": sorted(data.parameters), "stat": stat, "log2": log, "stats": sorted(data.values)}
-    for d in DIRS:
-        out[d] = [[_clean(_scaled(data.value(stat, d, label, s), log)) for s in data.steps] for label in data.labels]
+    column = data.column(stat)  # [steps, nodes, 2]
+    shown = _log2(column) if log else column
+    groups = [module_group(label, label in data.parameters) for label in data.labels]
+    out: Dict[str, Any] = {"labels": data.labels, "groups": groups, "steps": data.steps, "params": sorted(data.parameters), "stat": stat, "log2": log, "stats": sorted(data.stats)}
+    for d, name in enumerate(DIRS):
+        out[name] = _listed(shown[:, :, d].T, 4 if log else None)  # [nodes][steps]
     return out
-
-
-def _scaled(v: float, log: bool) -> float:
-    return headroom.log2(v) if log else v
 
 
 def series(data: RunData, label: str) -> Dict[str, Any]:
     """Every statistic of one node over the tracked steps: ``{"<stat>/<dir>": [value per step]}``."""
-    out: Dict[str, List[Optional[float]]] = {}
-    for stat in sorted(data.values):
-        for d in DIRS:
-            if label in data.values[stat].get(d, {}):
-                out[f"{stat}/{d}"] = [_clean(data.value(stat, d, label, s)) for s in data.steps]
+    out: Dict[str, Any] = {}
+    if label in data.labels:
+        i = data.labels.index(label)
+        for stat in sorted(data.stats):
+            for d, name in enumerate(DIRS):
+                points = data.values[:, i, d, data.stats.index(stat)]
+                if not np.isnan(points).all():
+                    out[f"{stat}/{name}"] = _listed(points)
     return {"label": label, "steps": data.steps, "series": out}
 
 
+def _fraction_hint(fmt: str) -> str:
+    """What to log to get the per-format fraction columns."""
+    return f"ScaleMonitor(statistics=[..., 'underflow_{fmt}', 'below_normal_{fmt}', 'overflow_{fmt}'])"
+
+
 def worst(data: RunData, step: Optional[int], by: str = "fp16", pattern: str = "", limit: int = 100) -> Dict[str, Any]:
-    """Node directions ranked by headroom to format ``by`` (least first), by ``|drift|`` of log2 std
-    since the first tracked step (``by="drift"``, largest first) or by the FP8 what-if's SNR
-    (``by="fp8"``, lowest first: E4M3 forward, E5M2 backward, ``FP8_RECIPE``), filtered by
-    regex ``pattern``.
+    """One row per tensor and direction, ranked by headroom to format ``by`` (least first), by
+    ``|drift|`` of log2 std since the first tracked step (``by="drift"``, largest first) or by
+    the FP8 what-if's SNR (``by="fp8"``, lowest first: E4M3 forward, E5M2 backward,
+    ``FP8_RECIPE``), filtered by regex ``pattern`` (on the label or any of its aliases).
+
+    A label that is an alias of another (``RunData.aliases``: a view, a module's output)
+    is listed in its source's row. Each row also says at which tracked step the node first
+    was outside the format's range and at how many of the tracked steps it was.
 
     Raises:
         ValueError: ``by`` is not a format, ``"drift"`` or ``"fp8"`` (or ``"fp8"`` and the run
@@ -93,33 +152,53 @@ def worst(data: RunData, step: Optional[int], by: str = "fp16", pattern: str = "
     """
     if by not in RANKINGS:
         raise ValueError(f"`by` must be one of {list(RANKINGS)}, got {by!r}")
-    if by == "fp8" and not any(f"fp8_{fmt}_snr_db" in data.values for fmt in FP8_RECIPE.values()):
+    if by == "fp8" and not any(f"fp8_{fmt}_snr_db" in data.stats for fmt in FP8_RECIPE.values()):
         raise ValueError("`by=fp8` needs the FP8 what-if logged: ScaleMonitor(statistics=[..., 'fp8_e4m3_snr_db', 'fp8_e5m2_snr_db'])")
     try:
         match = re.compile(pattern).search
     except re.error as e:
         raise ValueError(f"`regex` is not a valid regular expression: {e}") from e
     step = nearest_step(data, step)
-    first = data.steps[0] if data.steps else None
     fmt = by if by in FORMATS else "fp16"
-    rows = []
-    for label in data.labels:
-        if not match(label):
-            continue
-        for d in DIRS:
-            std = data.value("std", d, label, step) if step is not None else math.nan
-            if math.isnan(std):
-                continue
-            absmax = data.value("absmax", d, label, step)
-            room = headroom.headroom(std, absmax, fmt)
-            drift = headroom.log2(std) - headroom.log2(data.value("std", d, label, first))
-            fractions = {k: data.value(f"{k}_{fmt}", d, label, step) for k in ("underflow", "below_normal", "overflow")}
-            fp8 = {f"fp8_{k}": data.value(f"fp8_{FP8_RECIPE[d]}_{k}", d, label, step) for k in ("snr_db", "flushed")}
-            row = {"label": label, "dir": d, "param": label in data.parameters, "log2_std": headroom.log2(std), "log2_absmax": headroom.log2(absmax), **room}
-            rows.append({**row, "drift": drift, "abs_drift": abs(drift), **fractions, "fp8_format": FP8_RECIPE[d], **fp8})
+    fractions = [k for k in ("underflow", "below_normal", "overflow") if f"{k}_{fmt}" in data.stats]
+    head = {"step": step, "steps": data.steps, "by": by, "format": fmt, "fractions": fractions, "fraction_hint": None if fractions else _fraction_hint(fmt)}
+    if step is None:
+        return {**head, "total": 0, "rows": []}
+    rows = _worst_rows(data, data.steps.index(step), fmt, fractions, match)
     ranked = _ranked(rows, by)
     clean = [{k: (_clean(v) if isinstance(v, float) else v) for k, v in r.items()} for r in ranked[:limit]]
-    return {"step": step, "steps": data.steps, "by": by, "format": fmt, "total": len(rows), "rows": clean}
+    return {**head, "total": len(rows), "rows": clean}
+
+
+def _worst_rows(data: RunData, t: int, fmt: str, fractions: List[str], match: Any) -> List[Dict[str, Any]]:
+    std, absmax = data.column("std"), data.column("absmax")  # [steps, nodes, 2]
+    under, over, room = rooms(std, absmax, fmt)
+    logged = ~np.isnan(room)
+    out_at = logged & (room < 0)
+    first = np.where(out_at.any(0), out_at.argmax(0), -1)  # [nodes, 2]: step index, -1: never
+    log_std, log_absmax = _log2(std), _log2(absmax)
+    also: Dict[str, List[str]] = {}
+    for alias, source in data.aliases.items():
+        if source in data.labels and alias in data.labels:
+            also.setdefault(source, []).append(alias)
+    at = {k: data.column(k)[t] for k in [f"{k}_{fmt}" for k in fractions] + [f"fp8_{f}_{k}" for f in FP8_RECIPE.values() for k in ("snr_db", "flushed")]}
+    rows = []
+    for i, label in enumerate(data.labels):
+        if data.aliases.get(label) in also or not any(match(l) for l in [label, *also.get(label, [])]):
+            continue
+        for d, name in enumerate(DIRS):
+            if math.isnan(std[t, i, d]):
+                continue
+            drift = log_std[t, i, d] - log_std[0, i, d]
+            row: Dict[str, Any] = {"label": label, "aliases": also.get(label, []), "dir": name, "param": label in data.parameters}
+            row.update(log2_std=float(log_std[t, i, d]), log2_absmax=float(log_absmax[t, i, d]), under=float(under[t, i, d]), over=float(over[t, i, d]), headroom=float(room[t, i, d]))
+            row.update(drift=float(drift), abs_drift=float(abs(drift)), first_out=data.steps[first[i, d]] if first[i, d] >= 0 else None)
+            row.update(out_steps=int(out_at[:, i, d].sum()), tracked_steps=int(logged[:, i, d].sum()))
+            row.update({k: float(at[f"{k}_{fmt}"][i, d]) for k in fractions})
+            fp8 = FP8_RECIPE[name]
+            row.update(fp8_format=fp8, fp8_snr_db=float(at[f"fp8_{fp8}_snr_db"][i, d]), fp8_flushed=float(at[f"fp8_{fp8}_flushed"][i, d]))
+            rows.append(row)
+    return rows
 
 
 def _ranked(rows: List[Dict[str, Any]], by: str) -> List[Dict[str, Any]]:

@@ -5,19 +5,21 @@ update rows (``lightning_scale.record.updates``) over ranks with reductions
 (``pool.pool_step``: bytes per rank independent of the world size), and brings the
 result to the writing rank in one device-to-host transfer. ``Reporter.report`` then
 decides, on the training thread, what little must be decided there (anomaly warnings,
-which nodes to write, the ``max_tags`` cap; all on the pooled host copy) and hands the
-rest (unscaling, annotated code, scalars, histograms, figure, text, update ratios) to a
-``Worker`` for TensorBoard loggers; ``Reporter.log_anomaly`` queues an anomaly event
-there too. Other loggers (CSV, W&B, MLflow, ...) are not safe to call from a second
-thread while Lightning logs: they get their scalars through ``log_metrics`` on the
-training thread. Nothing here imports Lightning: the callback passes loggers, the rank
+which nodes to write; all on the pooled host copy) and hands the rest (unscaling,
+annotated code, scalars, histograms, figure, text, the dashboard's records, update
+ratios) to a ``Worker`` for TensorBoard loggers; ``max_tags`` caps the per-node scalars
+only (``ScaleWriter``), the dashboard's records hold every node.
+``Reporter.log_anomaly`` queues an anomaly event there too. Other loggers (CSV, W&B,
+MLflow, ...) are not safe to call from a second thread while Lightning logs: they get
+their scalars through ``log_metrics`` on the training thread. Nothing here imports
+Lightning: the callback passes loggers, the rank
 and the accumulation factor in.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -83,6 +85,7 @@ class _Written:
     loss_scale: Optional[float]
     updates: Optional[Tuple[List[str], Tensor]]  # parameter names, their pooled update rows
     code: Optional[List[Tuple[fx.GraphModule, Dict[str, str]]]]
+    aliases: Dict[str, str] = field(default_factory=dict)  # label -> label of the same tensor
 
 
 class Reporter:
@@ -198,7 +201,7 @@ class Reporter:
             self.warn_once(f"empty{data.prefix}", _nothing_recorded(data))
             return
         self._coverage(data, [labels[i] for i in keep])
-        keep = self._cap(keep)
+        self._warn_cap(len(keep))
         if not loggers:
             return
         records, spread = _unscaled(pooled, self.unscale_gradients, accumulate / (loss_scale or 1.0))
@@ -206,7 +209,7 @@ class Reporter:
         job = _Written(
             data.step, data.prefix, [labels[i] for i in keep], records[keep], None if spread is None else pool.RankSpread(*(t[keep] for t in spread)),
             {f"{'fwd' if d == FORWARD else 'bwd'}/{l}": pooled.histograms[i, d] for i, l in enumerate(hist_labels) for d in (FORWARD, BACKWARD)},
-            loss_scale, _updates(data, step), list(zip(data.capture.graphs, data.capture.labels)) if self.code else None,
+            loss_scale, _updates(data, step), list(zip(data.capture.graphs, data.capture.labels)) if self.code else None, dict(data.capture.aliases),
         )  # fmt: skip
         boards, others = _split(loggers)
         if boards:
@@ -242,22 +245,20 @@ class Reporter:
             self._warned[key] = True
             self.warn(message)
 
-    def _cap(self, keep: List[int]) -> List[int]:
-        if len(keep) <= self.max_tags:
-            return keep
-        self.warn_once(
-            "max_tags",
-            f"ScaleMonitor: {len(keep)} nodes have tensors; writing the first {self.max_tags} "
-            "(raise `max_tags`, or narrow with `include` / `exclude` / `prune_views`)",
-        )
-        return keep[: self.max_tags]
+    def _warn_cap(self, nodes: int) -> None:
+        if nodes > self.max_tags:
+            self.warn_once(
+                "max_tags",
+                f"ScaleMonitor: {nodes} nodes have tensors; writing the first {self.max_tags} "
+                f"(raise `max_tags`, or narrow with `include` / `exclude` / `prune_views`) as scalars; the SCALES dashboard shows all {nodes}",
+            )
 
     def _writer(self, loggers: Sequence[Any], prefix: str, parameters: Collection[str], kind: str) -> ScaleWriter:
         """One writer per tag prefix and kind: ``boards`` is used on the worker only,
         ``others`` on the training thread only (neither shares its caches across threads)."""
         key = f"{kind}:{prefix}"
         if key not in self._writers:
-            self._writers[key] = ScaleWriter(loggers, self.statistics, self.histograms, self.figure, prefix, self.figure_every, parameters=parameters)
+            self._writers[key] = ScaleWriter(loggers, self.statistics, self.histograms, self.figure, prefix, self.figure_every, parameters=parameters, max_tags=self.max_tags)
         return self._writers[key]
 
 
@@ -278,7 +279,7 @@ def _split(loggers: Sequence[Any]) -> Tuple[List[Any], List[Any]]:
 
 def _write(writer: ScaleWriter, job: _Written, loggers: List[Any], index: Dict[str, int], all_records: Tensor) -> None:
     code = _code(job.code, index, all_records) if job.code is not None else None
-    writer.write(job.step, job.labels, job.records, code, job.spread)
+    writer.write(job.step, job.labels, job.records, code, job.spread, job.aliases)
     if job.loss_scale is not None:
         for logger in loggers:
             logger.log_metrics({f"{job.prefix}scale_loss/loss_scale": job.loss_scale}, step=job.step)

@@ -9,7 +9,12 @@ Tags, for each direction ``<dir>`` (``fwd``, ``bwd``) and node ``<label>``:
 - ``scale_hist/<dir>``: histogram of log2 std over nodes; ``values_log2/<dir>/<label>``:
   histogram of log2|x| of chosen nodes' values;
 - text ``scale_worst`` (the nodes nearest a format edge) and ``scale_code``;
-- ``scale_nodes``: the node list in execution order, for the ``scales`` dashboard.
+- ``scale_nodes`` and ``scale_records/<first step>``: the node list and every node's
+  statistics per step, for the ``scales`` dashboard (``dashboard/metadata.py``).
+
+``max_tags`` caps the per-node scalars (and the Custom Scalars charts and the figure); the
+dashboard's records, the summary counts, the histograms and the ``scale_worst`` table
+cover every node.
 
 The writer may run off the training thread; it keeps no state shared between writers
 except the custom-scalars layout of a ``SummaryWriter``, guarded by a lock.
@@ -32,13 +37,13 @@ from lightning_scale.record import stats
 from lightning_scale.record.recorder import BACKWARD, FORWARD
 from lightning_scale.report.figure import scale_figure
 
-__all__ = ["DIRECTIONS", "ScaleWriter", "fast_record_checksums", "is_tensorboard", "scale_figure", "scalar_metrics", "summary_metrics", "worst_table"]
+__all__ = ["DIRECTIONS", "WORST_COLUMNS", "ScaleWriter", "fast_record_checksums", "is_tensorboard", "scale_figure", "scalar_metrics", "summary_metrics", "worst_table"]
 
 DIRECTIONS = (("fwd", FORWARD), ("bwd", BACKWARD))
 
 # TensorBoard shows the last custom-scalars layout of a run, so each SummaryWriter gets
 # every prefix's charts at once: its categories so far, by prefix.
-_LAYOUTS: "weakref.WeakKeyDictionary[Any, Dict[str, Dict[str, Any]]]" = weakref.WeakKeyDictionary()
+_LAYOUTS: "weakref.WeakKeyDictionary[Any, Dict[str, layout.Layout]]" = weakref.WeakKeyDictionary()
 _LAYOUT_LOCK = threading.Lock()
 
 
@@ -119,21 +124,39 @@ def summary_metrics(records: Tensor) -> Dict[str, float]:
     return out
 
 
-def worst_table(labels: Sequence[str], records: Tensor, k: int = 10, fmt: str = "fp16") -> str:
-    """Markdown table of the ``k`` node directions with the least headroom to ``fmt``'s edges."""
+#: The columns the ``scale_worst`` table and the dashboard's Worst-nodes view share.
+WORST_COLUMNS = ("log2 std", "log2 absmax", "above min normal", "below max", "headroom")
+
+
+def worst_table(labels: Sequence[str], records: Tensor, k: int = 10, fmt: str = "fp16", aliases: Optional[Dict[str, str]] = None) -> str:
+    """Markdown table of the ``k`` node directions with the least headroom to ``fmt``'s edges.
+
+    The columns and their signs are the Worst-nodes view's (``headroom.headroom``):
+    octaves inside the range are positive, outside negative. A label in ``aliases``
+    (``{alias: source}``: the same tensor) is listed in its source's row, not ranked again.
+    """
+    aliases = aliases or {}
     std, absmax = stats.statistic(records, "std").T.reshape(-1), stats.statistic(records, "absmax").T.reshape(-1)
     present = (records[..., 0] > 0).T.reshape(-1)  # rows: every fwd node, then every bwd node
+    if aliases:
+        own = torch.tensor([label not in aliases for label in labels]).repeat(2)
+        present = present & own
     room = _headrooms(*_log2_scales(std, absmax), [fmt])[2][:, 0]
     # headroom.rank's order: smallest first, ties in row order, NaN last; absent rows out
     order = torch.sort(torch.where(room.isnan(), math.inf, room), stable=True).indices
     order = order[torch.sort(room[order].isnan().to(torch.uint8), stable=True).indices]
     top = [j for j in order[present[order]][:k].tolist()]
-    lines = [f"Nodes nearest the {fmt} range edges (octaves; negative = outside)", "", "| # | node | dir | log2 std | log2 absmax | below normal by | above max by | headroom |", "|---|---|---|---|---|---|---|---|"]
+    head = " | ".join(WORST_COLUMNS)
+    lines = [f"Nodes nearest the {fmt} range edges (octaves inside the range; negative = outside)", "", f"| # | node | dir | {head} |", "|---|---|---|---|---|---|---|---|"]
     std_l, absmax_l = std.tolist(), absmax.tolist()
+    same: Dict[str, List[str]] = {}
+    for alias, source in aliases.items():
+        same.setdefault(source, []).append(alias)
     for n, j in enumerate(top, 1):
         label, tag = labels[j % len(labels)], DIRECTIONS[j // len(labels)][0]
         r = headroom.headroom(std_l[j], absmax_l[j], fmt)
-        lines.append(f"| {n} | `{label}` | {tag} | {headroom.log2(std_l[j]):.2f} | {headroom.log2(absmax_l[j]):.2f} | {-r['under']:.2f} | {-r['over']:.2f} | {r['headroom']:.2f} |")
+        also = f" (= {', '.join(f'`{a}`' for a in same[label])})" if label in same else ""
+        lines.append(f"| {n} | `{label}`{also} | {tag} | {headroom.log2(std_l[j]):.2f} | {headroom.log2(absmax_l[j]):.2f} | {r['under']:.2f} | {r['over']:.2f} | {r['headroom']:.2f} |")
     return "\n".join(lines)
 
 
@@ -230,6 +253,8 @@ class ScaleWriter:
         log2: also write ``scale_log2/`` (log2 std) and chart it in Custom Scalars.
         summary: write the ``scale_summary/`` counts and the ``scale_worst`` table.
         top_k: rows of the ``scale_worst`` table.
+        max_tags: the most nodes (the first, in execution order) whose scalars are written;
+            ``None``: all. The dashboard's records always hold every node.
 
     Raises:
         ValueError: ``top_k`` is not a positive integer.
@@ -247,6 +272,7 @@ class ScaleWriter:
         log2: bool = True,
         summary: bool = True,
         top_k: int = 10,
+        max_tags: Optional[int] = None,
     ) -> None:
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k <= 0:
             raise ValueError(f"`top_k` must be a positive integer, got {top_k!r}")
@@ -257,9 +283,10 @@ class ScaleWriter:
         self.prefix = prefix
         self.figure_every = figure_every
         self.parameters = frozenset(parameters)
-        self.log2, self.summary, self.top_k = log2, summary, top_k
+        self.log2, self.summary, self.top_k, self.max_tags = log2, summary, top_k, max_tags
         self._writes = 0
-        self._nodes: Optional[Tuple[str, ...]] = None
+        self._nodes: Optional[Tuple[Any, ...]] = None
+        self._chunk: Tuple[int, int] = (0, metadata.CHUNK)  # (first step, steps in it) of the records tag
         self._layout_key: Optional[Tuple[Any, ...]] = None
         self._tag_key: Optional[Tuple[Any, ...]] = None
         fast_record_checksums()
@@ -268,12 +295,17 @@ class ScaleWriter:
     def _tensorboards(self) -> List[Any]:
         return [logger.experiment for logger in self.loggers if self._tensorboards_of(logger)]
 
-    def write(self, step: int, labels: Sequence[str], records: Tensor, code: Optional[str] = None, spread: Any = None) -> None:
-        """Write scalars, histograms, figure and text for ``step`` (``labels`` in execution order)."""
+    def write(
+        self, step: int, labels: Sequence[str], records: Tensor, code: Optional[str] = None, spread: Any = None, aliases: Optional[Dict[str, str]] = None
+    ) -> None:
+        """Write scalars, histograms, figure, text and the dashboard's records for ``step``
+        (``labels`` in execution order; ``spread``: a ``pool.RankSpread`` or None;
+        ``aliases``: ``{label: label of the same tensor}``)."""
         values, keep = _scalar_values(records, self.statistics, self.log2)
-        tags = list(self._tags(labels, keep))
-        numbers = values[keep].tolist()
-        extra = self._spread(labels, spread) if spread is not None else {}
+        n = len(labels) if self.max_tags is None else min(len(labels), self.max_tags)
+        tags = list(self._tags(labels[:n], keep[:, :n]))
+        numbers = values[:, :n][keep[:, :n]].tolist()
+        extra = self._spread(labels[:n], spread) if spread is not None else {}
         if self.summary:
             extra.update(summary_metrics(records))
         tags += [self.prefix + k for k in extra]
@@ -285,9 +317,27 @@ class ScaleWriter:
                 logger.log_metrics(dict(zip(tags, numbers)), step=step)
         draw = self._writes % self.figure_every == 0
         self._writes += 1
+        rows = self._rows(values, keep, spread)
+        written = set(labels)
+        same = {a: s for a, s in (aliases or {}).items() if a in written and s in written}
         for writer in self._tensorboards():
-            self._write_nodes(writer, step, labels)
-            self._write_extras(writer, step, labels, records, code, draw)
+            self._write_records(writer, step, labels, rows, same)
+            self._write_extras(writer, step, labels, records, n, code, draw, same)
+
+    def _rows(self, values: Tensor, keep: Tensor, spread: Any) -> Tensor:
+        """The dashboard's ``[nodes, 2, statistics]`` array: NaN where nothing was recorded;
+        with a ``pool.RankSpread``, the least and largest std over ranks as two more."""
+        k = len(self.statistics)
+        rows = torch.where(keep[:k], values[:k], torch.full_like(values[:k], math.nan))
+        if spread is not None:
+            present = spread.present.bool()
+            low = torch.where(present, spread.low.to(rows.dtype), math.nan)
+            high = torch.where(present, spread.high.to(rows.dtype), math.nan)
+            rows = torch.cat([rows, low[None], high[None]])
+        return rows.permute(1, 2, 0)
+
+    def _statistics(self, rows: Tensor) -> List[str]:
+        return self.statistics + (["scale_rank_min", "scale_rank_max"] if rows.shape[-1] > len(self.statistics) else [])
 
     def _tags(self, labels: Sequence[str], keep: Tensor) -> Tuple[str, ...]:
         """The prefixed tags of the kept scalars (kept from the last step when unchanged)."""
@@ -311,16 +361,23 @@ class ScaleWriter:
                     out[f"scale_rank_max/{tag}/{label}"] = hi[i][d]
         return out
 
-    def _write_nodes(self, writer: Any, step: int, labels: Sequence[str]) -> None:
-        """The node list, once per run and again when it changes (for the dashboard)."""
+    def _write_records(self, writer: Any, step: int, labels: Sequence[str], rows: Tensor, aliases: Dict[str, str]) -> None:
+        """Every node's statistics at ``step``, and the node list before them when it changed;
+        a new records tag every ``metadata.CHUNK`` steps and whenever the node list changes."""
         file_writer = getattr(writer, "_get_file_writer", None)
-        if file_writer is None or tuple(labels) == self._nodes:
+        if file_writer is None:
             return
-        self._nodes = tuple(labels)
-        file_writer().add_summary(metadata.nodes_summary(self.prefix + metadata.TAG, labels, self.parameters), step)
+        names = self._statistics(rows)
+        key = (tuple(labels), tuple(names), tuple(sorted(aliases.items())))
+        if key != self._nodes:
+            self._nodes, self._chunk = key, (step, 0)
+            file_writer().add_summary(metadata.nodes_summary(self.prefix + metadata.TAG, labels, self.parameters, names, aliases), step)
+        first, count = self._chunk if self._chunk[1] < metadata.CHUNK else (step, 0)
+        self._chunk = (first, count + 1)
+        file_writer().add_summary(metadata.records_summary(metadata.chunk_tag(self.prefix, first), rows.numpy()), step)
 
-    def _write_extras(self, writer: Any, step: int, labels: Sequence[str], records: Tensor, code: Optional[str], draw: bool) -> None:
-        self._write_layout(writer, labels, records)
+    def _write_extras(self, writer: Any, step: int, labels: Sequence[str], records: Tensor, n: int, code: Optional[str], draw: bool, aliases: Dict[str, str]) -> None:
+        self._write_layout(writer, labels[:n], records[:n])
         if self.histograms:
             std = stats.statistic(records, "std")
             for tag, d in DIRECTIONS:
@@ -329,13 +386,13 @@ class ScaleWriter:
                     writer.add_histogram(f"{self.prefix}scale_hist/{tag}", std[ok, d].log2(), step)
         if self.figure and draw:
             try:
-                fig = scale_figure(labels, records, f"step {step}")
+                fig = scale_figure(labels[:n], records[:n], f"step {step}")
             except ImportError:
                 self.figure = False
             else:
                 writer.add_figure(f"{self.prefix}scale_plot", fig, step, close=True)
         if self.summary and len(labels):
-            writer.add_text(f"{self.prefix}scale_worst", worst_table(labels, records, self.top_k), step)
+            writer.add_text(f"{self.prefix}scale_worst", worst_table(labels, records, self.top_k, aliases=aliases), step)
         if code:
             writer.add_text(f"{self.prefix}scale_code", "    " + code.replace("\n", "\n    "), step)
 
@@ -352,15 +409,41 @@ class ScaleWriter:
         categories = layout.custom_scalar_layout(self.prefix, labels, written, stat=name, parameters=self.parameters or None)
         with _LAYOUT_LOCK:
             per_prefix = _LAYOUTS.setdefault(writer, {})
+            before = any(per_prefix.values())
             per_prefix[self.prefix] = categories
-            merged = {title: charts for prefix in sorted(per_prefix) for title, charts in per_prefix[prefix].items()}
-        writer.add_custom_scalars(merged)
+            merged = [category for prefix in sorted(per_prefix) for category in per_prefix[prefix]]
+        if not merged and not before:  # too many charts, and no earlier layout to replace
+            return
+        file_writer = getattr(writer, "_get_file_writer", None)
+        if file_writer is not None:
+            file_writer().add_summary(_layout_summary(merged))
+        elif merged:  # another SummaryWriter implementation: the public way (every category open)
+            writer.add_custom_scalars({title: {chart: ["Multiline", tags] for chart, tags in charts} for title, charts in merged})
 
     def write_value_histograms(self, step: int, histograms: Dict[str, Tensor]) -> None:
         """Histograms of log2|x| (``{"fwd/<label>": counts over exponent bins}``)."""
         for writer in self._tensorboards():
             for key, counts in histograms.items():
                 _add_log2_histogram(writer, f"{self.prefix}values_log2/{key}", counts, step)
+
+
+def _layout_summary(categories: layout.Layout) -> Any:
+    """The Custom Scalars layout ``Summary``, every category but the first closed
+    (TensorBoard stamps a category's charts only when it is open). An empty layout
+    replaces an earlier one: the tab then says there is none."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.compat.proto.tensor_pb2 import TensorProto
+    from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    proto = layout_pb2.Layout()
+    for i, (title, charts) in enumerate(categories):
+        category = proto.category.add(title=title, closed=i > 0)
+        for name, tags in charts:
+            category.chart.add(title=name, multiline=layout_pb2.MultilineChartContent(tag=tags))
+    meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="custom_scalars"))
+    tensor = TensorProto(dtype="DT_STRING", string_val=[proto.SerializeToString()], tensor_shape=TensorShapeProto())
+    return Summary(value=[Summary.Value(tag="custom_scalars__config__", tensor=tensor, metadata=meta)])
 
 
 def _add_log2_histogram(writer: Any, tag: str, counts: Tensor, step: int) -> None:

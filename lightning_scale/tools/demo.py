@@ -90,7 +90,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(f"\nScale logs written to {os.path.abspath(logdir)}")
     print(f"Open them with:\n\n    .venv/bin/tensorboard --logdir {args.logdir}\n")
     print("then browse http://localhost:6006/#scales: the SCALES dashboard (profile at a step, heatmap,")
-    print("worst nodes, annotated code). Also: CUSTOM SCALARS (log2 std per node, by block),")
+    print("worst nodes, annotated code). Also: CUSTOM SCALARS (log2 std by block, forward and backward charts),")
     print("TEXT: scale_worst (nodes nearest the FP16 range edges) and scale_code.")
 
 

@@ -8,7 +8,8 @@ import { drawCode } from './code.js';
 
 const VIEWS = ['profile', 'heatmap', 'worst', 'code'];
 const TITLES = { profile: 'Profile', heatmap: 'Heatmap', worst: 'Worst nodes', code: 'Code' };
-const state = { run: null, prefix: '', view: 'profile', step: null, steps: [], by: 'fp16', regex: '', stat: 'std' };
+const state = { run: null, prefix: '', view: 'profile', step: null, steps: [], by: 'fp16', regex: '', stat: 'std', format: 'fp16', only: false };
+const FORMAT_NAMES = ['fp16', 'bf16', 'e4m3', 'e5m2'];
 
 function shell() {
   const css = document.createElement('link');
@@ -20,7 +21,9 @@ function shell() {
       <label>Data <select id="prefix"></select></label>
       <span class="tabs">${VIEWS.map((v) => `<button class="tab" data-view="${v}">${TITLES[v]}</button>`).join('')}</span>
       <label id="stat-control">Statistic <select id="stat"><option>std</option></select></label>
-      <label class="step">Step <input id="step" type="range" min="0" max="0" value="0"><output id="step-value"></output></label>
+      <label class="step" id="step-control">Step <input id="step" type="range" min="0" max="0" value="0"><output id="step-value"></output></label>
+      <span id="profile-controls"><label>Range <select id="format">${FORMAT_NAMES.map((f) => `<option>${f}</option>`).join('')}</select></label>
+      <label><input id="only" type="checkbox"> show only nodes outside <span id="only-format">fp16</span></label></span>
       <span id="worst-controls" hidden><label>Rank by <select id="by">${['fp16', 'bf16', 'e4m3', 'e5m2', 'drift', 'fp8'].map((b) => `<option>${b}</option>`).join('')}</select></label>
       <label>Filter <input id="regex" placeholder="regex, e.g. attn"></label></span>
       <span id="status"></span>
@@ -45,7 +48,8 @@ async function show() {
   document.querySelectorAll('.tab').forEach((b) => b.classList.toggle('active', b.dataset.view === state.view));
   $('worst-controls').hidden = state.view !== 'worst';
   $('stat-control').hidden = state.view !== 'profile' && state.view !== 'heatmap';
-  $('step').disabled = state.view === 'heatmap';
+  $('step-control').hidden = state.view === 'heatmap';  // the heatmap shows every step
+  $('profile-controls').hidden = state.view !== 'profile';
   $('side').innerHTML = '';
   $('status').textContent = 'loading…';
   try {
@@ -53,11 +57,12 @@ async function show() {
       const data = await get('profile', { ...query(), step: state.step });
       setSteps(data.steps, data.step);
       fillStats(data.stats);
-      drawProfile(view, data, state.stat);
+      drawProfile(view, data, state.stat, { format: state.format, only: state.only });
       drawRatios($('side'), data.ratios);
     } else if (state.view === 'heatmap') {
-      fillStats((await get('heatmap', query())).stats);
-      drawHeatmap(view, await get('heatmap', { ...query(), stat: state.stat }), query());
+      const data = await heatmapData();
+      fillStats(data.stats);
+      drawHeatmap(view, data, query());
     } else if (state.view === 'worst') {
       const data = await get('worst', { ...query(), step: state.step, by: state.by, regex: state.regex });
       setSteps(data.steps, data.step);
@@ -70,6 +75,17 @@ async function show() {
   } catch (e) {
     view.innerHTML = `<p class="error">${esc(e.message)}</p>`;
     $('status').textContent = '';
+  }
+}
+
+// One fetch; a statistic this run did not log (picked in another run) falls back to std.
+async function heatmapData() {
+  try {
+    return await get('heatmap', { ...query(), stat: state.stat });
+  } catch (e) {
+    if (state.stat === 'std') throw e;
+    state.stat = 'std';
+    return get('heatmap', { ...query(), stat: 'std' });
   }
 }
 
@@ -104,6 +120,8 @@ export async function render() {
   $('step').addEventListener('input', () => { state.step = state.steps[+$('step').value]; $('step-value').textContent = state.step; show(); });
   $('by').addEventListener('change', () => { state.by = $('by').value; show(); });
   $('stat').addEventListener('change', () => { state.stat = $('stat').value; show(); });
+  $('format').addEventListener('change', () => { state.format = $('format').value; $('only-format').textContent = state.format; show(); });
+  $('only').addEventListener('change', () => { state.only = $('only').checked; show(); });
   let timer = null;
   $('regex').addEventListener('input', () => { clearTimeout(timer); timer = setTimeout(() => { state.regex = $('regex').value; show(); }, 250); });
   await show();

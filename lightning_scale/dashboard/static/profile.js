@@ -1,10 +1,12 @@
 // Profile at a step: every node in execution order, log2 std forward and backward on one
-// axis, absmax markers, parameters marked, format ranges labelled, collapsible by block.
+// axis, absmax markers, parameters marked, format edges labelled, collapsible by block.
+// The x axis and the edge labels stay in view (a sticky header); nodes outside the picked
+// format's normal range (the server says which) are shaded, and can be shown alone.
 // Another statistic can be picked: magnitudes stay on the log2 axis with the format edges,
 // the others (FP8 SNR in dB, fractions) get a linear axis over their range.
-import { FORMATS, esc, fmt, sci } from './api.js';
+import { esc, fmt, sci, edges, ticks, textWidth, stackLabels } from './api.js';
 
-const ROW = 14, LABEL_W = 330, PLOT_W = 620, TOP = 44;
+const ROW = 14, PLOT_W = 620, PAD = 16;
 const collapsed = new Set();
 
 const LOG2_STATS = ['std', 'absmax', 'rms', 'min_nonzero'];
@@ -14,6 +16,8 @@ const finite = (v) => (v !== null && v !== undefined && Number.isFinite(v) ? v :
 
 // The plotted value of a node direction: log2 for magnitudes, as logged otherwise.
 function plotted(n, d, stat) { return LOG2_STATS.includes(stat) ? log2(n[d][stat]) : finite(n[d][stat]); }
+
+export const outsideOf = (n, format) => n.fwd_out.includes(format) || n.bwd_out.includes(format);
 
 function xRange(nodes, stat) {
   const log = LOG2_STATS.includes(stat);
@@ -27,45 +31,64 @@ function xRange(nodes, stat) {
   return [lo - pad, hi + pad];
 }
 
-function formatMarks(x, lo, hi, height) {
-  let out = '';
-  const offsets = { fp16: 0, e5m2: 10, e4m3: 20, bf16: 30 };
-  for (const [name, f] of Object.entries(FORMATS)) {
-    for (const [edge, what] of [[f.min, 'min normal'], [f.max, 'max']]) {
-      if (edge < lo || edge > hi) continue;
-      const px = x(edge);
-      out += `<line class="edge" x1="${px}" x2="${px}" y1="${TOP - 4}" y2="${height}" stroke="${f.colour}" stroke-dasharray="${name === 'e5m2' ? '2,3' : '5,3'}"><title>${name} ${what} 2^${fmt(edge)}</title></line>`;
-      out += `<text class="edge-label" x="${px + 2}" y="${offsets[name] + 10}" fill="${f.colour}">${name} ${what === 'max' ? '▸max' : 'min◂'}</text>`;
-    }
-  }
-  return out;
+// Edge labels ("fp16 · e5m2 min◂" right of its line, "◂" pointing at it; "▸max" left of
+// it), each on the first row where it overlaps no other label and stays inside the plot.
+function edgeLabels(x, lo, hi, left, right) {
+  const items = edges(lo, hi).map((e) => {
+    const text = e.kind === 'min' ? `${e.names.join(' · ')} min◂` : `▸${e.names.join(' · ')} max`;
+    const w = textWidth(text, '10px Roboto, Arial, sans-serif') + 2;
+    const px = x(e.v);
+    const start = Math.min(Math.max(e.kind === 'min' ? px + 3 : px - 3 - w, left), right - w);
+    return { ...e, text, px, a: px, start, span: [start, start + w] };
+  });
+  // min labels lie right of their line, max labels left of it: placing each kind from its
+  // line outwards keeps a later label's line out of the earlier labels
+  const order = [...items.filter((e) => e.kind === 'min'), ...items.filter((e) => e.kind === 'max').reverse()];
+  const labels = stackLabels(order, false);
+  return { labels, rows: Math.max(0, ...labels.map((l) => l.row + 1)) };
 }
 
-// A 1, 2 or 5 times a power of ten near span / 8: about eight ticks on a linear axis.
-function niceStep(span) {
-  const p = 10 ** Math.floor(Math.log10(span / 8));
-  return [1, 2, 5, 10].map((m) => m * p).find((s) => span / s <= 10);
+function header(x, lo, hi, log, stat, width, labelW) {
+  const marks = log ? edgeLabels(x, lo, hi, labelW, width) : { labels: [], rows: 0 };
+  const height = marks.rows * 12 + 20;
+  let svg = '';
+  for (const e of marks.labels) {
+    const y = e.row * 12 + 10;
+    svg += `<line x1="${e.px}" x2="${e.px}" y1="${y + 2}" y2="${height - 14}" stroke="${e.colour}" stroke-dasharray="2,2"/>`;
+    svg += `<g><title>${e.names.join(', ')} ${e.kind === 'min' ? 'smallest normal' : 'largest finite value'}: 2^${fmt(e.v)}</title><text class="edge-label" x="${e.start}" y="${y}" fill="${e.colour}">${esc(e.text)}</text></g>`;
+  }
+  for (const t of axisTicks(lo, hi, log)) {
+    svg += `<text class="tick axis" x="${x(t)}" y="${height - 3}">${+t.toPrecision(6)}</text>`;
+  }
+  svg += `<text class="axis-title" x="4" y="${height - 3}">${log ? 'log2 ' : ''}${esc(stat)} →</text>`;
+  return { svg: `<svg class="profile-axis" width="${width}" height="${height}">${svg}</svg>`, height };
 }
 
-function axis(x, lo, hi, height, step = 4) {
-  let out = '';
-  for (let t = Math.ceil(lo / step) * step; t <= hi; t += step) {
-    out += `<line x1="${x(t)}" x2="${x(t)}" y1="${TOP}" y2="${height}" class="grid"/><text class="tick" x="${x(t)}" y="${TOP - 2}">${+t.toPrecision(6)}</text>`;
-  }
+// Every 4 octaves on the log2 axis; round numbers on a linear one.
+function axisTicks(lo, hi, log) {
+  if (!log) return ticks(lo, hi, 8);
+  const out = [];
+  for (let t = Math.ceil(lo / 4) * 4; t <= hi; t += 4) out.push(t);
   return out;
 }
 
 function tooltip(n) {
   const rows = ['fwd', 'bwd'].map((d) => Object.entries(n[d]).map(([k, v]) => `<tr><td>${d}</td><td>${esc(k)}</td><td>${sci(v)}</td><td>${k === 'std' || k === 'absmax' ? 'log2 ' + fmt(log2(v)) : ''}</td></tr>`).join('')).join('');
-  return `<b>${esc(n.label)}</b> ${n.param ? '(parameter)' : '(activation)'}<table>${rows}</table>`;
+  const out = ['fwd', 'bwd'].filter((d) => n[`${d}_out`].length).map((d) => `${d} outside ${n[`${d}_out`].join(', ')}`).join('; ');
+  const alias = n.alias_of ? `<br>the same tensor as <code>${esc(n.alias_of)}</code>` : '';
+  return `<b>${esc(n.label)}</b> ${n.param ? '(parameter)' : '(activation)'}${alias}${out ? `<br><span class="out-note">${esc(out)}</span>` : ''}<table>${rows}</table>`;
 }
 
-export function drawProfile(root, data, stat = 'std') {
-  const nodes = data.nodes;
+// opts: { format: the range to highlight, only: show only the nodes outside it }.
+export function drawProfile(root, data, stat = 'std', opts = { format: 'fp16', only: false }) {
+  const format = opts.format || 'fp16';
+  const nodes = opts.only ? data.nodes.filter((n) => outsideOf(n, format)) : data.nodes;
   const log = LOG2_STATS.includes(stat);
-  const [lo, hi] = xRange(nodes, stat);
-  const x = (v) => LABEL_W + ((v - lo) / (hi - lo)) * PLOT_W;
-  let y = TOP, body = '', group = null;
+  const [lo, hi] = xRange(data.nodes, stat);
+  const labelW = Math.ceil(Math.max(160, ...data.nodes.map((n) => textWidth(`${n.param ? '◆ ' : ''}${n.label}`))) + 24);
+  const width = labelW + PLOT_W + PAD;
+  const x = (v) => labelW + ((v - lo) / (hi - lo)) * PLOT_W;
+  let y = 4, body = '', group = null;
   const visible = [];
   for (const n of nodes) {
     if (n.group !== group) {
@@ -77,8 +100,9 @@ export function drawProfile(root, data, stat = 'std') {
     if (collapsed.has(group)) continue;
     visible.push(n);
     const f = plotted(n, 'fwd', stat), b = plotted(n, 'bwd', stat);
-    body += `<g class="node${n.param ? ' param' : ''}" data-index="${visible.length - 1}" data-label="${esc(n.label)}" data-fwd="${f ?? ''}" data-bwd="${b ?? ''}" transform="translate(0,${y})">`;
-    body += `<rect class="hit" x="0" y="0" width="${LABEL_W + PLOT_W}" height="${ROW}"/>`;
+    const out = outsideOf(n, format);
+    body += `<g class="node${n.param ? ' param' : ''}${out ? ' out' : ''}" data-index="${visible.length - 1}" data-label="${esc(n.label)}" data-fwd="${f ?? ''}" data-bwd="${b ?? ''}" data-out="${[...n.fwd_out.map((o) => `fwd:${o}`), ...n.bwd_out.map((o) => `bwd:${o}`)].join(' ')}" transform="translate(0,${y})">`;
+    body += `<rect class="hit" x="0" y="0" width="${width}" height="${ROW}"/>`;
     body += `<text class="label" x="14" y="11">${n.param ? '◆ ' : ''}${esc(n.label)}</text>`;
     for (const [d, v] of [['fwd', f], ['bwd', b]]) {
       const a = stat === 'std' ? log2(n[d].absmax) : null;
@@ -89,12 +113,24 @@ export function drawProfile(root, data, stat = 'std') {
     y += ROW;
   }
   const height = y + 10;
-  const what = log ? `x: log2 ${esc(stat)}${stat === 'std' ? ' · | absmax' : ''}` : `x: ${esc(stat)} (missing or not finite, e.g. SNR +inf: not drawn)`;
-  const bf16 = log && lo > FORMATS.bf16.min && hi < FORMATS.bf16.max ? ' · bf16 normal range 2^-126..2^128 spans the whole axis' : '';
-  root.innerHTML = `<div class="legend"><span class="fwd">● forward</span> <span class="bwd">● backward</span> ◆/■ parameter · ${what} · step ${data.step}${bf16}</div>
-    <svg class="profile" data-stat="${esc(stat)}" width="${LABEL_W + PLOT_W + 20}" height="${height}">${axis(x, lo, hi, height, log ? 4 : niceStep(hi - lo))}${log ? formatMarks(x, lo, hi, height) : ''}${body}</svg><div class="tip" hidden></div>`;
+  const grid = axisTicks(lo, hi, log).map((t) => `<line x1="${x(t)}" x2="${x(t)}" y1="0" y2="${height}" class="grid"/>`).join('');
+  const lines = log ? edges(lo, hi).map((e) => `<line class="edge" x1="${x(e.v)}" x2="${x(e.v)}" y1="0" y2="${height}" stroke="${e.colour}" stroke-dasharray="${e.names.includes('e5m2') && !e.names.includes('fp16') ? '2,3' : '5,3'}"/>`).join('') : '';
+  const head = header(x, lo, hi, log, stat, width, labelW);
+  const outCount = data.nodes.filter((n) => outsideOf(n, format)).length;
+  const hasParams = data.nodes.some((n) => n.param);
+  const absmax = stat === 'std' && data.stats.includes('absmax') ? ' · <span class="tick-key">|</span> absmax' : '';
+  const what = log ? `x: log2 ${esc(stat)}${absmax}` : `x: ${esc(stat)} (missing or not finite, e.g. SNR +inf: not drawn)`;
+  const shared = log && lo <= -14 && hi >= -14 ? ' · fp16 and e5m2 share the smallest normal 2^-14' : '';
+  const bf16 = log && lo > -126 && hi < 128 ? ' · bf16 normal range 2^-126..2^128 spans the whole axis' : '';
+  const shown = opts.only ? `showing the ${nodes.length} nodes outside ${format}` : `<span class="out-key">■</span> ${outCount} of ${data.nodes.length} nodes outside ${format}`;
+  root.innerHTML = `<div class="legend"><span class="fwd">● forward</span> <span class="bwd">● backward</span>${hasParams ? ' · ◆/■ parameter' : ''} · ${what} · step ${data.step} · ${shown}${shared}${bf16}</div>
+    <div class="profile-head">${head.svg}</div>
+    ${nodes.length ? '' : `<p class="note">No node is outside the ${esc(format)} range at step ${data.step}.</p>`}
+    <svg class="profile" data-stat="${esc(stat)}" width="${width}" height="${height}">${grid}${lines}${body}</svg><div class="tip" hidden></div>`;
+  const bar = document.querySelector('.toolbar');
+  root.querySelector('.profile-head').style.top = `${bar ? bar.offsetHeight : 0}px`;
   const tip = root.querySelector('.tip');
-  const svg = root.querySelector('svg');
+  const svg = root.querySelector('svg.profile');
   svg.addEventListener('mousemove', (e) => {
     const g = e.target.closest('g.node');
     if (!g) { tip.hidden = true; return; }
@@ -109,7 +145,7 @@ export function drawProfile(root, data, stat = 'std') {
     if (!t) return;
     const g = t.dataset.group;
     if (collapsed.has(g)) collapsed.delete(g); else collapsed.add(g);
-    drawProfile(root, data, stat);
+    drawProfile(root, data, stat, opts);
   });
 }
 
