@@ -17,7 +17,7 @@ their own compiled code. ``Capture.coverage`` measures what a tracked step recor
 A ``Capture`` gives ``tracked(module)``: a function with ``module.forward``'s signature
 that runs the captured graphs, recording into the active ``Recorder``. The tracer is in
 ``tracer.py``, labels and view aliases in ``labels.py``, the dynamo backend in
-``dynamo_backend.py`` and ``frames.py``.
+``dynamo.py`` and ``frames.py``.
 """
 
 from __future__ import annotations
