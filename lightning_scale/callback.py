@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_scale.capture import CAPTURE_MODES, Capture, capture, fidelity
+from lightning_scale.capture import CAPTURE_MODES, Capture, capture
 from lightning_scale.record import kernels, native, stats
 from lightning_scale.record.recorder import Recorder
 from lightning_scale.record.updates import UpdateTracker
@@ -30,7 +30,8 @@ from lightning_scale.report.reporting import Reporter, StepData, UpdateRows
 from lightning_scale.step.anomaly import AnomalyTrigger
 from lightning_scale.step.schedule import Schedule
 from lightning_scale.step.selection import Matching, Selection, compile_pattern, resolve_submodule
-from lightning_scale.step.tracked_step import TrackedStep, Verify, fsdp_units, replicated_labels
+from lightning_scale.step.tracked_step import TrackedStep, fsdp_units, replicated_labels
+from lightning_scale.step.verification import Verification
 
 __all__ = ["ScaleMonitor"]
 
@@ -140,10 +141,8 @@ class ScaleMonitor(Callback):
         self._anomaly = AnomalyTrigger(anomaly_steps, anomaly_factor, self._detection_failed)
         self.anomaly_steps, self.anomaly_factor = anomaly_steps, float(anomaly_factor)
         self.update_ratios = bool(update_ratios)
-        if not isinstance(verify_capture, bool):
-            raise ValueError(f"`verify_capture` must be True or False, got {verify_capture!r}")
+        self._verification = Verification(verify_capture, self._new_capture, self._replace_capture, self._disable, rank_zero_info)
         self.verify_capture = verify_capture
-        self._verified: "set[int]" = set()  # ids of the captures the probe has checked
         self._updates = UpdateTracker()
         self.groups = sorted({stats.STATISTICS[s] for s in self.statistics} | {"moments"})
         self.last_tracked_step = -1
@@ -274,7 +273,7 @@ class ScaleMonitor(Callback):
         if any(cap.module is not target for cap in self._captures.values()):
             self._captures.clear()
             self._step_labels.clear()
-            self._verified.clear()
+            self._verification.clear()
             self._disabled = None
 
     # ---- capture -------------------------------------------------------------------------
@@ -304,41 +303,8 @@ class ScaleMonitor(Callback):
         units = fsdp_units(target)
         return capture(target, mode or self.capture_mode, leaf_modules=self.leaf_modules, units=units)
 
-    def _probes(self, cap: Capture, trainer: pl.Trainer) -> bool:
-        """Whether this step checks ``cap`` first: once per capture; not under FSDP1 or
-        DeepSpeed, whose backward hooks expect one backward per forward (the probe runs two)."""
-        sharded = type(trainer.strategy).__name__ in _ONE_BACKWARD_STRATEGIES
-        return self.verify_capture and id(cap) not in self._verified and not sharded
-
-    def _verifier(self, target: nn.Module, trainer: pl.Trainer) -> Verify:
-        """The fidelity probe for ``target``'s capture: its route first, then the other."""
-
-        def agree(ok: bool) -> bool:
-            return ok if trainer.world_size == 1 else bool(trainer.strategy.reduce_boolean_decision(ok, all=True))
-
-        def verify(cap: Capture, eager: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Capture]:
-            other = "fx" if cap.mode == "dynamo" else "dynamo"
-            routes = [(cap.mode, lambda: cap), (other, lambda: self._new_capture(target, other))]
-            name = type(target).__name__
-            self._verified.add(id(cap))
-            try:
-                outcome = fidelity.verify(target, eager, routes, args, kwargs, agree)
-            except Exception as err:  # noqa: BLE001 - the state is put back: the step runs the user's forward
-                self._disable(f"checking the capture of {name} failed ({type(err).__name__}: {err})")
-                return None
-            if outcome.capture is None:
-                self._disable(
-                    f"the captured forward of {name} does not reproduce its own forward bit for bit, so tracking "
-                    f"would change training ({outcome.describe()}); pass `verify_capture=False` to track it anyway"
-                )
-                return None
-            if outcome.switched:
-                self._captures = {k: (outcome.capture if v is cap else v) for k, v in self._captures.items()}
-                self._verified.add(id(outcome.capture))
-            rank_zero_info(f"ScaleMonitor: capture of {name} verified ({outcome.describe()}); tracking with {outcome.capture.mode}")
-            return outcome.capture
-
-        return verify
+    def _replace_capture(self, old: Capture, new: Capture) -> None:
+        self._captures = {k: (new if v is old else v) for k, v in self._captures.items()}
 
     def _disable(self, why: str) -> None:
         self._disabled = why
@@ -355,7 +321,8 @@ class ScaleMonitor(Callback):
         if self.value_histograms is not None:
             rec.histogram_keys = Matching(self.value_histograms)  # type: ignore[assignment]  # dynamo labels appear as it compiles
         self._active = TrackedStep(step, prefix, cap, rec)
-        verify = None if not self._probes(cap, pl_module.trainer) else self._verifier(target, pl_module.trainer)
+        trainer = pl_module.trainer
+        verify = self._verification.verifier(target, lambda ok: _agree(trainer, ok)) if self._verification.probes(cap, type(trainer.strategy).__name__) else None
         self._active.install(target, verify)
         if prefix == "":
             self.last_tracked_step = step
@@ -439,7 +406,9 @@ class ScaleMonitor(Callback):
         return rows
 
 
-_ONE_BACKWARD_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
+def _agree(trainer: pl.Trainer, ok: bool) -> bool:
+    """True on every rank iff ``ok`` on every rank."""
+    return ok if trainer.world_size == 1 else bool(trainer.strategy.reduce_boolean_decision(ok, all=True))
 
 
 def _writable_loggers(trainer: pl.Trainer) -> List[Any]:

@@ -199,13 +199,17 @@ def test_a_failing_probe_leaves_training_as_it_is_with_one_warning(tmp_path: Any
 def test_where_eager_does_not_reproduce_itself_a_route_may_differ_by_as_much() -> None:
     """Nondeterministic kernels (GPU atomics) make two eager runs differ: such an entry is
     judged against eager's own spread; every deterministic one still bit for bit."""
-    import os
+    import itertools
 
     torch.manual_seed(0)
     model = nn.Linear(4, 4)
+    calls = itertools.count()
 
-    def jitter() -> Tensor:  # from outside every saved generator: differs on every run
-        return torch.tensor(int.from_bytes(os.urandom(2), "little") * 1e-9)
+    def jitter() -> Tensor:
+        # From outside every saved generator, another value on every run (the probe runs at
+        # most four forwards here): any two runs differ by 1e-6 to 3e-6, so a route's gap
+        # from the eager output stays within 4x eager's own spread, whichever runs compare.
+        return torch.tensor((next(calls) % 4) * 1e-6)
 
     def eager(x: Tensor) -> Tensor:
         return model(x) + jitter()
@@ -217,7 +221,7 @@ def test_where_eager_does_not_reproduce_itself_a_route_may_differ_by_as_much() -
     outcome = fidelity.verify(model, eager, [("scaled", lambda: Route(scaled)), ("same", lambda: Route(eager))], (x,), {})  # type: ignore[list-item, return-value]
     assert outcome.capture is not None and outcome.capture.fn is eager  # type: ignore[attr-defined]
     scaled_verdict, same_verdict = outcome.verdicts
-    assert scaled_verdict.within_noise == []  # 1e-2 relative is far above the jitter (< 7e-5)
+    assert scaled_verdict.within_noise == []  # 1e-2 relative is far above the jitter (<= 3e-6)
     assert [d.split(":")[0] for d in scaled_verdict.differences] == ["output differs", "gradient of `bias` differs", "gradient of `weight` differs"]
     assert same_verdict.matches and same_verdict.within_noise == ["output"]
     assert same_verdict.describe() == "same: bit-identical but where the eager forward does not reproduce itself (output: within 4x its spread)"
