@@ -38,27 +38,13 @@ _NO_KERNEL = {"empty", "slice", "select", "view", "permute", "detach", "alias", 
 def _count(groups: tuple, kernel: str, dtype: str) -> Dict[str, float]:
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from lightning_scale import Recorder
+    from lightning_scale.tools.op_count import OpCounter
 
     os.environ["LIGHTNING_SCALE_KERNEL"] = kernel
     x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0)).to(getattr(torch, dtype))
-    ops: List[str] = []
-    full: List[str] = []
     launches = [0]
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            out = func(*args, **(kwargs or {}))
-            frame = sys._getframe(1)
-            while frame is not None and f"{os.sep}triton{os.sep}" not in frame.f_code.co_filename:
-                frame = frame.f_back
-            if frame is None:
-                ops.append(func.__name__.split(".")[0])
-                if isinstance(out, torch.Tensor) and out.numel() >= NUMEL and not func.is_view:
-                    full.append(func.__name__)
-            return out
 
     if kernel == "triton":
         from lightning_scale.record import triton_stats
@@ -67,10 +53,11 @@ def _count(groups: tuple, kernel: str, dtype: str) -> Dict[str, float]:
             launches_of(triton_stats, name, launches)
     rec = Recorder(groups, host_reads=False)
     rec.observe("warm", x.clone())  # first-call work (bounds' upload, compile or interpreter set-up)
-    with Ops():
+    counter = OpCounter(NUMEL)
+    with counter:
         rec.observe("x", x)
-    ops_n, full_n = len(ops), len(full)
-    kernels_n = sum(op not in _NO_KERNEL for op in ops)
+    ops_n, full_n = len(counter.ops), len(counter.full)
+    kernels_n = sum(name not in _NO_KERNEL for name in counter.names())
     launches[0] = 0
     y = x.clone()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

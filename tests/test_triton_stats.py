@@ -26,6 +26,7 @@ from torch import Tensor
 
 from lightning_scale import Recorder, stats
 from lightning_scale.record import kernels
+from lightning_scale.tools.op_count import OpCounter
 
 triton = pytest.importorskip("triton", reason='the fused kernel needs triton (`pip install "lightning-scale[test]"`)')
 from lightning_scale.record import triton_stats  # noqa: E402 - after the skip
@@ -216,27 +217,6 @@ def test_kernel_choice_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "torch's kernels" in kernels.status(torch.device("cpu"), host_reads=False)
 
 
-class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    """Aten ops run outside Triton's own frames (the interpreter copies arguments around
-    the kernel; on a GPU that is one launch), and those with a full-size output that is
-    not a view."""
-
-    def __init__(self, numel: int) -> None:
-        super().__init__()
-        self.numel, self.ops, self.full = numel, [], []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        frame = sys._getframe(1)
-        while frame is not None and f"{os.sep}triton{os.sep}" not in frame.f_code.co_filename:
-            frame = frame.f_back
-        if frame is None:
-            self.ops.append(str(func))
-            if isinstance(out, Tensor) and out.numel() >= self.numel and not func.is_view:
-                self.full.append(str(func))
-        return out
-
-
 #: Aten ops that launch no kernel: an allocation, views.
 NO_KERNEL = {"empty", "slice", "select", "view", "permute", "detach"}
 
@@ -253,7 +233,7 @@ def test_a_record_costs_a_few_aten_ops_and_no_full_size_one(monkeypatch: pytest.
         with counter:
             rec.observe(x.shape, x)
         assert len(counter.ops) <= 8, counter.ops
-        assert {op.split(".")[1] for op in counter.ops} <= NO_KERNEL, counter.ops
+        assert set(counter.names()) <= NO_KERNEL, counter.ops
         assert not counter.full, counter.full
 
 

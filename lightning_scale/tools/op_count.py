@@ -1,0 +1,47 @@
+"""Counting what a piece of code costs on the accelerator path, at dispatch level.
+
+``OpCounter`` is a ``TorchDispatchMode`` that lists the aten ops run outside Triton's
+own frames (Triton's interpreter copies a kernel's arguments around it; on a GPU that is
+one launch), and those whose output has at least a given element count and is not a view:
+each reads or writes the whole tensor once more. The tests and ``benchmarks/kernel_ops.py``
+count the cost of one record with it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, List
+
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["OpCounter"]
+
+_TRITON_DIR = f"{os.sep}triton{os.sep}"
+
+
+class OpCounter(TorchDispatchMode):
+    """Aten ops (``aten.empty.memory_format``, ...) run outside Triton's own frames, and
+    those with a full-size output (at least ``numel`` elements, not a view)."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel = numel
+        self.ops: List[str] = []
+        self.full: List[str] = []
+
+    def names(self) -> List[str]:
+        """The ops' base names (``empty``), in order."""
+        return [op.split(".")[1] for op in self.ops]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        frame = sys._getframe(1)
+        while frame is not None and _TRITON_DIR not in frame.f_code.co_filename:
+            frame = frame.f_back
+        if frame is None:
+            self.ops.append(str(func))
+            if isinstance(out, Tensor) and out.numel() >= self.numel and not func.is_view:
+                self.full.append(str(func))
+        return out
