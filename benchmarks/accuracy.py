@@ -4,7 +4,7 @@
 |mean|/std 0, 3, 9.5, 100, 1e4; ``x = (randn(n) + offset).to(dtype)`` against
 ``x.double()``, one thread). The host path is measured with the native one-read kernel
 (``lightning_scale.record.native``, float32 and bfloat16) and with torch's kernels; the mean's
-error is relative to |mean| + std (as tests/test_stats_property.py judges it).
+error is relative to |mean| + std (as tests/record/test_stats_property.py judges it).
 """
 
 from __future__ import annotations

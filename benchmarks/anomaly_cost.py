@@ -55,7 +55,9 @@ class AnomalyCost:
 
     def ratio(self, name: str, clock: str = "cpu") -> float:
         """Median step period of ``name`` over the plain one's."""
-        return statistics.median(self.periods[name].clock(clock)) / statistics.median(self.periods["plain"].clock(clock))
+        return statistics.median(self.periods[name].clock(clock)) / statistics.median(
+            self.periods["plain"].clock(clock)
+        )
 
     def hook_ratio(self, name: str) -> float:
         """``1 + median hook time per step / median plain step`` (wall clock)."""
@@ -91,7 +93,9 @@ def measure(rounds: int = 3, steps: int = 30, skip: int = 5, budget_s: Optional[
                     continue
                 out.hooks[name] += timer.hook_times()[skip:]
                 detector = monitor._anomaly.detector  # noqa: SLF001 - the benchmark checks no anomaly fired
-                assert detector is None or not detector.anomalies, "an anomaly fired: the steps timed were not all untracked"
+                assert detector is None or not detector.anomalies, (
+                    "an anomaly fired: the steps timed were not all untracked"
+                )
             out.rounds = r + 1
     return out
 
@@ -99,12 +103,16 @@ def measure(rounds: int = 3, steps: int = 30, skip: int = 5, budget_s: Optional[
 def main(rounds: int, steps: int, skip: int = 5) -> None:
     cost = measure(rounds, steps, skip)
     plain = statistics.median(cost.periods["plain"].cpu)
-    print(f"model {MAIN.name}; {cost.rounds} rounds x {steps} steps, first {skip} of each fit dropped; A/A noise CPU {cost.noise():.3f}")
+    print(
+        f"model {MAIN.name}; {cost.rounds} rounds x {steps} steps, first {skip} of each fit dropped; A/A noise CPU {cost.noise():.3f}"
+    )
     print(f"plain step (median, CPU): {plain * 1e3:.2f} ms")
     for name in MONITORS:
         hook = statistics.median(cost.hooks[name])
-        print(f"{name:3} {MONITORS[name]}: step {cost.ratio(name):.4f}x plain CPU, {cost.ratio(name, 'wall'):.4f}x wall; "
-              f"ScaleMonitor hooks {hook * 1e6:.1f} us/step -> {cost.hook_ratio(name):.4f}x")  # fmt: skip
+        print(
+            f"{name:3} {MONITORS[name]}: step {cost.ratio(name):.4f}x plain CPU, {cost.ratio(name, 'wall'):.4f}x wall; "
+            f"ScaleMonitor hooks {hook * 1e6:.1f} us/step -> {cost.hook_ratio(name):.4f}x"
+        )
 
 
 def direct(plain_steps: int = 30, detector_steps: int = 5000) -> None:
@@ -126,7 +134,9 @@ def direct(plain_steps: int = 30, detector_steps: int = 5000) -> None:
         detector.observe(i, loss)
     per_step = (time.process_time() - t0) / detector_steps
     median = statistics.median(plain)
-    print(f"direct, CPU clock: plain step {median * 1e3:.2f} ms (median of {plain_steps}); detector {per_step * 1e6:.1f} us/step -> {1 + per_step / median:.4f}x")
+    print(
+        f"direct, CPU clock: plain step {median * 1e3:.2f} ms (median of {plain_steps}); detector {per_step * 1e6:.1f} us/step -> {1 + per_step / median:.4f}x"
+    )
 
 
 if __name__ == "__main__":

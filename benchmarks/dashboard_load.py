@@ -51,15 +51,36 @@ def serve(logdir: str) -> Tuple[subprocess.Popen, str]:
         info = tmp / "lightning_scale_dashboard_bench-0.dist-info"
         info.mkdir()
         (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lightning-scale-dashboard-bench\nVersion: 0\n")
-        (info / "entry_points.txt").write_text("[tensorboard_plugins]\nscales = lightning_scale.dashboard.plugin:ScalesPlugin\n")
+        (info / "entry_points.txt").write_text(
+            "[tensorboard_plugins]\nscales = lightning_scale.dashboard.plugin:ScalesPlugin\n"
+        )
         paths.append(str(tmp))
     port = _port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
-    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", logdir, "--host", "127.0.0.1", "--port", str(port), "--load_fast=false"], env=env, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tensorboard.main",
+            "--logdir",
+            logdir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--load_fast=false",
+        ],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     for _ in range(240):
         try:
-            if json.load(urllib.request.urlopen(f"{url}/data/plugins_listing", timeout=5)).get("scales", {}).get("enabled"):
+            if (
+                json.load(urllib.request.urlopen(f"{url}/data/plugins_listing", timeout=5))
+                .get("scales", {})
+                .get("enabled")
+            ):
                 _wait_loaded(url)
                 return proc, url
         except OSError:
@@ -76,7 +97,11 @@ def _wait_loaded(url: str) -> None:
     while True:
         runs = json.load(urllib.request.urlopen(f"{url}/data/plugin/scales/runs", timeout=30))
         run = urllib.parse.quote(next(iter(runs), ""))
-        heat = json.load(urllib.request.urlopen(f"{url}/data/plugin/scales/heatmap?run={run}", timeout=60)) if runs else {"fwd": [], "bwd": []}
+        heat = (
+            json.load(urllib.request.urlopen(f"{url}/data/plugin/scales/heatmap?run={run}", timeout=60))
+            if runs
+            else {"fwd": [], "bwd": []}
+        )
         size = sum(v is not None for rows in (heat["fwd"], heat["bwd"]) for row in rows for v in row)
         if size and size == last:
             return
@@ -102,7 +127,10 @@ def time_views(url: str, browser: Any, shots: Optional[Path] = None, suffix: str
     page.goto(f"{url}/#scales")
     frame = _frame(page)
     frame.wait_for_selector("svg.profile g.node", timeout=120_000)
-    out: Dict[str, Any] = {"nodes": frame.eval_on_selector_all("svg.profile g.node", "g => g.length"), "profile": time.perf_counter() - t0}
+    out: Dict[str, Any] = {
+        "nodes": frame.eval_on_selector_all("svg.profile g.node", "g => g.length"),
+        "profile": time.perf_counter() - t0,
+    }
     _shot(page, shots, "profile", suffix)
     for view, sel in (("heatmap", "canvas.hm-canvas"), ("worst", "tr.worst-row"), ("code", "pre.code, p.note")):
         t1 = time.perf_counter()
@@ -111,8 +139,12 @@ def time_views(url: str, browser: Any, shots: Optional[Path] = None, suffix: str
         out[view] = time.perf_counter() - t1
         if view == "heatmap":
             out["heatmap_elements"] = frame.evaluate("document.querySelectorAll('*').length")
-            out["heatmap_fetches"] = frame.evaluate("performance.getEntriesByType('resource').filter((e) => e.name.includes('/heatmap?')).length")
-            out["heatmap_bytes"] = frame.evaluate("Math.max(0, ...performance.getEntriesByType('resource').filter((e) => e.name.includes('/heatmap?')).map((e) => e.decodedBodySize))")
+            out["heatmap_fetches"] = frame.evaluate(
+                "performance.getEntriesByType('resource').filter((e) => e.name.includes('/heatmap?')).length"
+            )
+            out["heatmap_bytes"] = frame.evaluate(
+                "Math.max(0, ...performance.getEntriesByType('resource').filter((e) => e.name.includes('/heatmap?')).map((e) => e.decodedBodySize))"
+            )
         if view == "heatmap" and shots:
             canvas = frame.locator("canvas.hm-canvas[data-dir=bwd]").first
             canvas.click(position={"x": canvas.bounding_box()["width"] - 3, "y": 20})
@@ -124,7 +156,9 @@ def time_views(url: str, browser: Any, shots: Optional[Path] = None, suffix: str
     return out
 
 
-def time_custom_scalars(url: str, browser: Any, timeout_s: float = 120.0, shots: Optional[Path] = None) -> Dict[str, Any]:
+def time_custom_scalars(
+    url: str, browser: Any, timeout_s: float = 120.0, shots: Optional[Path] = None
+) -> Dict[str, Any]:
     """Seconds from navigation to CUSTOM SCALARS' first chart with a line (None: not within ``timeout_s``)."""
     layout = json.load(urllib.request.urlopen(f"{url}/data/plugin/custom_scalars/layout", timeout=30))
     charts = sum(len(c.get("chart", [])) for c in layout.get("category", []))
@@ -150,7 +184,7 @@ def _shot(page: Any, folder: Optional[Path], view: str, suffix: str) -> None:
 
 
 def write_gpt_logs(layers: int, root: Path) -> Path:
-    """The demo GPT with ``layers`` narrow layers, 3 steps, every step tracked (``tests/_dashboard_logs.py``)."""
+    """The demo GPT with ``layers`` narrow layers, 3 steps, every step tracked (``tests/dashboard/_dashboard_logs.py``)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from _dashboard_logs import write_gpt_logs as write
 
@@ -160,7 +194,9 @@ def write_gpt_logs(layers: int, root: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--logdir", default=None)
-    parser.add_argument("--gpt-layers", type=int, nargs="*", default=None, help="write demo-GPT logs of these depths and time each")
+    parser.add_argument(
+        "--gpt-layers", type=int, nargs="*", default=None, help="write demo-GPT logs of these depths and time each"
+    )
     parser.add_argument("--screenshots", default=None, help="folder for scales_<view>.png (of the first log timed)")
     parser.add_argument("--custom-timeout", type=float, default=120.0)
     args = parser.parse_args()
@@ -173,9 +209,13 @@ def main() -> None:
         proc, url = serve(logdir)
         try:
             with sync_playwright() as p:
-                browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+                browser = p.chromium.launch(
+                    executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+                )
                 views = time_views(url, browser, Path(args.screenshots) if args.screenshots and k == 0 else None)
-                custom = time_custom_scalars(url, browser, args.custom_timeout, Path(args.screenshots) if args.screenshots and k == 0 else None)
+                custom = time_custom_scalars(
+                    url, browser, args.custom_timeout, Path(args.screenshots) if args.screenshots and k == 0 else None
+                )
                 browser.close()
         finally:
             proc.terminate()

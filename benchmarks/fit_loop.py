@@ -142,17 +142,24 @@ def _fit(size: Size, steps: int, monitor: Optional[Any], root: str) -> Any:
     if monitor is not None:
         timer.watch(monitor)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, logger=TensorBoardLogger(root),
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=TensorBoardLogger(root),
         callbacks=[timer] + ([monitor] if monitor is not None else []),
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     watch = Stopwatch()
     trainer.fit(module, data)
     timer.total = watch.lap()
     return timer
 
 
-def measure(size: Size, rounds: int = 5, steps: int = 30, skip: int = 5, budget_s: Optional[float] = None) -> Tuple[Dict[str, List[Samples]], List[float]]:
+def measure(
+    size: Size, rounds: int = 5, steps: int = 30, skip: int = 5, budget_s: Optional[float] = None
+) -> Tuple[Dict[str, List[Samples]], List[float]]:
     """Kept step periods of each fit, by round, for "fit" (plain) and "fit_monitor"; and
     the wall time spent in ``ScaleMonitor``'s hooks in each kept monitored step.
 
@@ -174,9 +181,19 @@ def measure(size: Size, rounds: int = 5, steps: int = 30, skip: int = 5, budget_
 
 #: Kinds of kept step in ``TrackedFits.steps``.
 TRACKED_KINDS = (
-    "plain", "untracked", "tracked", "after_tracked", "tracked_figure", "after_figure", "tracked_all", "after_all",
-    "tracked_fp8", "after_fp8", "tracked_torch", "after_torch",
-)  # fmt: skip
+    "plain",
+    "untracked",
+    "tracked",
+    "after_tracked",
+    "tracked_figure",
+    "after_figure",
+    "tracked_all",
+    "after_all",
+    "tracked_fp8",
+    "after_fp8",
+    "tracked_torch",
+    "after_torch",
+)
 
 
 @dataclass
@@ -234,13 +251,17 @@ def measure_tracked(
                 ("fit", whole_steps, lambda: None),
                 ("fit_default", whole_steps, lambda: ScaleMonitor()),
                 ("fit_tracked", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, figure=False)),
-                ("fit_tracked_figure", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, figure=True, figure_every=figure_every)),
+                (
+                    "fit_tracked_figure",
+                    steps,
+                    lambda: ScaleMonitor(every_n_steps=every_n_steps, figure=True, figure_every=figure_every),
+                ),
                 ("fit_tracked_all", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, statistics=EVERY_GROUP)),
                 ("fit_tracked_fp8", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, statistics=WITH_FP8)),
                 # std as fit_tracked, with torch's kernels instead of the native one-read kernel
                 ("fit_tracked_torch", steps, lambda: ScaleMonitor(every_n_steps=every_n_steps, figure=False)),
             ]
-            for name, n, make in jobs[r % len(jobs):] + jobs[: r % len(jobs)]:  # no place bias
+            for name, n, make in jobs[r % len(jobs) :] + jobs[: r % len(jobs)]:  # no place bias
                 gc.collect()
                 monitor = make()
                 with native.switched_off() if name == "fit_tracked_torch" else contextlib.nullcontext():
@@ -254,7 +275,7 @@ def measure_tracked(
                     out.steps_by_kind["plain"].wall.extend(kept.wall)
                     out.steps_by_kind["plain"].cpu.extend(kept.cpu)
                 elif name.startswith("fit_tracked"):
-                    _sort_steps(out, timer, monitor, group=name[len("fit_"):])
+                    _sort_steps(out, timer, monitor, group=name[len("fit_") :])
             out.rounds = r + 1
     out.seconds = time.perf_counter() - start
     return out
@@ -278,7 +299,7 @@ def _sort_steps(out: TrackedFits, timer: Any, monitor: Any, group: str) -> None:
             kind = group if group != "tracked_figure" or figure else None
             tracked_before += 1
         elif previous is not None and previous.startswith("tracked"):
-            kind = "after" + previous[len("tracked"):] if previous != "tracked" else "after_tracked"
+            kind = "after" + previous[len("tracked") :] if previous != "tracked" else "after_tracked"
         else:
             kind = "untracked" if group == "tracked" and previous is not None else None
         previous = kind
@@ -292,11 +313,27 @@ def _sort_steps(out: TrackedFits, timer: Any, monitor: Any, group: str) -> None:
 #: Where the time of a tracked step goes: (row, function, file suffix) read from cProfile.
 PROFILE_PARTS = (
     ("recording in the forward (`observe`, its statistics included)", "observe", "lightning_scale/record/recorder.py"),
-    ("recording gradients (`Recorder._on_grad`, its statistics included)", "_on_grad", "lightning_scale/record/recorder.py"),
-    ("of which the statistics one tensor at a time, native kernel's short path (`stats.fast_host_record`), both directions", "record", "lightning_scale/record/stats/host.py"),
-    ("of which the statistics one tensor at a time, general path (`stats.record_of`), both directions", "record_of", "lightning_scale/record/stats/__init__.py"),
+    (
+        "recording gradients (`Recorder._on_grad`, its statistics included)",
+        "_on_grad",
+        "lightning_scale/record/recorder.py",
+    ),
+    (
+        "of which the statistics one tensor at a time, native kernel's short path (`stats.fast_host_record`), both directions",
+        "record",
+        "lightning_scale/record/stats/host.py",
+    ),
+    (
+        "of which the statistics one tensor at a time, general path (`stats.record_of`), both directions",
+        "record_of",
+        "lightning_scale/record/stats/__init__.py",
+    ),
     ("assembling the records (`Recorder.records`)", "records", "lightning_scale/record/recorder.py"),
-    ("of which the short tensors' statistics, all at once (`ShortRecords.flush`)", "flush", "lightning_scale/record/short_records.py"),
+    (
+        "of which the short tensors' statistics, all at once (`ShortRecords.flush`)",
+        "flush",
+        "lightning_scale/record/short_records.py",
+    ),
     ("pooling, the one transfer (`pool.pool_step`)", "pool_step", "lightning_scale/report/pool.py"),
     ("checks and queueing on the training thread (`Reporter.report`)", "report", "lightning_scale/report/reporting.py"),
     ("end of step in total (`ScaleMonitor._finish`)", "_finish", "lightning_scale/callback.py"),

@@ -1,6 +1,6 @@
 """Bytes per element the device path allocates for the ``formats`` group (issue 10: <= 20).
 
-The same measurement as ``tests/test_stats_property.py``'s
+The same measurement as ``tests/record/test_stats_property.py``'s
 ``test_format_counts_need_at_most_20_bytes_per_element``: ``torch.profiler`` with
 ``profile_memory`` around ``stats._format_counts_device`` on a float32 tensor of 2**20
 standard-normal elements, on CPU (the device path runs there with the same ops); every

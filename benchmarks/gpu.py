@@ -212,15 +212,19 @@ def table(size: Size, device: str, rows: List[Dict[str, Any]]) -> str:
         mem = f"{r['memory']:.3f}x (<= {MEMORY_TARGET})" if "memory" in r else "-"
         kern = f"{r['kernels']:.1f}" if "kernels" in r else "-"
         sync = ("none" if not r["sync"] else "SYNC: " + r["sync"]) if "sync" in r else "-"
-        lines.append(f"| {r['statistics']} | {r['kernel']} | {r['records']} | {r['plain_ms']:.1f} | {r['tracked_ms']:.1f} | "
-                     f"{r['ratio']:.3f}x (<= {TARGETS[r['statistics']]}) | {mem} | {kern} | {sync} |")  # fmt: skip
+        lines.append(
+            f"| {r['statistics']} | {r['kernel']} | {r['records']} | {r['plain_ms']:.1f} | {r['tracked_ms']:.1f} | "
+            f"{r['ratio']:.3f}x (<= {TARGETS[r['statistics']]}) | {mem} | {kern} | {sync} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, torch's kernels, no memory/profiler/sync checks")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny model on CPU, torch's kernels, no memory/profiler/sync checks"
+    )
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print(f"benchmarks/gpu.py: skipped: no CUDA device (torch {torch.__version__}).")

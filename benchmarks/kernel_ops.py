@@ -29,10 +29,30 @@ from typing import Any, Dict, List
 
 import workload  # noqa: F401 - puts the checkout's package on sys.path
 
-GROUPS = {"std (moments)": ("moments",), "every group": ("moments", "range", "formats"), "std + fp8": ("moments", "fp8")}
+GROUPS = {
+    "std (moments)": ("moments",),
+    "every group": ("moments", "range", "formats"),
+    "std + fp8": ("moments", "fp8"),
+}
 KERNELS = ("triton", "torch")
 NUMEL = 1 << 20
-_NO_KERNEL = {"empty", "slice", "select", "view", "permute", "detach", "alias", "as_strided", "unbind", "t", "transpose", "expand", "_reshape_alias", "unsqueeze", "squeeze"}
+_NO_KERNEL = {
+    "empty",
+    "slice",
+    "select",
+    "view",
+    "permute",
+    "detach",
+    "alias",
+    "as_strided",
+    "unbind",
+    "t",
+    "transpose",
+    "expand",
+    "_reshape_alias",
+    "unsqueeze",
+    "squeeze",
+}
 
 
 def _count(groups: tuple, kernel: str, dtype: str) -> Dict[str, float]:
@@ -63,7 +83,13 @@ def _count(groups: tuple, kernel: str, dtype: str) -> Dict[str, float]:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         Recorder(groups, host_reads=False).observe("y", y)
     allocated = sum(e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0)
-    return {"ops": ops_n, "torch_kernels": kernels_n, "full": full_n, "launches": launches[0], "bytes": allocated / NUMEL}
+    return {
+        "ops": ops_n,
+        "torch_kernels": kernels_n,
+        "full": full_n,
+        "launches": launches[0],
+        "bytes": allocated / NUMEL,
+    }
 
 
 def launches_of(module: Any, name: str, counter: List[int]) -> None:
@@ -79,14 +105,21 @@ def launches_of(module: Any, name: str, counter: List[int]) -> None:
 
 
 def _child() -> None:
-    out = {f"{label}|{kernel}|{dtype}": _count(groups, kernel, dtype) for label, groups in GROUPS.items() for kernel in KERNELS for dtype in ("float32", "bfloat16")}
+    out = {
+        f"{label}|{kernel}|{dtype}": _count(groups, kernel, dtype)
+        for label, groups in GROUPS.items()
+        for kernel in KERNELS
+        for dtype in ("float32", "bfloat16")
+    }
     print(json.dumps(out))
 
 
 def measure() -> Dict[str, Dict[str, float]]:
     """{"group|kernel|dtype": counts}, from a subprocess with Triton's interpreter on."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "LIGHTNING_SCALE_HOST_READS": "0"}
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child"], env=env, capture_output=True, text=True, timeout=900
+    )
     if done.returncode != 0:
         raise RuntimeError(f"kernel_ops failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -99,22 +132,26 @@ def table(res: Dict[str, Dict[str, float]]) -> str:
     ]
     for key, r in res.items():
         label, kernel, dtype = key.split("|")
-        lines.append(f"| {label} | {kernel} | {dtype} | {r['ops']} | {r['torch_kernels']} | {r['full']} | {r['launches']} | {r['bytes']:.2f} |")
+        lines.append(
+            f"| {label} | {kernel} | {dtype} | {r['ops']} | {r['torch_kernels']} | {r['full']} | {r['launches']} | {r['bytes']:.2f} |"
+        )
     return "\n".join(lines)
 
 
 def section(res: Dict[str, Dict[str, float]]) -> str:
-    return "\n".join([
-        "## Accelerator path: cost of one record, per kernel",
-        "",
-        f"One `Recorder(groups, host_reads=False)` record of a {NUMEL:,}-element tensor on the CPU (`LIGHTNING_SCALE_HOST_READS=0`: "
-        "the ops a GPU runs), `LIGHTNING_SCALE_KERNEL=triton` (the fused kernel under Triton's interpreter: the same launches) "
-        "or `torch`. Aten ops counted by a dispatch mode outside the Triton launches; full-size ops: outputs of the tensor's "
-        "size that are not views; bytes: every allocation under `torch.profiler(profile_memory=True)`, hidden copies included "
-        "(`benchmarks/kernel_ops.py`).",
-        "",
-        table(res),
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "## Accelerator path: cost of one record, per kernel",
+            "",
+            f"One `Recorder(groups, host_reads=False)` record of a {NUMEL:,}-element tensor on the CPU (`LIGHTNING_SCALE_HOST_READS=0`: "
+            "the ops a GPU runs), `LIGHTNING_SCALE_KERNEL=triton` (the fused kernel under Triton's interpreter: the same launches) "
+            "or `torch`. Aten ops counted by a dispatch mode outside the Triton launches; full-size ops: outputs of the tensor's "
+            "size that are not views; bytes: every allocation under `torch.profiler(profile_memory=True)`, hidden copies included "
+            "(`benchmarks/kernel_ops.py`).",
+            "",
+            table(res),
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -34,9 +34,19 @@ def run(world: int, nodes: int) -> List[Dict[str, Any]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "MALLOC_MMAP_THRESHOLD_": "131072",
+        "OMP_NUM_THREADS": "1",
+    }
     with tempfile.TemporaryDirectory() as out:
-        procs = [subprocess.Popen([sys.executable, str(SCRIPT), out, str(r), str(world), str(nodes)], env=env) for r in range(world)]
+        procs = [
+            subprocess.Popen([sys.executable, str(SCRIPT), out, str(r), str(world), str(nodes)], env=env)
+            for r in range(world)
+        ]
         if any(p.wait(timeout=600) for p in procs):
             raise SystemExit(f"a rank failed at world {world}")
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]
@@ -53,7 +63,9 @@ def main(nodes: int) -> None:
         names = ", ".join(f"{name} {op}" for name, op, _ in calls)
         total = sum(size for _, _, size in calls)
         peak = max(r["peak_rss_added"] for r in ranks)
-        print(f"| {world} | {len(calls)}: {names} | {total:,} | {peak / 2**20:.1f} MiB | {ranks[0]['peak_rss_added'] / 2**20:.1f} MiB | {ranks[0]['seconds'] * 1e3:.0f} ms |")
+        print(
+            f"| {world} | {len(calls)}: {names} | {total:,} | {peak / 2**20:.1f} MiB | {ranks[0]['peak_rss_added'] / 2**20:.1f} MiB | {ranks[0]['seconds'] * 1e3:.0f} ms |"
+        )
 
 
 if __name__ == "__main__":

@@ -92,7 +92,9 @@ def _first_tracked_step(task: nn.Module, ids: Tensor, probe: bool) -> Tuple[floa
         other = "fx" if cap.mode == "dynamo" else "dynamo"
         t0 = time.perf_counter()
         first = cap
-        outcome = fidelity.verify(task, task.forward, [(first.mode, lambda: first), (other, lambda: capture(task, other))], (ids,), {})
+        outcome = fidelity.verify(
+            task, task.forward, [(first.mode, lambda: first), (other, lambda: capture(task, other))], (ids,), {}
+        )
         probe_s = time.perf_counter() - t0
         assert outcome.capture is not None, outcome.describe()
         cap = outcome.capture
@@ -126,7 +128,7 @@ def measure(name: str, make: Callable[[], Tuple[nn.Module, Tensor]], repeats: in
     probes: List[float] = []
     mode = ""
     for i in range(repeats):
-        for probe in ((False, True) if i % 2 == 0 else (True, False)):
+        for probe in (False, True) if i % 2 == 0 else (True, False):
             total, probe_s, mode = _first_tracked_step(task, ids, probe)
             (with_probe if probe else without).append(total)
             if probe:

@@ -14,7 +14,13 @@ from workload import MAIN, Size
 
 #: The targets; each is (description, limit) and holds when the measured ratio/time <= limit.
 UNTRACKED = "untracked"  # the row measured in a Trainer fit loop, not in the rounds
-TRACKED_FIT = {"fit_tracked": "tracked", "fit_tracked_all": "tracked_all", "fit_tracked_figure": "tracked_figure", "fit_tracked_fp8": "tracked_fp8", "fit_tracked_torch": "tracked_torch"}  # rows from `measure_tracked`
+TRACKED_FIT = {
+    "fit_tracked": "tracked",
+    "fit_tracked_all": "tracked_all",
+    "fit_tracked_figure": "tracked_figure",
+    "fit_tracked_fp8": "tracked_fp8",
+    "fit_tracked_torch": "tracked_torch",
+}  # rows from `measure_tracked`
 TRACKED_MAX, UNTRACKED_MAX, MEMORY_MAX, FX_CAPTURE_MAX_S = 1.20, 1.01, 1.05, 1.0
 #: Issue 10's goals for a tracked step inside a real Trainer, everything the callback does
 #: included: with std only, and with every statistic group.
@@ -121,50 +127,84 @@ def targets(res: Results) -> List[str]:
     rows = ["## Targets", "", "| target | measured | holds |", "|---|---|---|"]
     if MAIN in res.steps:
         r, w = ratio(res, MAIN, "tracked"), ratio(res, MAIN, "tracked", "wall")
-        others = ", ".join(f"{ratio(res, s, 'tracked'):.2f}x at {s.name}" for s in res.sizes if s != MAIN and s in res.steps)
-        rows.append(f"| tracked step <= {TRACKED_MAX}x plain ({MAIN.name}, fx fast path, moments) | "
-                    f"CPU {r:.3f}x, wall {w:.3f}x (CPU {others}) | {_yes(r <= TRACKED_MAX)} |")  # fmt: skip
+        others = ", ".join(
+            f"{ratio(res, s, 'tracked'):.2f}x at {s.name}" for s in res.sizes if s != MAIN and s in res.steps
+        )
+        rows.append(
+            f"| tracked step <= {TRACKED_MAX}x plain ({MAIN.name}, fx fast path, moments) | "
+            f"CPU {r:.3f}x, wall {w:.3f}x (CPU {others}) | {_yes(r <= TRACKED_MAX)} |"
+        )
     if res.tracked is not None:
         noise = between_noise_floor([r.cpu for r in res.tracked.plain_by_round])
         for kind, limit, what in (("tracked", TRAINER_STD_MAX, "std"), ("tracked_all", TRAINER_ALL_MAX, EVERY_GROUP)):
             c, w = tracked_ratio(res.tracked, kind), tracked_ratio(res.tracked, kind, clock="wall")
-            edge = f"; within this run's A/A noise floor ({noise:.3f}) of the limit: not resolved" if abs(c - limit) <= noise * c else ""
-            rows.append(f"| issue 10: tracked step in a Trainer fit <= {limit}x a plain fit step ({what}, all the callback does) | "
-                        f"CPU {c:.3f}x, wall {w:.3f}x{edge} | {_verdict(c <= limit, f'{c:.2f}x')} |")  # fmt: skip
-        after = ", ".join(f"{what}: CPU {tracked_ratio(res.tracked, kind):.3f}x, wall {tracked_ratio(res.tracked, kind, clock='wall'):.3f}x"
-                          for kind, what in (("after_tracked", "after std"), ("after_all", "after every group"), ("after_fp8", "after fp8")))  # fmt: skip
-        rows.append(f"| issue 10: the untracked step right after a tracked one (it pays the writer thread), reported (no number set) | {after} | n/a |")
+            edge = (
+                f"; within this run's A/A noise floor ({noise:.3f}) of the limit: not resolved"
+                if abs(c - limit) <= noise * c
+                else ""
+            )
+            rows.append(
+                f"| issue 10: tracked step in a Trainer fit <= {limit}x a plain fit step ({what}, all the callback does) | "
+                f"CPU {c:.3f}x, wall {w:.3f}x{edge} | {_verdict(c <= limit, f'{c:.2f}x')} |"
+            )
+        after = ", ".join(
+            f"{what}: CPU {tracked_ratio(res.tracked, kind):.3f}x, wall {tracked_ratio(res.tracked, kind, clock='wall'):.3f}x"
+            for kind, what in (
+                ("after_tracked", "after std"),
+                ("after_all", "after every group"),
+                ("after_fp8", "after fp8"),
+            )
+        )
+        rows.append(
+            f"| issue 10: the untracked step right after a tracked one (it pays the writer thread), reported (no number set) | {after} | n/a |"
+        )
         c, w = tracked_ratio(res.tracked, "tracked_fp8"), tracked_ratio(res.tracked, "tracked_fp8", clock="wall")
-        rows.append(f"| issue 10: tracked step with std and the opt-in `fp8` what-if group, reported apart (no goal) | CPU {c:.3f}x, wall {w:.3f}x | n/a |")
+        rows.append(
+            f"| issue 10: tracked step with std and the opt-in `fp8` what-if group, reported apart (no goal) | CPU {c:.3f}x, wall {w:.3f}x | n/a |"
+        )
         c, w = tracked_ratio(res.tracked, "tracked_torch"), tracked_ratio(res.tracked, "tracked_torch", clock="wall")
-        rows.append(f"| issue 10: tracked step with std, torch's kernels instead of the native one-read kernel (no compiler, or `LIGHTNING_SCALE_NATIVE=0`), reported beside the goal | CPU {c:.3f}x, wall {w:.3f}x | {'within' if c <= TRAINER_STD_MAX else 'above'} {TRAINER_STD_MAX}x |")
+        rows.append(
+            f"| issue 10: tracked step with std, torch's kernels instead of the native one-read kernel (no compiler, or `LIGHTNING_SCALE_NATIVE=0`), reported beside the goal | CPU {c:.3f}x, wall {w:.3f}x | {'within' if c <= TRAINER_STD_MAX else 'above'} {TRAINER_STD_MAX}x |"
+        )
     else:
-        rows.append(f"| issue 10: tracked steps in a Trainer fit <= {TRAINER_STD_MAX}x (std), <= {TRAINER_ALL_MAX}x (every group) | not measured: {res.tracked_missing} | n/a |")
+        rows.append(
+            f"| issue 10: tracked steps in a Trainer fit <= {TRAINER_STD_MAX}x (std), <= {TRAINER_ALL_MAX}x (every group) | not measured: {res.tracked_missing} | n/a |"
+        )
     if res.format_bytes is not None:
         b = res.format_bytes
-        rows.append(f"| issue 10: format counts on the device path <= {FORMAT_BYTES_MAX:.0f} bytes/element | "
-                    f"{b:.1f} bytes/element allocated on CPU (`benchmarks/format_bytes.py`, as `tests/test_stats_property.py`; "
-                    f"on a GPU `histc` adds a 4-byte float32 copy of the bucket indices: {b + 4:.0f}, judged) | {_verdict(b + 4 <= FORMAT_BYTES_MAX, f'{b + 4:.0f}')} |")  # fmt: skip
+        rows.append(
+            f"| issue 10: format counts on the device path <= {FORMAT_BYTES_MAX:.0f} bytes/element | "
+            f"{b:.1f} bytes/element allocated on CPU (`benchmarks/format_bytes.py`, as `tests/record/test_stats_property.py`; "
+            f"on a GPU `histc` adds a 4-byte float32 copy of the bucket indices: {b + 4:.0f}, judged) | {_verdict(b + 4 <= FORMAT_BYTES_MAX, f'{b + 4:.0f}')} |"
+        )
     if res.fit is not None:
         u, w = fit_ratio(res), fit_ratio(res, "wall")
         h = 1 + res.fit_hooks / res.fit["wall"]["fit"].median
-        rows.append(f"| issue 10: untracked step with the callback <= {UNTRACKED_MAX}x plain (Trainer fit, {MAIN.name}) | "
-                    f"CPU {u:.3f}x, wall {w:.3f}x step to step (A/A noise floor CPU {res.fit_noise.get(JUDGE, float('nan')):.3f}); "
-                    f"the callback's hooks alone: {res.fit_hooks * 1e6:.0f} us/step = {h:.4f}x | {_untracked_verdict(res, u, h)} |")  # fmt: skip
+        rows.append(
+            f"| issue 10: untracked step with the callback <= {UNTRACKED_MAX}x plain (Trainer fit, {MAIN.name}) | "
+            f"CPU {u:.3f}x, wall {w:.3f}x step to step (A/A noise floor CPU {res.fit_noise.get(JUDGE, float('nan')):.3f}); "
+            f"the callback's hooks alone: {res.fit_hooks * 1e6:.0f} us/step = {h:.4f}x | {_untracked_verdict(res, u, h)} |"
+        )
     else:
-        rows.append(f"| untracked step with the callback <= {UNTRACKED_MAX}x plain | TODO, not measured: {res.fit_missing} | n/a |")
+        rows.append(
+            f"| untracked step with the callback <= {UNTRACKED_MAX}x plain | TODO, not measured: {res.fit_missing} | n/a |"
+        )
     rows.append(_anomaly_target(res))
     if MAIN in res.memory:
         s, t, p = (memory_ratio(res, MAIN, k) for k in ("steps_kb", "training_kb", "process_kb"))
         cap = statistics.median(r["capture_kb"] for r in res.memory[MAIN]["tracked"]) / 1024
-        rows.append(f"| peak memory of tracked steps <= {MEMORY_MAX}x plain ({MAIN.name}) | "
-                    f"{s:.3f}x of the steps' memory, {p:.3f}x of the whole process; with the capture's fixed {cap:.1f} MB "
-                    f"(graphs and generated code, built once at fit start, none on an accelerator) counted as training memory: {t:.3f}x "
-                    f"| {_yes(max(s, p) <= MEMORY_MAX)} |")  # fmt: skip
+        rows.append(
+            f"| peak memory of tracked steps <= {MEMORY_MAX}x plain ({MAIN.name}) | "
+            f"{s:.3f}x of the steps' memory, {p:.3f}x of the whole process; with the capture's fixed {cap:.1f} MB "
+            f"(graphs and generated code, built once at fit start, none on an accelerator) counted as training memory: {t:.3f}x "
+            f"| {_yes(max(s, p) <= MEMORY_MAX)} |"
+        )
     if res.capture is not None:
         c = res.capture
-        rows.append(f"| fx capture < {FX_CAPTURE_MAX_S:.0f} s for a 12-layer GPT (d=128) | "
-                    f"{c.fx_median:.3f} s (wall) | {_yes(c.fx_median < FX_CAPTURE_MAX_S)} |")  # fmt: skip
+        rows.append(
+            f"| fx capture < {FX_CAPTURE_MAX_S:.0f} s for a 12-layer GPT (d=128) | "
+            f"{c.fx_median:.3f} s (wall) | {_yes(c.fx_median < FX_CAPTURE_MAX_S)} |"
+        )
     return rows + [""]
 
 
@@ -183,8 +223,10 @@ def _anomaly_target(res: Results) -> str:
     if a is None:
         return f"| {what} | not measured: {res.anomaly_missing} | n/a |"
     u, w, h, n = a.ratio("on"), a.ratio("on", "wall"), a.hook_ratio("on"), a.noise()
-    return (f"| {what} | CPU {u:.3f}x, wall {w:.3f}x step to step (A/A noise floor CPU {n:.3f}); the callback's hooks alone: "
-            f"{statistics.median(a.hooks['on']) * 1e6:.0f} us/step = {h:.4f}x | {_untracked_verdict(res, u, h, n)} |")  # fmt: skip
+    return (
+        f"| {what} | CPU {u:.3f}x, wall {w:.3f}x step to step (A/A noise floor CPU {n:.3f}); the callback's hooks alone: "
+        f"{statistics.median(a.hooks['on']) * 1e6:.0f} us/step = {h:.4f}x | {_untracked_verdict(res, u, h, n)} |"
+    )
 
 
 def anomaly_table(res: Results) -> List[str]:
@@ -203,11 +245,23 @@ def anomaly_table(res: Results) -> List[str]:
         "| fit | CPU median ms | x plain | wall median ms | x plain | hooks, us/step | 1 + hooks / plain step | steps |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for name, label in (("plain", "plain fit"), ("off", "ScaleMonitor, both off"), ("on", "ScaleMonitor, anomaly_steps=8, update_ratios=True")):
+    for name, label in (
+        ("plain", "plain fit"),
+        ("off", "ScaleMonitor, both off"),
+        ("on", "ScaleMonitor, anomaly_steps=8, update_ratios=True"),
+    ):
         c, w = statistics.median(a.periods[name].cpu), statistics.median(a.periods[name].wall)
-        hooks = f"{statistics.median(a.hooks[name]) * 1e6:.0f} | {a.hook_ratio(name):.4f}x" if name in a.hooks else "- | -"
-        rows.append(f"| {label} | {_ms(c)} | {a.ratio(name):.3f}x | {_ms(w)} | {a.ratio(name, 'wall'):.3f}x | {hooks} | {len(a.periods[name].cpu)} |")
-    return rows + ["", f"A/A noise floor of the plain step, between rounds: CPU {a.noise():.3f}, wall {a.noise('wall'):.3f}.", ""]
+        hooks = (
+            f"{statistics.median(a.hooks[name]) * 1e6:.0f} | {a.hook_ratio(name):.4f}x" if name in a.hooks else "- | -"
+        )
+        rows.append(
+            f"| {label} | {_ms(c)} | {a.ratio(name):.3f}x | {_ms(w)} | {a.ratio(name, 'wall'):.3f}x | {hooks} | {len(a.periods[name].cpu)} |"
+        )
+    return rows + [
+        "",
+        f"A/A noise floor of the plain step, between rounds: CPU {a.noise():.3f}, wall {a.noise('wall'):.3f}.",
+        "",
+    ]
 
 
 def step_table(res: Results, clock: str) -> List[str]:
@@ -226,10 +280,15 @@ def step_table(res: Results, clock: str) -> List[str]:
         elif variant in res.missing:
             rows.append(f"| {label} | " + " | ".join("not measured" for _ in sizes) + " |")
         else:
-            cells = [f"{_ms(res.steps[s][clock][variant].median)} ms, {ratio(res, s, variant, clock):.2f}x" for s in sizes]
+            cells = [
+                f"{_ms(res.steps[s][clock][variant].median)} ms, {ratio(res, s, variant, clock):.2f}x" for s in sizes
+            ]
             rows.append(f"| {label} | " + " | ".join(cells) + " |")
-    rows.append("| *rounds; A/A noise floor of the plain step* | "
-                + " | ".join(f"{res.rounds[s]}; {res.noise[s][clock]:.3f}" for s in sizes) + " |")  # fmt: skip
+    rows.append(
+        "| *rounds; A/A noise floor of the plain step* | "
+        + " | ".join(f"{res.rounds[s]}; {res.noise[s][clock]:.3f}" for s in sizes)
+        + " |"
+    )
     return rows + [""]
 
 
@@ -239,12 +298,16 @@ def step_notes(res: Results) -> List[str]:
         rows.append(f"- {res.labels[UNTRACKED]}: **TODO, not measured**: {res.fit_missing}.")
     if res.tracked is None:
         rows.append(f"- tracked steps in a Trainer fit: **not measured**: {res.tracked_missing}.")
-    rows.append("- A/A noise floor: |1 - median of the plain step's odd rounds / median of its even rounds|; "
-                "ratios closer to 1 than this are not resolved by this run.")  # fmt: skip
-    rows.append(f"- The untracked row comes from a real Trainer fit loop at {MAIN.name} (see 'Untracked steps in a Trainer fit loop'), "
-                "so its ratio is to a plain Trainer fit step, not to the plain step above; "
-                "so are the two rows of tracked steps in a Trainer fit (see 'Tracked steps in a Trainer fit loop'), "
-                "which include everything `ScaleMonitor` does at the end of a tracked step.")  # fmt: skip
+    rows.append(
+        "- A/A noise floor: |1 - median of the plain step's odd rounds / median of its even rounds|; "
+        "ratios closer to 1 than this are not resolved by this run."
+    )
+    rows.append(
+        f"- The untracked row comes from a real Trainer fit loop at {MAIN.name} (see 'Untracked steps in a Trainer fit loop'), "
+        "so its ratio is to a plain Trainer fit step, not to the plain step above; "
+        "so are the two rows of tracked steps in a Trainer fit (see 'Tracked steps in a Trainer fit loop'), "
+        "which include everything `ScaleMonitor` does at the end of a tracked step."
+    )
     return rows + [""]
 
 
@@ -284,13 +347,18 @@ def _untracked_row(res: Results, sizes: Sequence[Size], clock: str) -> str:
 
 
 def detail_table(res: Results, size: Size) -> List[str]:
-    rows = [f"Quartiles at {size.name}, CPU time / wall time (ms):", "",
-            "| variant | median | p25 | p75 | wall median | wall p25 | wall p75 | steps |",
-            "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        f"Quartiles at {size.name}, CPU time / wall time (ms):",
+        "",
+        "| variant | median | p25 | p75 | wall median | wall p25 | wall p75 | steps |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for variant, c in res.steps[size]["cpu"].items():
         w = res.steps[size]["wall"][variant]
-        rows.append(f"| {res.labels[variant]} | {_ms(c.median)} | {_ms(c.p25)} | {_ms(c.p75)} | "
-                    f"{_ms(w.median)} | {_ms(w.p25)} | {_ms(w.p75)} | {c.n} |")  # fmt: skip
+        rows.append(
+            f"| {res.labels[variant]} | {_ms(c.median)} | {_ms(c.p25)} | {_ms(c.p75)} | "
+            f"{_ms(w.median)} | {_ms(w.p25)} | {_ms(w.p75)} | {c.n} |"
+        )
     return rows + [""]
 
 
@@ -310,7 +378,9 @@ def fit_table(res: Results) -> List[str]:
     for name, label in (("fit", "plain fit"), ("fit_monitor", "fit + ScaleMonitor (untracked steps)")):
         c, w = res.fit["cpu"][name], res.fit["wall"][name]
         rc, rw = c.median / res.fit["cpu"]["fit"].median, w.median / res.fit["wall"]["fit"].median
-        rows.append(f"| {label} | {_ms(c.median)} | {_ms(c.p25)} | {_ms(c.p75)} | {rc:.3f}x | {_ms(w.median)} | {rw:.3f}x | {c.n} |")
+        rows.append(
+            f"| {label} | {_ms(c.median)} | {_ms(c.p25)} | {_ms(c.p75)} | {rc:.3f}x | {_ms(w.median)} | {rw:.3f}x | {c.n} |"
+        )
     return rows + [
         "",
         f"A/A noise floor, between fits: |1 - median of the plain fits of odd rounds / median of those of even rounds| = "
@@ -360,8 +430,10 @@ def tracked_table(res: Results) -> List[str]:
     for kind, label in TRACKED_ROWS:
         c, w = _kind(t, kind), _kind(t, kind, "wall")
         hooks = f"{statistics.median(t.hooks[kind]) * 1e3:.2f}" if kind in t.hooks else "-"
-        rows.append(f"| {label} | {_ms(c.median)} | {_ms(c.p25)} | {_ms(c.p75)} | {tracked_ratio(t, kind):.2f}x | "
-                    f"{tracked_ratio(t, kind, 'untracked'):.2f}x | {_ms(w.median)} | {tracked_ratio(t, kind, clock='wall'):.2f}x | {hooks} | {c.n} |")  # fmt: skip
+        rows.append(
+            f"| {label} | {_ms(c.median)} | {_ms(c.p25)} | {_ms(c.p75)} | {tracked_ratio(t, kind):.2f}x | "
+            f"{tracked_ratio(t, kind, 'untracked'):.2f}x | {_ms(w.median)} | {tracked_ratio(t, kind, clock='wall'):.2f}x | {hooks} | {c.n} |"
+        )
     plain = _kind(t, "plain").median
     extra = {k: _kind(t, k).median - plain for k in ("tracked", "after_tracked", "tracked_figure", "after_figure")}
     noise = between_noise_floor([r.cpu for r in t.plain_by_round])
@@ -385,7 +457,9 @@ def profile_table(res: Results) -> List[str]:
     rows = ["## Where a tracked step's time goes", ""]
     if not res.profiles:
         return rows + ["**Not measured.**", ""]
-    heads = " | ".join(f"{', '.join(p.statistics) if len(p.statistics) < 3 else 'every group'} ms/step" for p in res.profiles)
+    heads = " | ".join(
+        f"{', '.join(p.statistics) if len(p.statistics) < 3 else 'every group'} ms/step" for p in res.profiles
+    )
     rows += [
         f"cProfile on the main thread over a {MAIN.name} Trainer fit tracking every step (cumulative time per tracked "
         "step; the profiler inflates Python-heavy parts, so read the shares, not the totals). The writer row is the "
@@ -398,24 +472,29 @@ def profile_table(res: Results) -> List[str]:
     rows.append(_ms_row("writing, on the writer thread (wall)", [p.writer_ms for p in res.profiles]))
     rows.append(_ms_row("a tracked step under the profiler (wall)", [p.step_ms for p in res.profiles]))
     records, elements = res.recorded
-    return rows + [""] + breakdown_table(res) + [
-        "",
-        f"Where the remaining time goes: a tracked step at {MAIN.name} computes {records} records over "
-        f"{elements / 1e6:.1f}M elements (forward values and gradients; a tensor shared by several nodes, such as a "
-        "residual stream's gradient, once). Recording, forward and backward, is most of a tracked step's extra time, and "
-        "most of that is the statistics themselves: memory passes over each recorded tensor. std reads each tensor "
-        "once with the native kernel (`lightning_scale.record.native`: sum and sum of squares in one read; twice with torch's "
-        "kernels, a sum and norms of 512-element rows, see the torch-kernels row above), which is the floor of this "
-        "design; every group adds |x|, its "
-        "extremes and one compare-and-count per format threshold in range (about four more passes). Tensors of up to "
-        "4096 elements (biases, norm weights, their gradients) are copied and computed all at once at the end of the "
-        "step (`ShortRecords.flush`), since one at a time their call overhead outweighed their data. The rest of "
-        "recording is per tensor Python: the `observe` call after each node and a gradient hook per tensor. At the end "
-        "of the step the training thread assembles the records, pools them (one transfer) and queues the writing; the "
-        "writer's own CPU time (scalars, histograms, annotated code, TensorBoard's event records) is counted in the "
-        "process CPU time of whichever step it overlaps, mostly the step after.",
-        "",
-    ]
+    return (
+        rows
+        + [""]
+        + breakdown_table(res)
+        + [
+            "",
+            f"Where the remaining time goes: a tracked step at {MAIN.name} computes {records} records over "
+            f"{elements / 1e6:.1f}M elements (forward values and gradients; a tensor shared by several nodes, such as a "
+            "residual stream's gradient, once). Recording, forward and backward, is most of a tracked step's extra time, and "
+            "most of that is the statistics themselves: memory passes over each recorded tensor. std reads each tensor "
+            "once with the native kernel (`lightning_scale.record.native`: sum and sum of squares in one read; twice with torch's "
+            "kernels, a sum and norms of 512-element rows, see the torch-kernels row above), which is the floor of this "
+            "design; every group adds |x|, its "
+            "extremes and one compare-and-count per format threshold in range (about four more passes). Tensors of up to "
+            "4096 elements (biases, norm weights, their gradients) are copied and computed all at once at the end of the "
+            "step (`ShortRecords.flush`), since one at a time their call overhead outweighed their data. The rest of "
+            "recording is per tensor Python: the `observe` call after each node and a gradient hook per tensor. At the end "
+            "of the step the training thread assembles the records, pools them (one transfer) and queues the writing; the "
+            "writer's own CPU time (scalars, histograms, annotated code, TensorBoard's event records) is counted in the "
+            "process CPU time of whichever step it overlaps, mostly the step after.",
+            "",
+        ]
+    )
 
 
 def _ms_row(part: str, values: List[float]) -> str:
@@ -442,9 +521,17 @@ def breakdown_table(res: Results) -> List[str]:
     if res.tracked is not None:
         t = res.tracked
         plain = _kind(t, "plain").median
-        pairs = [("tracked", "after_tracked") if len(b.statistics) < 3 else ("tracked_all", "after_all") for b in res.breakdowns]
-        rows.append("| a tracked step's extra process CPU over a plain fit step (its step after) | "
-                    + " | ".join(f"{(_kind(t, k).median - plain) * 1e3:.2f} ({(_kind(t, a).median - plain) * 1e3:.2f})" for k, a in pairs) + " |")  # fmt: skip
+        pairs = [
+            ("tracked", "after_tracked") if len(b.statistics) < 3 else ("tracked_all", "after_all")
+            for b in res.breakdowns
+        ]
+        rows.append(
+            "| a tracked step's extra process CPU over a plain fit step (its step after) | "
+            + " | ".join(
+                f"{(_kind(t, k).median - plain) * 1e3:.2f} ({(_kind(t, a).median - plain) * 1e3:.2f})" for k, a in pairs
+            )
+            + " |"
+        )
     return rows
 
 
@@ -469,7 +556,9 @@ def whole_table(res: Results) -> List[str]:
         c, w = t.totals[name].cpu, t.totals[name].wall
         rc = statistics.median(c) / statistics.median(t.totals["fit"].cpu)
         rw = statistics.median(w) / statistics.median(t.totals["fit"].wall)
-        rows.append(f"| {label} | {statistics.median(c):.2f} | {', '.join(f'{x:.2f}' for x in c)} | {rc:.3f}x | {statistics.median(w):.2f} | {rw:.3f}x |")
+        rows.append(
+            f"| {label} | {statistics.median(c):.2f} | {', '.join(f'{x:.2f}' for x in c)} | {rc:.3f}x | {statistics.median(w):.2f} | {rw:.3f}x |"
+        )
     paired = [m / p for m, p in zip(t.totals["fit_default"].cpu, t.totals["fit"].cpu)]
     plain = _kind(t, "plain").median
     extra = {k: _kind(t, k).median - plain for k in ("tracked", "after_tracked", "tracked_figure", "after_figure")}
@@ -527,7 +616,12 @@ def probe_table(res: Results) -> List[str]:
     import probe_cost
 
     if res.probe is None:
-        return ["## The fidelity probe at a capture's first tracked step", "", f"**Not measured.** {res.probe_missing}", ""]
+        return [
+            "## The fidelity probe at a capture's first tracked step",
+            "",
+            f"**Not measured.** {res.probe_missing}",
+            "",
+        ]
     return probe_cost.render(res.probe)
 
 
@@ -557,7 +651,16 @@ def page(res: Results) -> str:
     parts: List[str] = header(res) + targets(res) + step_table(res, "cpu") + step_table(res, "wall") + step_notes(res)
     if MAIN in res.steps:
         parts += detail_table(res, MAIN)
-    parts += fit_table(res) + anomaly_table(res) + tracked_table(res) + profile_table(res) + whole_table(res) + memory_table(res) + capture_table(res) + probe_table(res)
+    parts += (
+        fit_table(res)
+        + anomaly_table(res)
+        + tracked_table(res)
+        + profile_table(res)
+        + whole_table(res)
+        + memory_table(res)
+        + capture_table(res)
+        + probe_table(res)
+    )
     parts += [
         "## Not measured here",
         "",

@@ -62,10 +62,15 @@ def machine() -> Dict[str, str]:
     cpu, cores, mem = render.machine_info()
     return {
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "cpu": cpu, "cores": cores, "memory": mem, "python": platform.python_version(),
-        "torch": torch.__version__, "lightning": _version("lightning"), "unit_scaling": _version("unit-scaling"),
+        "cpu": cpu,
+        "cores": cores,
+        "memory": mem,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": _version("lightning"),
+        "unit_scaling": _version("unit-scaling"),
         "native": (native.load(), native.status())[1],
-    }  # fmt: skip
+    }
 
 
 def step_times(res: render.Results, size: Size, rounds: int, budget_s: Optional[float]) -> None:
@@ -80,7 +85,10 @@ def step_times(res: render.Results, size: Size, rounds: int, budget_s: Optional[
     res.steps[size] = {clock: {name: Summary.of(t.clock(clock)) for name, t in samples.items()} for clock in CLOCKS}
     res.rounds[size] = len(samples["plain"].wall)
     res.noise[size] = {clock: noise_floor(samples["plain"].clock(clock)) for clock in CLOCKS}
-    _log(f"{size.name}, {res.rounds[size]} rounds: " + ", ".join(f"{k} {render.ratio(res, size, k):.2f}x" for k in samples))
+    _log(
+        f"{size.name}, {res.rounds[size]} rounds: "
+        + ", ".join(f"{k} {render.ratio(res, size, k):.2f}x" for k in samples)
+    )
 
 
 def fit_times(res: render.Results, quick: bool, elapsed: float) -> None:
@@ -91,9 +99,14 @@ def fit_times(res: render.Results, quick: bool, elapsed: float) -> None:
             budget = max(10.0, FIT_DEADLINE_S - elapsed)
             samples, hooks = fit_loop.measure(MAIN, rounds=FIT_ROUNDS, steps=FIT_STEPS, budget_s=budget)
     except Exception as err:  # noqa: BLE001 - an unfinished callback must not sink the suite
-        res.fit_missing = f"the fit loop with `ScaleMonitor` failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        res.fit_missing = (
+            f"the fit loop with `ScaleMonitor` failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        )
         return
-    res.fit = {clock: {name: Summary.of([t for fit in fits for t in fit.clock(clock)]) for name, fits in samples.items()} for clock in CLOCKS}
+    res.fit = {
+        clock: {name: Summary.of([t for fit in fits for t in fit.clock(clock)]) for name, fits in samples.items()}
+        for clock in CLOCKS
+    }
     res.fit_noise = {clock: between_noise_floor([fit.clock(clock) for fit in samples["fit"]]) for clock in CLOCKS}
     res.fit_rounds = len(samples["fit"])
     res.fit_hooks = statistics.median(hooks)
@@ -105,17 +118,23 @@ def tracked_fit_times(res: render.Results, quick: bool) -> None:
         if quick:
             res.tracked = fit_loop.measure_tracked(MAIN, rounds=2, steps=20, whole_steps=60)
         else:
-            res.tracked = fit_loop.measure_tracked(MAIN, rounds=TRACKED_ROUNDS, steps=TRACKED_STEPS, whole_steps=WHOLE_STEPS, budget_s=TRACKED_BUDGET_S)
+            res.tracked = fit_loop.measure_tracked(
+                MAIN, rounds=TRACKED_ROUNDS, steps=TRACKED_STEPS, whole_steps=WHOLE_STEPS, budget_s=TRACKED_BUDGET_S
+            )
     except Exception as err:  # noqa: BLE001 - a failing callback must not sink the suite
-        res.tracked_missing = f"the fit loop with `ScaleMonitor` failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        res.tracked_missing = (
+            f"the fit loop with `ScaleMonitor` failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        )
         return
     t = res.tracked
-    _log(f"tracked fit steps: std {render.tracked_ratio(t, 'tracked'):.2f}x CPU {render.tracked_ratio(t, 'tracked', clock='wall'):.2f}x wall, "
-         f"every group {render.tracked_ratio(t, 'tracked_all'):.2f}x CPU {render.tracked_ratio(t, 'tracked_all', clock='wall'):.2f}x wall, "
-         f"after it {render.tracked_ratio(t, 'after_all'):.2f}x CPU, after std {render.tracked_ratio(t, 'after_tracked'):.2f}x CPU, "
-         f"fp8 {render.tracked_ratio(t, 'tracked_fp8'):.2f}x CPU, torch kernels {render.tracked_ratio(t, 'tracked_torch'):.2f}x CPU, "
-         f"with the figure {render.tracked_ratio(t, 'tracked_figure'):.2f}x; "
-         f"whole {t.whole_steps}-step fit with ScaleMonitor(): {render.whole_ratio(t):.3f}x CPU ({t.rounds} rounds, {t.seconds:.0f} s)")  # fmt: skip
+    _log(
+        f"tracked fit steps: std {render.tracked_ratio(t, 'tracked'):.2f}x CPU {render.tracked_ratio(t, 'tracked', clock='wall'):.2f}x wall, "
+        f"every group {render.tracked_ratio(t, 'tracked_all'):.2f}x CPU {render.tracked_ratio(t, 'tracked_all', clock='wall'):.2f}x wall, "
+        f"after it {render.tracked_ratio(t, 'after_all'):.2f}x CPU, after std {render.tracked_ratio(t, 'after_tracked'):.2f}x CPU, "
+        f"fp8 {render.tracked_ratio(t, 'tracked_fp8'):.2f}x CPU, torch kernels {render.tracked_ratio(t, 'tracked_torch'):.2f}x CPU, "
+        f"with the figure {render.tracked_ratio(t, 'tracked_figure'):.2f}x; "
+        f"whole {t.whole_steps}-step fit with ScaleMonitor(): {render.whole_ratio(t):.3f}x CPU ({t.rounds} rounds, {t.seconds:.0f} s)"
+    )
 
 
 def tracked_profiles(res: render.Results, quick: bool) -> None:
@@ -128,9 +147,16 @@ def tracked_profiles(res: render.Results, quick: bool) -> None:
     res.recorded = fit_loop.recorded_elements(MAIN)
     res.breakdowns = [breakdown.measure(MAIN, s, steps=8 if quick else 14) for s in (["std"], fit_loop.EVERY_GROUP)]
     for b in res.breakdowns:
-        _log(f"CPU breakdown ({len(b.statistics)} statistics): " + ", ".join(f"{k.split(' (')[0]} {v:.2f} ms" for k, v in b.ms.items()))
+        _log(
+            f"CPU breakdown ({len(b.statistics)} statistics): "
+            + ", ".join(f"{k.split(' (')[0]} {v:.2f} ms" for k, v in b.ms.items())
+        )
     for p in res.profiles:
-        _log(f"profile ({len(p.statistics)} statistics): " + ", ".join(f"{k.split(' (')[0]} {v:.2f} ms" for k, v in p.parts.items()) + f", writer {p.writer_ms:.2f} ms")
+        _log(
+            f"profile ({len(p.statistics)} statistics): "
+            + ", ".join(f"{k.split(' (')[0]} {v:.2f} ms" for k, v in p.parts.items())
+            + f", writer {p.writer_ms:.2f} ms"
+        )
 
 
 def anomaly_times(res: render.Results, quick: bool) -> None:
@@ -143,7 +169,9 @@ def anomaly_times(res: render.Results, quick: bool) -> None:
         res.anomaly_missing = f"the fit loop failed: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
         return
     a = res.anomaly
-    _log(f"untracked with anomaly_steps and update_ratios: {a.ratio('on'):.3f}x CPU, hooks {a.hook_ratio('on'):.4f}x ({a.rounds} rounds)")
+    _log(
+        f"untracked with anomaly_steps and update_ratios: {a.ratio('on'):.3f}x CPU, hooks {a.hook_ratio('on'):.4f}x ({a.rounds} rounds)"
+    )
 
 
 def memory_peaks(res: render.Results, quick: bool) -> None:
@@ -152,8 +180,12 @@ def memory_peaks(res: render.Results, quick: bool) -> None:
     res.memory_steps = 3 if quick else 4
     peaks = memory.measure(jobs, steps=res.memory_steps)
     for size in SIZES:
-        res.memory[size] = {v: [p for job, p in zip(jobs, peaks) if job == (size.dim, size.layers, v)] for v in ("plain", "tracked")}
-        _log(f"memory {size.name}: steps {render.memory_ratio(res, size, 'steps_kb'):.3f}x, training with the capture {render.memory_ratio(res, size, 'training_kb'):.3f}x")
+        res.memory[size] = {
+            v: [p for job, p in zip(jobs, peaks) if job == (size.dim, size.layers, v)] for v in ("plain", "tracked")
+        }
+        _log(
+            f"memory {size.name}: steps {render.memory_ratio(res, size, 'steps_kb'):.3f}x, training with the capture {render.memory_ratio(res, size, 'training_kb'):.3f}x"
+        )
 
 
 def accelerator_costs() -> str:
@@ -163,7 +195,9 @@ def accelerator_costs() -> str:
     except Exception as err:  # noqa: BLE001 - e.g. triton not installed: say so, keep the suite
         return f"## Accelerator path: cost of one record, per kernel\n\nNot measured: {type(err).__name__}: {str(err)[:300]}"
     for key, r in res.items():
-        _log(f"record on the accelerator path, {key}: {r['ops']} aten ops, {r['full']} full-size, {r['launches']} Triton launches, {r['bytes']:.2f} B/element")
+        _log(
+            f"record on the accelerator path, {key}: {r['ops']} aten ops, {r['full']} full-size, {r['launches']} Triton launches, {r['bytes']:.2f} B/element"
+        )
     return kernel_ops.section(res)
 
 

@@ -42,7 +42,9 @@ class SpikyGPT(GPTModule):
 
 
 def _read(logdir: str) -> EventAccumulator:
-    acc = EventAccumulator(glob.glob(f"{logdir}/**/events.out.tfevents.*", recursive=True)[0], size_guidance={"scalars": 0, "tensors": 0})
+    acc = EventAccumulator(
+        glob.glob(f"{logdir}/**/events.out.tfevents.*", recursive=True)[0], size_guidance={"scalars": 0, "tensors": 0}
+    )
     acc.Reload()
     return acc
 
@@ -66,9 +68,20 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     train, _ = token_loaders()
-    monitor = ScaleMonitor(every_n_steps=20, anomaly_steps=3, update_ratios=True, figure=False, histograms=False, code=False)
+    monitor = ScaleMonitor(
+        every_n_steps=20, anomaly_steps=3, update_ratios=True, figure=False, histograms=False, code=False
+    )
     logger = pl.loggers.TensorBoardLogger(args.logdir, name="anomaly_demo")
-    trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, callbacks=[monitor], logger=logger, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        max_steps=args.steps,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[monitor],
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(SpikyGPT(args.spike), train)
     acc = _read(logger.log_dir)
     tracked = [e.step for e in acc.Scalars(next(t for t in acc.Tags()["scalars"] if t.startswith("scale/fwd/")))]

@@ -41,7 +41,10 @@ def make_module(unit_scaled: bool, layers: int) -> Callable[[int], GPTModule]:
 def slope_table(results: dict, steps: Sequence[int]) -> str:
     """Markdown: slope per op group and direction, for each parametrisation and step."""
     cols = [(name, step) for name in results for step in steps]
-    lines = ["| group | " + " | ".join(f"{name}, step {step}" for name, step in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    lines = [
+        "| group | " + " | ".join(f"{name}, step {step}" for name, step in cols) + " |",
+        "|---" * (len(cols) + 1) + "|",
+    ]
     keys = sorted({key for r in results.values() for key in r.slopes(GROUPS, steps[0])})
     for key in keys:
         cells = [results[name].slopes(GROUPS, step).get(key, float("nan")) for name, step in cols]
@@ -60,7 +63,10 @@ def draw(results: dict, path: str, widths: List[int]) -> None:
         hi = max(ax.get_ylim()[1] for ax in axes[:, col])
         for ax in axes[:, col]:
             ax.set_ylim(lo, hi)
-    fig.suptitle(f"Coordinate check of the demo GPT (AdamW, lr 3e-3), widths {widths}; legend: slope of log2 std vs log2 width", fontsize=10)
+    fig.suptitle(
+        f"Coordinate check of the demo GPT (AdamW, lr 3e-3), widths {widths}; legend: slope of log2 std vs log2 width",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

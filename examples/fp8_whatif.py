@@ -28,14 +28,20 @@ from lightning_scale import ScaleMonitor
 from lightning_scale.tools.demo import GPTModule, token_loaders
 
 #: (direction, format, what): E4M3 forward, E5M2 for gradients, and gradients in E4M3.
-SECTIONS = (("fwd", "e4m3", "forward values"), ("bwd", "e5m2", "gradients"), ("bwd", "e4m3", "gradients (recipes with E4M3 everywhere)"))
+SECTIONS = (
+    ("fwd", "e4m3", "forward values"),
+    ("bwd", "e5m2", "gradients"),
+    ("bwd", "e4m3", "gradients (recipes with E4M3 everywhere)"),
+)
 STATISTICS = ["std", "absmax", *(f"fp8_{fmt}_{kind}" for fmt in ("e4m3", "e5m2") for kind in ("snr_db", "flushed"))]
 Row = Tuple[str, float, float, float, float]  # label, SNR dB, flushed fraction, std, absmax
 
 
 def read(logdir: str) -> Dict[str, Dict[int, float]]:
     """``{tag: {step: value}}`` of every scalar in the run's event file."""
-    acc = EventAccumulator(glob.glob(f"{logdir}/**/events.out.tfevents.*", recursive=True)[0], size_guidance={"scalars": 0})
+    acc = EventAccumulator(
+        glob.glob(f"{logdir}/**/events.out.tfevents.*", recursive=True)[0], size_guidance={"scalars": 0}
+    )
     acc.Reload()
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
@@ -52,7 +58,15 @@ def rows(scalars: Dict[str, Dict[int, float]], d: str, fmt: str, step: int, para
         if not tag.startswith(head) or step not in scalars[tag] or ("/" not in label and label not in parameters):
             continue
         flushed = scalars[f"fp8_{fmt}_flushed/{d}/{label}"][step]
-        out.append((label, scalars[tag][step], flushed, scalars[f"scale/{d}/{label}"][step], scalars[f"absmax/{d}/{label}"][step]))
+        out.append(
+            (
+                label,
+                scalars[tag][step],
+                flushed,
+                scalars[f"scale/{d}/{label}"][step],
+                scalars[f"absmax/{d}/{label}"][step],
+            )
+        )
     return out
 
 
@@ -79,7 +93,11 @@ def report(scalars: Dict[str, Dict[int, float]], step: int, parameters: Set[str]
         parts.append(f"### {what} in {fmt} ({len(all_rows)} nodes, median SNR {median:.1f} dB, step {step})")
         parts.append(table(f"lowest SNR in {fmt}", sorted(all_rows, key=lambda r: r[1])[:top], parameters))
         flushed = [r for r in sorted(all_rows, key=lambda r: -r[2]) if r[2] > 0][:top]
-        parts.append(table(f"highest fraction flushed to 0 in {fmt}", flushed, parameters) if flushed else f"no value flushed to 0 in {fmt}")
+        parts.append(
+            table(f"highest fraction flushed to 0 in {fmt}", flushed, parameters)
+            if flushed
+            else f"no value flushed to 0 in {fmt}"
+        )
     return "\n\n".join(parts)
 
 
@@ -96,9 +114,16 @@ def main() -> None:
     monitor = ScaleMonitor(every_n_steps=args.every, statistics=STATISTICS, figure=False, histograms=False, code=False)
     logger = pl.loggers.TensorBoardLogger(args.logdir, name="fp8_whatif")
     trainer = pl.Trainer(
-        max_steps=args.steps, precision=args.precision, accelerator="cpu", devices=1, callbacks=[monitor], logger=logger,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        max_steps=args.steps,
+        precision=args.precision,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[monitor],
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     model = GPTModule()
     trainer.fit(model, train)
     scalars = read(logger.log_dir)

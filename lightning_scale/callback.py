@@ -35,6 +35,7 @@ from lightning_scale.step.verification import Verification
 
 __all__ = ["ScaleMonitor"]
 
+
 class ScaleMonitor(Callback):
     r"""Records and logs the scale of every tensor in the model's forward and backward pass.
 
@@ -127,7 +128,9 @@ class ScaleMonitor(Callback):
         self.statistics = ["std"] if statistics is None else list(statistics)
         unknown = [s for s in self.statistics if s not in stats.STATISTICS]
         if unknown or not self.statistics:
-            raise ValueError(f"`statistics` must be a non-empty list from {sorted(stats.STATISTICS)}, got {statistics!r}")
+            raise ValueError(
+                f"`statistics` must be a non-empty list from {sorted(stats.STATISTICS)}, got {statistics!r}"
+            )
         if not isinstance(figure_every, int) or isinstance(figure_every, bool) or figure_every <= 0:
             raise ValueError(f"`figure_every` must be a positive integer, got {figure_every!r}")
         if not isinstance(max_tags, int) or max_tags <= 0:
@@ -141,7 +144,9 @@ class ScaleMonitor(Callback):
         self._anomaly = AnomalyTrigger(anomaly_steps, anomaly_factor, self._detection_failed)
         self.anomaly_steps, self.anomaly_factor = anomaly_steps, float(anomaly_factor)
         self.update_ratios = bool(update_ratios)
-        self._verification = Verification(verify_capture, self._new_capture, self._replace_capture, self._disable, rank_zero_info)
+        self._verification = Verification(
+            verify_capture, self._new_capture, self._replace_capture, self._disable, rank_zero_info
+        )
         self.verify_capture = verify_capture
         self._updates = UpdateTracker()
         self.groups = sorted({stats.STATISTICS[s] for s in self.statistics} | {"moments"})
@@ -152,7 +157,17 @@ class ScaleMonitor(Callback):
         self._active: Optional[TrackedStep] = None
         self._disabled: Optional[str] = None
         self.reporter = Reporter(
-            self.statistics, histograms, figure, figure_every, code, rank_spread, max_tags, unscale_gradients, self.value_histograms, rank_zero_warn, rank_zero_info,
+            self.statistics,
+            histograms,
+            figure,
+            figure_every,
+            code,
+            rank_spread,
+            max_tags,
+            unscale_gradients,
+            self.value_histograms,
+            rank_zero_warn,
+            rank_zero_info,
             coverage=not self.selection.narrowed,
         )
 
@@ -193,14 +208,18 @@ class ScaleMonitor(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._capture(self._target(pl_module), train=True, announce=True)
         host_reads = Recorder().host_reads  # (the environment's choice; raises on a bad value)
-        if pl_module.device.type == "cpu" and host_reads is not False:  # host statistics: build the one-read kernel now, not in a tracked step
+        if (
+            pl_module.device.type == "cpu" and host_reads is not False
+        ):  # host statistics: build the one-read kernel now, not in a tracked step
             native.load()
             rank_zero_info(f"ScaleMonitor: {native.status()}")
         else:  # device statistics: which kernel (LIGHTNING_SCALE_KERNEL)
             rank_zero_info(f"ScaleMonitor: {kernels.status(pl_module.device, host_reads)}")
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         self._poll_anomaly(trainer, step)
         if self._disabled or step == self.last_tracked_step or not self._is_tracked(step):
@@ -216,13 +235,17 @@ class ScaleMonitor(Callback):
                 self._active.loss_scale = scale.detach().clone().double().reshape(())
 
     @override
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
         self._anomaly.remember_scale(getattr(trainer.precision_plugin, "scaler", None))
         if self.update_ratios and trainer.global_step == self.last_tracked_step and not self._updates.pending:
             self._updates.snapshot(self._target(pl_module).named_parameters(), trainer.global_step)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._active is not None and self._active.prefix == "":
             self._active.uninstall()  # later micro-batches of the step run untouched
             if not self._waits_for_optimizer_step(trainer):
@@ -230,14 +253,30 @@ class ScaleMonitor(Callback):
         self._anomaly.observe(outputs, getattr(trainer.precision_plugin, "scaler", None))
 
     @override
-    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         if self._active is not None:  # a training step still waits for its optimizer step
             return
-        if self.track_validation and not self._disabled and not trainer.sanity_checking and batch_idx == 0 and dataloader_idx == 0:
+        if (
+            self.track_validation
+            and not self._disabled
+            and not trainer.sanity_checking
+            and batch_idx == 0
+            and dataloader_idx == 0
+        ):
             self._begin(pl_module, trainer.global_step, "val_")
 
     @override
-    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         if self._active is not None and self._active.prefix == "val_":
             self._finish(trainer, pl_module)
 
@@ -322,7 +361,11 @@ class ScaleMonitor(Callback):
             rec.histogram_keys = Matching(self.value_histograms)  # type: ignore[assignment]  # dynamo labels appear as it compiles
         self._active = TrackedStep(step, prefix, cap, rec)
         trainer = pl_module.trainer
-        verify = self._verification.verifier(target, lambda ok: _agree(trainer, ok)) if self._verification.probes(cap, type(trainer.strategy).__name__) else None
+        verify = (
+            self._verification.verifier(target, lambda ok: _agree(trainer, ok))
+            if self._verification.probes(cap, type(trainer.strategy).__name__)
+            else None
+        )
         self._active.install(target, verify)
         if prefix == "":
             self.last_tracked_step = step
@@ -351,7 +394,17 @@ class ScaleMonitor(Callback):
     def _report(self, trainer: pl.Trainer, active: TrackedStep) -> None:
         cap = active.capture
         labels, replicated = self._labels_of(cap, trainer)
-        data = StepData(active.step, active.prefix, cap, active.recorder, labels, self.submodule or "", active.loss_scale, self._update_rows(trainer, active), replicated)
+        data = StepData(
+            active.step,
+            active.prefix,
+            cap,
+            active.recorder,
+            labels,
+            self.submodule or "",
+            active.loss_scale,
+            self._update_rows(trainer, active),
+            replicated,
+        )
         try:
             pooled = self.reporter.pool(data, trainer.strategy.root_device, replicated)
         except pool.RankFailedError as err:  # raised on every rank alike
@@ -363,7 +416,10 @@ class ScaleMonitor(Callback):
         try:
             self.reporter.report(data, pooled, trainer.is_global_zero, loggers, trainer.accumulate_grad_batches)
         except Exception as err:  # noqa: BLE001 - after the collective: a fault here stays here
-            self.reporter.warn_once("report", f"ScaleMonitor: reporting step {active.step} failed ({type(err).__name__}: {err}); training continues")
+            self.reporter.warn_once(
+                "report",
+                f"ScaleMonitor: reporting step {active.step} failed ({type(err).__name__}: {err}); training continues",
+            )
 
     def _labels_of(self, cap: Capture, trainer: pl.Trainer) -> Tuple[list, "set[str]"]:
         """The selected labels of ``cap`` and the replicated ones (parameters, buffers),
@@ -389,7 +445,9 @@ class ScaleMonitor(Callback):
             self.reporter.log_anomaly(_writable_loggers(trainer), found.step, found.loss, found.describe())
 
     def _detection_failed(self, err: Exception) -> None:
-        self.reporter.warn_once("anomaly", f"ScaleMonitor: anomaly detection failed ({type(err).__name__}: {err}); it is off for this fit")
+        self.reporter.warn_once(
+            "anomaly", f"ScaleMonitor: anomaly detection failed ({type(err).__name__}: {err}); it is off for this fit"
+        )
 
     def _waits_for_optimizer_step(self, trainer: pl.Trainer) -> bool:
         """With accumulation, report after the optimizer step that ends the tracked step,

@@ -45,7 +45,9 @@ def imports_of(path: Path, known: Set[str], name: str = "") -> Set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             if base.split(".")[0] != "lightning_scale":
                 continue
             for alias in node.names:
@@ -125,11 +127,25 @@ def test_record_knows_nothing_of_capture_or_reporting() -> None:
 
 
 def test_only_callback_report_and_tools_import_lightning() -> None:
-    allowed = ("lightning_scale.callback", "lightning_scale.report", "lightning_scale.tools", "lightning_scale.coord_check", "lightning_scale.demo")
+    allowed = (
+        "lightning_scale.callback",
+        "lightning_scale.report",
+        "lightning_scale.tools",
+        "lightning_scale.coord_check",
+        "lightning_scale.demo",
+    )
     for name, path in modules().items():
         tree = ast.parse(path.read_text())
-        uses = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
-                and any((a.name if isinstance(n, ast.Import) else (n.module or "")).split(".")[0] in ("lightning", "pytorch_lightning") for a in n.names)]  # fmt: skip
+        uses = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Import, ast.ImportFrom))
+            and any(
+                (a.name if isinstance(n, ast.Import) else (n.module or "")).split(".")[0]
+                in ("lightning", "pytorch_lightning")
+                for a in n.names
+            )
+        ]
         assert not uses or name.startswith(allowed), name
 
 
@@ -164,8 +180,9 @@ def test_function_level_and_type_checking_imports_are_seen(tmp_path: Path) -> No
     found = imports_of(fake, set(modules()), name="lightning_scale.record.fake")
     assert found == {"lightning_scale.report.pool", "lightning_scale.callback", "lightning_scale.record.recorder"}
     assert upward_imports({"lightning_scale.record.fake": found}, layer_order()) == [
-        ("lightning_scale.record.fake", "lightning_scale.callback"), ("lightning_scale.record.fake", "lightning_scale.report.pool"),
-    ]  # fmt: skip
+        ("lightning_scale.record.fake", "lightning_scale.callback"),
+        ("lightning_scale.record.fake", "lightning_scale.report.pool"),
+    ]
 
 
 @pytest.mark.parametrize("layer", ["capture", "record", "report", "step", "tools"])

@@ -124,7 +124,11 @@ class Branchy(Views):
 
 def loader(n: int = 64, batch_size: int = 8, seed: int = 0) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
-    return DataLoader(TensorDataset(torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)), batch_size=batch_size, shuffle=False)
+    return DataLoader(
+        TensorDataset(torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)),
+        batch_size=batch_size,
+        shuffle=False,
+    )
 
 
 class Snapshot(Callback):
@@ -133,7 +137,9 @@ class Snapshot(Callback):
     def __init__(self) -> None:
         self.seen: Dict[Tuple[int, int], Tuple[List[Tensor], Dict[str, Tensor]]] = {}
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
         self.seen[(trainer.global_step, batch_idx)] = ([t.clone() for t in batch], state)
 
@@ -188,7 +194,9 @@ def at(series: Dict[str, List[Tuple[int, float]]], tag: str, step: int) -> float
 # ---- an independent float64 reference ---------------------------------------------------
 
 
-def mlp_reference(batch: List[Tensor], state: Dict[str, Tensor], loss_factor: float = 1.0) -> Dict[str, Tuple[Tensor, Optional[Tensor]]]:
+def mlp_reference(
+    batch: List[Tensor], state: Dict[str, Tensor], loss_factor: float = 1.0
+) -> Dict[str, Tuple[Tensor, Optional[Tensor]]]:
     """label -> (value, gradient) of every intermediate of ``MLP`` in float64."""
     x, y = (t.double() for t in batch)
     p = {k: v.double().requires_grad_() for k, v in state.items()}
@@ -203,7 +211,12 @@ def mlp_reference(batch: List[Tensor], state: Dict[str, Tensor], loss_factor: fl
     return out
 
 
-def assert_matches_reference(series: Dict[str, List[Tuple[int, float]]], step: int, ref: Dict[str, Tuple[Tensor, Optional[Tensor]]], prefix: str = "scale") -> None:
+def assert_matches_reference(
+    series: Dict[str, List[Tuple[int, float]]],
+    step: int,
+    ref: Dict[str, Tuple[Tensor, Optional[Tensor]]],
+    prefix: str = "scale",
+) -> None:
     for label, (value, grad) in ref.items():
         assert at(series, f"{prefix}/fwd/{label}", step) == pytest.approx(float(value.std()), rel=REL), label
         if grad is None:
@@ -222,12 +235,26 @@ def test_logged_std_equals_float64_reference(tmp_path: Path) -> None:
     series = scalars(events(trainer))
     assert steps_of(series) == {0, 2}
     labels = {t.split("/", 2)[2] for t in series}
-    ops = {"x", "net.0.weight", "net.0.bias", "net.0/linear", "net.1/relu", "net.2.weight", "net.2.bias", "net.2/linear"}
+    ops = {
+        "x",
+        "net.0.weight",
+        "net.0.bias",
+        "net.0/linear",
+        "net.1/relu",
+        "net.2.weight",
+        "net.2.bias",
+        "net.2/linear",
+    }
     assert labels == ops | {"net", "net.0", "net.1", "net.2"}  # module outputs, by module path
     for step in (0, 2):
         batch, state = snap.seen[(step, step)]
         ref = mlp_reference(batch, state)
-        outputs = {"net.0": ref["net.0/linear"], "net.1": ref["net.1/relu"], "net.2": ref["net.2/linear"], "net": ref["net.2/linear"]}
+        outputs = {
+            "net.0": ref["net.0/linear"],
+            "net.1": ref["net.1/relu"],
+            "net.2": ref["net.2/linear"],
+            "net": ref["net.2/linear"],
+        }
         assert_matches_reference(series, step, {**ref, **outputs})
 
 
@@ -237,7 +264,14 @@ def test_logged_std_equals_float64_reference(tmp_path: Path) -> None:
 def test_extras_statistics_and_value_histograms(tmp_path: Path) -> None:
     torch.manual_seed(0)
     snap = Snapshot()
-    monitor = ScaleMonitor(every_n_steps=2, statistics=["std", "absmax", "underflow_e4m3"], value_histograms=r"^net\.0/linear$", rank_spread=True, figure=True, figure_every=1)
+    monitor = ScaleMonitor(
+        every_n_steps=2,
+        statistics=["std", "absmax", "underflow_e4m3"],
+        value_histograms=r"^net\.0/linear$",
+        rank_spread=True,
+        figure=True,
+        figure_every=1,
+    )
     acc = events(fit(MLP(), tmp_path, [snap, monitor], max_steps=3))
     tags = acc.Tags()
     # 8 op nodes + 4 module outputs (net, net.0, net.1, net.2); the input has no gradient
@@ -281,7 +315,12 @@ def test_extras_can_be_switched_off(tmp_path: Path) -> None:
     acc = events(fit(MLP(), tmp_path, [ScaleMonitor(every_n_steps=2, histograms=False, figure=False, code=False)]))
     tags = acc.Tags()
     assert not tags["histograms"] and not tags["images"]
-    assert sorted(tags["tensors"]) == ["custom_scalars__config__", "scale_nodes", "scale_records/000000000000", "scale_worst/text_summary"]  # records: the SCALES dashboard's
+    assert sorted(tags["tensors"]) == [
+        "custom_scalars__config__",
+        "scale_nodes",
+        "scale_records/000000000000",
+        "scale_worst/text_summary",
+    ]  # records: the SCALES dashboard's
     assert steps_of(scalars(acc)) == {0, 2}
 
 
@@ -332,9 +371,15 @@ def test_accumulation_records_the_first_micro_batch_once(tmp_path: Path) -> None
 
 def test_unscale_divides_by_the_grad_scaler_scale(tmp_path: Path) -> None:
     runs = {}
-    for name, unscale, plugins in (("plain", False, []), ("scaled", False, [MixedPrecision("16-mixed", "cpu")]), ("unscaled", True, [MixedPrecision("16-mixed", "cpu")])):
+    for name, unscale, plugins in (
+        ("plain", False, []),
+        ("scaled", False, [MixedPrecision("16-mixed", "cpu")]),
+        ("unscaled", True, [MixedPrecision("16-mixed", "cpu")]),
+    ):
         torch.manual_seed(0)
-        trainer = fit(MLP(), tmp_path / name, [ScaleMonitor(every_n_steps=2, unscale_gradients=unscale)], plugins=plugins)
+        trainer = fit(
+            MLP(), tmp_path / name, [ScaleMonitor(every_n_steps=2, unscale_gradients=unscale)], plugins=plugins
+        )
         runs[name] = scalars(events(trainer), "")
     scale = at(runs["scaled"], "scale_loss/loss_scale", 0)
     assert scale == 2.0**16  # GradScaler's initial scale
@@ -363,13 +408,23 @@ def test_resume_continues_the_schedule(tmp_path: Path) -> None:
     torch.manual_seed(0)
     data = loader(n=32)  # 4 batches an epoch
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_last=True)
-    first = fit(MLP(), tmp_path / "a", [ScaleMonitor(every_n_steps=3), ckpt], max_steps=4, train=data, enable_checkpointing=True)
+    first = fit(
+        MLP(), tmp_path / "a", [ScaleMonitor(every_n_steps=3), ckpt], max_steps=4, train=data, enable_checkpointing=True
+    )
     series = scalars(events(first))
     assert steps_of(series) == {0, 3}  # max_steps=4 ends on tracked step 3: logged
     assert all([s for s, _ in points] == [0, 3] for points in series.values())
 
     again = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_last=True)  # as when it was made
-    resumed = fit(MLP(), tmp_path / "b", [ScaleMonitor(every_n_steps=3), again], max_steps=8, train=data, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"), enable_checkpointing=True)
+    resumed = fit(
+        MLP(),
+        tmp_path / "b",
+        [ScaleMonitor(every_n_steps=3), again],
+        max_steps=8,
+        train=data,
+        ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"),
+        enable_checkpointing=True,
+    )
     assert resumed.global_step == 8
     series = scalars(events(resumed))
     assert series and all([s for s, _ in points] == [6] for points in series.values())
@@ -381,7 +436,9 @@ def test_resume_continues_the_schedule(tmp_path: Path) -> None:
 def test_validation_tracking(tmp_path: Path) -> None:
     torch.manual_seed(0)
     monitor = ScaleMonitor(every_n_steps=2, track_validation=True)
-    trainer = fit(MLP(), tmp_path, [monitor], max_steps=4, val=loader(n=16), val_check_interval=2, num_sanity_val_steps=2)
+    trainer = fit(
+        MLP(), tmp_path, [monitor], max_steps=4, val=loader(n=16), val_check_interval=2, num_sanity_val_steps=2
+    )
     acc = events(trainer)
     val = scalars(acc, "val_scale/")
     assert val and all(t.startswith("val_scale/fwd/") for t in val)
@@ -439,7 +496,11 @@ def test_other_loggers_are_only_called_on_the_training_thread(tmp_path: Path) ->
     other = ThreadRecordingLogger()
     monitor = ScaleMonitor(every_n_steps=2, update_ratios=True)
     fit(MLP(), tmp_path, [monitor], logger=[TensorBoardLogger(tmp_path, name="tb"), other])
-    ours = [(thread, step, m) for thread, step, m in other.calls if any(k.startswith(("scale/", "update_ratio/")) for k in m)]
+    ours = [
+        (thread, step, m)
+        for thread, step, m in other.calls
+        if any(k.startswith(("scale/", "update_ratio/")) for k in m)
+    ]
     assert {step for _, step, _ in ours} == {0, 2}
     assert {thread for thread, _, _ in ours} == {threading.get_ident()}
     assert any("update_ratio/net.0.weight" in m for _, _, m in ours)
@@ -468,7 +529,10 @@ def test_no_logger_is_an_error_at_fit(tmp_path: Path) -> None:
         ({"steps": [4, 2]}, r"`steps` must be sorted and free of repeats, got \[4, 2\]"),
         ({"steps": [2, 2]}, r"`steps` must be sorted and free of repeats, got \[2, 2\]"),
         ({"steps": [-3]}, r"`steps` must hold non-negative integers, got \[-3\]"),
-        ({"statistics": ["std", "kurtosis"]}, r"`statistics` must be a non-empty list from \[.*'absmax'.*\], got \['std', 'kurtosis'\]"),
+        (
+            {"statistics": ["std", "kurtosis"]},
+            r"`statistics` must be a non-empty list from \[.*'absmax'.*\], got \['std', 'kurtosis'\]",
+        ),
         ({"statistics": []}, r"`statistics` must be a non-empty list"),
         ({"include": "net(["}, r"`include` must be a valid regular expression, got 'net\(\['"),
         ({"exclude": "*x"}, r"`exclude` must be a valid regular expression, got '\*x'"),
@@ -507,15 +571,29 @@ class LateMLP(MLP):
 
 def test_submodule_created_in_configure_model(tmp_path: Path) -> None:
     acc = events(fit(LateMLP(), tmp_path, [ScaleMonitor(every_n_steps=1, submodule="head")], max_steps=1))
-    assert set(scalars(acc)) == {f"scale/{d}/{n}" for d in ("fwd", "bwd") for n in ("input", "weight", "bias", "linear")}
+    assert set(scalars(acc)) == {
+        f"scale/{d}/{n}" for d in ("fwd", "bwd") for n in ("input", "weight", "bias", "linear")
+    }
     with pytest.raises(ValueError, match=r"`submodule` 'hed' is not a submodule of LateMLP; nearest: \['head'"):
         fit(LateMLP(), tmp_path, [ScaleMonitor(submodule="hed")])
 
 
 def test_validate_without_a_logger_is_fine_unless_validation_is_tracked(tmp_path: Path) -> None:
-    trainer = pl.Trainer(accelerator="cpu", logger=False, callbacks=[ScaleMonitor()], enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        logger=False,
+        callbacks=[ScaleMonitor()],
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
     trainer.validate(MLP(), loader(), verbose=False)  # nothing to write: no error
-    trainer = pl.Trainer(accelerator="cpu", logger=False, callbacks=[ScaleMonitor(track_validation=True)], enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        logger=False,
+        callbacks=[ScaleMonitor(track_validation=True)],
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
     with pytest.raises(ValueError, match=r"`ScaleMonitor` needs a logger"):
         trainer.validate(MLP(), loader(), verbose=False)
 
@@ -566,7 +644,13 @@ def test_untraceable_model_is_tracked_with_dynamo(tmp_path: Path) -> None:
     acc = events(fit(Branchy(), tmp_path, [monitor]))
     series = scalars(acc)
     assert steps_of(series) == {0, 2}
-    assert {"scale/fwd/fc1/linear", "scale/bwd/fc1/linear", "scale/fwd/fc2/linear", "scale/bwd/fc2.weight", "scale/fwd/mul"} <= series.keys()
+    assert {
+        "scale/fwd/fc1/linear",
+        "scale/bwd/fc1/linear",
+        "scale/fwd/fc2/linear",
+        "scale/bwd/fc2.weight",
+        "scale/fwd/mul",
+    } <= series.keys()
     assert [e.step for e in acc.Histograms("values_log2/fwd/fc1/linear")] == [0, 2]
     assert all(c.mode == "dynamo" for c in monitor._captures.values())
 
@@ -574,8 +658,14 @@ def test_untraceable_model_is_tracked_with_dynamo(tmp_path: Path) -> None:
 def test_include_exclude_prune_views(tmp_path: Path) -> None:
     cases = {
         "include": ({"include": r"fc1"}, {"fc1.weight", "fc1.bias", "fc1/linear", "fc1"}),  # `fc1`: the module's output
-        "exclude": ({"exclude": r"\.(weight|bias)$|^x$", "prune_views": False}, {"fc1/linear", "relu", "reshape", "flatten", "fc2/linear", "fc1", "fc2"}),
-        "prune": ({"include": r"/|relu|reshape|flatten"}, {"fc1/linear", "relu", "fc2/linear"}),  # views pruned by default
+        "exclude": (
+            {"exclude": r"\.(weight|bias)$|^x$", "prune_views": False},
+            {"fc1/linear", "relu", "reshape", "flatten", "fc2/linear", "fc1", "fc2"},
+        ),
+        "prune": (
+            {"include": r"/|relu|reshape|flatten"},
+            {"fc1/linear", "relu", "fc2/linear"},
+        ),  # views pruned by default
         "view": ({"include": r"^reshape$", "prune_views": False}, {"reshape"}),
     }
     for name, (kwargs, expected) in cases.items():
@@ -599,24 +689,34 @@ def test_leaf_modules_are_recorded_at_their_output(tmp_path: Path) -> None:
 def test_forced_fx_on_untraceable_model_trains_untracked(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Branchy()
-    with pytest.warns(UserWarning, match=r"ScaleMonitor: could not capture Branchy \(CaptureError: torch.fx could not trace Branchy.*training continues untracked"):
+    with pytest.warns(
+        UserWarning,
+        match=r"ScaleMonitor: could not capture Branchy \(CaptureError: torch.fx could not trace Branchy.*training continues untracked",
+    ):
         trainer = fit(model, tmp_path, [ScaleMonitor(every_n_steps=1, capture="fx")])
     assert trainer.global_step == 3 and len(model.losses) == 3
     assert not scalars(events(trainer))
 
 
 def test_warns_when_nothing_is_recorded(tmp_path: Path) -> None:
-    with pytest.warns(UserWarning, match=r"ScaleMonitor: nothing recorded at step 0: the captured forward of `Bypass` did not run"):
+    with pytest.warns(
+        UserWarning, match=r"ScaleMonitor: nothing recorded at step 0: the captured forward of `Bypass` did not run"
+    ):
         trainer = fit(Bypass(), tmp_path / "bypass", [ScaleMonitor(every_n_steps=2)])
     assert not scalars(events(trainer))
-    with pytest.warns(UserWarning, match=r"ScaleMonitor: no node selected at step 0: `include` / `exclude` / `prune_views` leave none of 8 nodes"):
+    with pytest.warns(
+        UserWarning,
+        match=r"ScaleMonitor: no node selected at step 0: `include` / `exclude` / `prune_views` leave none of 8 nodes",
+    ):
         trainer = fit(MLP(), tmp_path / "none", [ScaleMonitor(every_n_steps=2, include="nothing-matches")])
     assert not scalars(events(trainer))
 
 
 def test_max_tags_warns_and_caps(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    with pytest.warns(UserWarning, match=r"ScaleMonitor: 12 nodes have tensors; writing the first 3 \(raise `max_tags`"):
+    with pytest.warns(
+        UserWarning, match=r"ScaleMonitor: 12 nodes have tensors; writing the first 3 \(raise `max_tags`"
+    ):
         trainer = fit(Views(), tmp_path, [ScaleMonitor(every_n_steps=2, max_tags=3, prune_views=False)])
     series = scalars(events(trainer))
     assert {t.split("/", 2)[2] for t in series} == {"x", "fc1.weight", "fc1.bias"}
@@ -672,7 +772,9 @@ def test_causal_masks_are_counted_not_warned(tmp_path: Path) -> None:
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        acc = events(fit(CausalAttention(), tmp_path, [ScaleMonitor(every_n_steps=1, statistics=["std", "inf"])], max_steps=2))
+        acc = events(
+            fit(CausalAttention(), tmp_path, [ScaleMonitor(every_n_steps=1, statistics=["std", "inf"])], max_steps=2)
+        )
     assert not _anomalies(record)
     series = scalars(acc, "inf/fwd/")
     assert at(series, "inf/fwd/masked_fill", 0) == 8 * 3  # batch 8, 3 masked entries of each 3x3
@@ -728,7 +830,9 @@ def test_anomaly_rules_on_pooled_records() -> None:
     assert watch.check(cap, labels, records(masked_fill=(0, inf, 2), mul=(0, inf, 1)), 1) == [
         "ScaleMonitor: Inf in the forward pass at step 1, first at `mul`"  # the model's output
     ]
-    assert watch.check(cap, labels, records(softmax=(1, inf, 1)), 2) == ["ScaleMonitor: Inf in the backward pass at step 2, first at `softmax`"]
+    assert watch.check(cap, labels, records(softmax=(1, inf, 1)), 2) == [
+        "ScaleMonitor: Inf in the backward pass at step 2, first at `softmax`"
+    ]
     assert watch.check(cap, labels, records(softmax=(1, inf, 1), mul=(0, inf, 1)), 3) == []  # both seen before
     assert watch.check(cap, labels, records(masked_fill=(0, inf, 2), softmax=(0, nan, 3)), 4, "val_") == [
         "ScaleMonitor: Inf in the forward pass at step 4 (validation), first at `masked_fill`; also new at 1 more node(s)"

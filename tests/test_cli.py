@@ -29,8 +29,18 @@ def load_example() -> ModuleType:
 def test_cli_config_sets_up_scale_monitor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     monkeypatch.setattr(sys, "argv", ["cli.py"])  # pytest's own arguments are not the CLI's
-    args = ["fit", "--config", str(EXAMPLES / "cli_config.yaml"), "--trainer.max_steps=2", f"--trainer.default_root_dir={tmp_path}"]
-    args += ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.limit_val_batches=1"]
+    args = [
+        "fit",
+        "--config",
+        str(EXAMPLES / "cli_config.yaml"),
+        "--trainer.max_steps=2",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
+    args += [
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.limit_val_batches=1",
+    ]
     cli = load_example().main(args)
 
     [monitor] = [c for c in cli.trainer.callbacks if isinstance(c, ScaleMonitor)]
@@ -40,7 +50,9 @@ def test_cli_config_sets_up_scale_monitor(tmp_path: Path, monkeypatch: pytest.Mo
     assert cli.model.hparams.seq == cli.datamodule.seq == 16  # linked
     assert cli.trainer.global_step == 2
 
-    acc = EventAccumulator(cli.trainer.logger.log_dir, size_guidance={"scalars": 0, "histograms": 0, "tensors": 0, "images": 0})
+    acc = EventAccumulator(
+        cli.trainer.logger.log_dir, size_guidance={"scalars": 0, "histograms": 0, "tensors": 0, "images": 0}
+    )
     acc.Reload()
     tags = [t for t in acc.Tags()["scalars"] if "/fwd/" in t or "/bwd/" in t]
     for stat in ("scale", "absmax", "underflow_e4m3"):

@@ -31,4 +31,7 @@ def test_examples_exist() -> None:
     """The public entry points carry examples (the parametrised test above is not vacuous)."""
     finder = doctest.DocTestFinder(exclude_empty=True)
     counted = {name: sum(len(t.examples) for t in finder.find(importlib.import_module(name), name)) for name in MODULES}
-    assert all(counted[f"lightning_scale.{m}"] > 0 for m in ["capture.interpreter", "tools.analyse", "step.selection", "record.stats"])
+    assert all(
+        counted[f"lightning_scale.{m}"] > 0
+        for m in ["capture.interpreter", "tools.analyse", "step.selection", "record.stats"]
+    )

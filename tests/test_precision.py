@@ -56,7 +56,9 @@ class ScaleProbe(Callback):
             self.scales.append(trainer.precision_plugin.scaler.get_scale())  # type: ignore[attr-defined]
 
 
-def fit(out: Path, monitor: ScaleMonitor, extra: Optional[List[Callback]] = None, **kwargs: Any) -> Tuple[Net, Dict[str, Tensor], Dict[str, float]]:
+def fit(
+    out: Path, monitor: ScaleMonitor, extra: Optional[List[Callback]] = None, **kwargs: Any
+) -> Tuple[Net, Dict[str, Tensor], Dict[str, float]]:
     torch.manual_seed(0)
     model = Net()
     init = copy.deepcopy(model.state_dict())
@@ -96,7 +98,7 @@ def forward_nodes(x: Tensor, w: Dict[str, Tensor]) -> Dict[str, Tensor]:
 
 def test_bf16_mixed_forward_statistics_are_of_the_bf16_tensors_held(tmp_path: Path) -> None:
     model, init, logged = fit(tmp_path, monitor(), precision="bf16-mixed")
-    (x, _), = model.first_batches
+    ((x, _),) = model.first_batches
     with torch.autocast("cpu", dtype=torch.bfloat16):
         held = forward_nodes(x, init)
     exact = forward_nodes(x.double(), {k: v.double() for k, v in init.items()})
@@ -111,12 +113,20 @@ def test_bf16_mixed_forward_statistics_are_of_the_bf16_tensors_held(tmp_path: Pa
     assert "scale_loss/loss_scale" not in logged  # bf16 needs no GradScaler
 
 
-def _grad_scaler_runs(tmp_path: Path, accumulate: int) -> Tuple[Dict[str, float], Dict[str, float], float, Net, Dict[str, Tensor]]:
+def _grad_scaler_runs(
+    tmp_path: Path, accumulate: int
+) -> Tuple[Dict[str, float], Dict[str, float], float, Net, Dict[str, Tensor]]:
     runs = {}
     for unscale in (False, True):
         probe = ScaleProbe()
         plugin = MixedPrecision("16-mixed", "cpu")
-        model, init, logged = fit(tmp_path / f"{unscale}", monitor(unscale_gradients=unscale), [probe], plugins=[plugin], accumulate_grad_batches=accumulate)
+        model, init, logged = fit(
+            tmp_path / f"{unscale}",
+            monitor(unscale_gradients=unscale),
+            [probe],
+            plugins=[plugin],
+            accumulate_grad_batches=accumulate,
+        )
         assert plugin.scaler is not None and len(probe.scales) == accumulate
         assert len(set(probe.scales)) == 1, "one scale for every micro-batch of the step"
         runs[unscale] = (logged, probe.scales[0], model, init)
@@ -137,7 +147,7 @@ def test_grad_scaler_loss_scale_is_logged_and_carried_by_gradients(tmp_path: Pat
     for tag in (t for t in scaled if t.startswith("scale/fwd/")):
         assert scaled[tag] == unscaled[tag], tag
     # The output's gradient, written out: d(mse)/d(out) of the float16 output, times the scale.
-    (x, y), = model.first_batches
+    ((x, y),) = model.first_batches
     with torch.autocast("cpu", dtype=torch.float16):
         out = forward_nodes(x, init)["net.2/linear"]
     assert out.dtype == torch.float16
@@ -154,7 +164,7 @@ def test_unscale_gradients_also_removes_the_accumulation_factor(tmp_path: Path) 
 
 def test_bf16_true_runs_and_logs_the_bf16_tensors(tmp_path: Path) -> None:
     model, init, logged = fit(tmp_path, monitor(), precision="bf16-true")
-    (x, _), = model.first_batches
+    ((x, _),) = model.first_batches
     assert x.dtype == torch.bfloat16 and next(model.parameters()).dtype == torch.bfloat16
     held = forward_nodes(x, {k: v.to(torch.bfloat16) for k, v in init.items()})
     for label, t in held.items():

@@ -3,9 +3,19 @@
 import lightning_scale
 
 PUBLIC = {
-    "Capture", "CaptureError", "DeepTracer", "Recorder", "ScaleMonitor", "ScalePair",
-    "ScaleTrackingInterpreter", "analyse_module", "capture", "coord_check", "records_table", "recording",
-}  # fmt: skip
+    "Capture",
+    "CaptureError",
+    "DeepTracer",
+    "Recorder",
+    "ScaleMonitor",
+    "ScalePair",
+    "ScaleTrackingInterpreter",
+    "analyse_module",
+    "capture",
+    "coord_check",
+    "records_table",
+    "recording",
+}
 
 
 def test_all_is_sorted_and_complete() -> None:

@@ -61,7 +61,14 @@ class Run:
         return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
-def fit(root: Any, name: str, make_module: ModuleFactory, make_data: DataFactory, callbacks: Sequence[pl.Callback], steps: int = STEPS) -> Run:
+def fit(
+    root: Any,
+    name: str,
+    make_module: ModuleFactory,
+    make_data: DataFactory,
+    callbacks: Sequence[pl.Callback],
+    steps: int = STEPS,
+) -> Run:
     """Seed, build, train ``steps`` optimizer steps; collect ScaleMonitor's warnings."""
     pl.seed_everything(0, verbose=False)
     module = make_module()
@@ -407,7 +414,9 @@ def test_untraceable_model_is_tracked_through_dynamo(tmp_path: Any) -> None:
 
 @pytest.mark.parametrize("mode", ["fx", "dynamo"])
 @pytest.mark.parametrize("net", [Teacher, AutocastRegion], ids=["no_grad", "autocast"])
-def test_grad_and_autocast_switches_inside_forward_are_kept(tmp_path: Any, net: Callable[[], nn.Module], mode: str) -> None:
+def test_grad_and_autocast_switches_inside_forward_are_kept(
+    tmp_path: Any, net: Callable[[], nn.Module], mode: str
+) -> None:
     # An fx graph records neither switch: the module holding one must run as a leaf.
     run, monitor = train_both(tmp_path, lambda: Net(net()), dense(8), capture=mode, figure=False)
     assert modes(monitor) == [mode]
@@ -527,7 +536,14 @@ def test_dynamo_fits_of_one_class_stay_tracked_and_free_their_models(tmp_path: A
             modules.append(Net(Dropouts()))  # noqa: B023, F821
             return modules[-1]  # noqa: B023, F821
 
-        run = fit(tmp_path, f"fit{i}", make, dense(8), [ScaleMonitor(every_n_steps=1, capture="dynamo", figure=False)], steps=1)
+        run = fit(
+            tmp_path,
+            f"fit{i}",
+            make,
+            dense(8),
+            [ScaleMonitor(every_n_steps=1, capture="dynamo", figure=False)],
+            steps=1,
+        )
         assert run.warnings == [] and scale_tags(run, steps=1), i
         alive.append(weakref.ref(modules[0]))
         del run, modules
@@ -642,7 +658,13 @@ class Failing(Net):
 
 @pytest.mark.parametrize(
     "where,mode",
-    [("training_step", "fx"), ("training_step", "dynamo"), ("backward", "fx"), ("backward", "dynamo"), ("forward", "auto")],
+    [
+        ("training_step", "fx"),
+        ("training_step", "dynamo"),
+        ("backward", "fx"),
+        ("backward", "dynamo"),
+        ("forward", "auto"),
+    ],
 )
 def test_user_exception_in_tracked_step_surfaces_and_leaves_no_trace(tmp_path: Any, where: str, mode: str) -> None:
     monitor = ScaleMonitor(every_n_steps=1, capture=mode, figure=False)  # type: ignore[arg-type]
@@ -696,7 +718,9 @@ NONFINITE_STATS = ["std", "nan", "inf"]
 
 @pytest.mark.parametrize("mode", ["fx", "dynamo"])
 def test_inf_in_forward_counted_and_warned_only_where_harmful(tmp_path: Any, mode: str) -> None:
-    run, _ = train_both(tmp_path, lambda: PoisonAtStep1(Poisoned()), dense(8), statistics=NONFINITE_STATS, capture=mode, figure=False)
+    run, _ = train_both(
+        tmp_path, lambda: PoisonAtStep1(Poisoned()), dense(8), statistics=NONFINITE_STATS, capture=mode, figure=False
+    )
     scalars = run.scalars()
     mul = "net/mul"
     assert scalars[f"inf/fwd/{mul}"] == {0: 0.0, 1: BATCH * 8, 2: 0.0}
@@ -706,8 +730,10 @@ def test_inf_in_forward_counted_and_warned_only_where_harmful(tmp_path: Any, mod
     # Per node, where it first appears: the forward Inf is absorbed by tanh (counted, not
     # warned); the NaN gradient is; the NaN update then reaches the parameters at step 2.
     assert firsts(run.warnings) == [
-        ("backward", 1, "net.fc1/linear"), ("forward", 2, "net.fc1.weight"), ("backward", 2, "net.fc2/linear"),
-    ], run.warnings  # fmt: skip
+        ("backward", 1, "net.fc1/linear"),
+        ("forward", 2, "net.fc1.weight"),
+        ("backward", 2, "net.fc2/linear"),
+    ], run.warnings
 
 
 class MaskAcrossBreak(nn.Module):
@@ -734,14 +760,24 @@ class PoisonOutputAtStep1(Net):
 
 
 def test_inf_across_a_graph_break_is_judged_by_the_next_graph(tmp_path: Any) -> None:
-    run, monitor = train_both(tmp_path, lambda: Net(MaskAcrossBreak()), dense(8), statistics=NONFINITE_STATS, figure=False)
+    run, monitor = train_both(
+        tmp_path, lambda: Net(MaskAcrossBreak()), dense(8), statistics=NONFINITE_STATS, figure=False
+    )
     assert modes(monitor) == ["dynamo"]
     inf = run.scalars()["inf/fwd/net/masked_fill"]
     assert inf[0] > 0 and set(inf) == set(range(STEPS))  # counted at every step ...
     assert not firsts(run.warnings), run.warnings  # ... never warned: the softmax absorbs it
-    run, _ = train_both(tmp_path / "poisoned", lambda: PoisonOutputAtStep1(MaskAcrossBreak()), dense(8), statistics=NONFINITE_STATS, figure=False)
+    run, _ = train_both(
+        tmp_path / "poisoned",
+        lambda: PoisonOutputAtStep1(MaskAcrossBreak()),
+        dense(8),
+        statistics=NONFINITE_STATS,
+        figure=False,
+    )
     forward = [w for w in firsts(run.warnings) if w[0] == "forward"]
-    assert forward and forward[0][1] == 1 and forward[0][2] != "net/masked_fill", run.warnings  # the output's Inf, not the mask's
+    assert forward and forward[0][1] == 1 and forward[0][2] != "net/masked_fill", (
+        run.warnings
+    )  # the output's Inf, not the mask's
 
 
 def nan_inputs() -> DataLoader:
@@ -758,7 +794,9 @@ def test_nan_inputs_counted_and_warned_where_they_first_appear(tmp_path: Any) ->
     # three rows hold a NaN: every feature of those rows is NaN after fc1
     assert scalars["nan/fwd/net.fc1/linear"][1] == 3 * 32
     assert firsts(run.warnings)[0] == ("forward", 1, "x"), run.warnings
-    assert [w for w in firsts(run.warnings) if w[1] == 1] == [("forward", 1, "x"), ("backward", 1, "net.fc2/linear")], run.warnings
+    assert [w for w in firsts(run.warnings) if w[1] == 1] == [("forward", 1, "x"), ("backward", 1, "net.fc2/linear")], (
+        run.warnings
+    )
 
 
 def firsts(warnings: List[str]) -> List[Tuple[str, int, str]]:
@@ -782,7 +820,9 @@ class Probe(pl.Callback):
         self.at = set(at)
         self.seen: Dict[int, Tuple[int, int]] = {}
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step in self.at:
             for cb in trainer.callbacks:  # the writer thread holds a step's host copy until written
                 if isinstance(cb, ScaleMonitor):
@@ -865,7 +905,9 @@ def test_attribute_written_in_forward_routes_auto_to_dynamo(tmp_path: Any) -> No
     assert "net.aux_loss` assigned in forward at" in cap.reason and "test_reliability.py" in cap.reason
     assert isinstance(run.module.net.aux_loss, Tensor) and not isinstance(run.module.net.aux_loss, torch.fx.Proxy)
     model = AuxRouter()
-    with pytest.raises(CaptureError, match=r"forward writes module state \(`aux_loss` assigned in forward at .*test_reliability.py"):
+    with pytest.raises(
+        CaptureError, match=r"forward writes module state \(`aux_loss` assigned in forward at .*test_reliability.py"
+    ):
         capture(model, "fx")
     assert model.aux_loss is None  # nothing of the trace stays on the module
 
@@ -912,7 +954,9 @@ class CheckpointedDropout(nn.Module):
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_checkpointed_dropout_under_dynamo_trains_bit_identically(tmp_path: Any, reentrant: bool) -> None:
-    run, monitor = train_both(tmp_path, lambda: Net(CheckpointedDropout(reentrant)), dense(8), capture="dynamo", figure=False)
+    run, monitor = train_both(
+        tmp_path, lambda: Net(CheckpointedDropout(reentrant)), dense(8), capture="dynamo", figure=False
+    )
     assert run.warnings == []
     labels = next(iter(monitor._captures.values())).node_labels
     assert {"net.blocks.0.0/linear", "net.blocks.1.0/linear", "net.blocks.1.1/dropout"} <= set(labels)
@@ -929,7 +973,13 @@ class CompiledStep(Net):
 
 
 def test_recorder_is_opaque_to_the_users_compile(tmp_path: Any) -> None:
-    run, _ = train_both(tmp_path, lambda: CompiledStep(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))), dense(8), capture="fx", figure=False)
+    run, _ = train_both(
+        tmp_path,
+        lambda: CompiledStep(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))),
+        dense(8),
+        capture="fx",
+        figure=False,
+    )
     assert run.warnings == []
     assert any(tag.startswith("scale/") for tag in run.scalars())
     counters = torch._dynamo.utils.counters

@@ -23,7 +23,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_scale import ScaleMonitor
 from lightning_scale.report.worker import Worker
 
-pytestmark = pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning", "ignore:.*LeafSpec.*:FutureWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::lightning.fabric.utilities.warnings.PossibleUserWarning", "ignore:.*LeafSpec.*:FutureWarning"
+)
 
 
 class MLP(pl.LightningModule):
@@ -60,7 +62,13 @@ def loader() -> DataLoader:
 
 def trainer(tmp_path: Path, callbacks: List[Any], logger: Any = None, **kwargs: Any) -> pl.Trainer:
     logger = TensorBoardLogger(str(tmp_path), name="", version="") if logger is None else logger
-    opts: Dict[str, Any] = dict(accelerator="cpu", logger=logger, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    opts: Dict[str, Any] = dict(
+        accelerator="cpu",
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return pl.Trainer(default_root_dir=str(tmp_path), callbacks=callbacks, **{**opts, **kwargs})
 
 
@@ -102,7 +110,15 @@ def test_overfit_and_limited_batches_with_validation_tracking(tmp_path: Path) ->
 
 def test_limit_batches_then_validate_test_predict(tmp_path: Path) -> None:
     mon, model = monitor(track_validation=True), MLP()
-    t = trainer(tmp_path, [mon], max_epochs=1, limit_train_batches=3, limit_val_batches=2, limit_test_batches=1, limit_predict_batches=1)
+    t = trainer(
+        tmp_path,
+        [mon],
+        max_epochs=1,
+        limit_train_batches=3,
+        limit_val_batches=2,
+        limit_test_batches=1,
+        limit_predict_batches=1,
+    )
     t.fit(model, loader(), loader())
     t.validate(model, loader())
     t.test(model, loader())
@@ -113,8 +129,15 @@ def test_limit_batches_then_validate_test_predict(tmp_path: Path) -> None:
     assert "forward" not in model.__dict__ and "forward" not in model.net.__dict__
 
 
-def test_dummy_logger_beside_a_real_one_and_no_logger_off_rank_zero(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    t = trainer(tmp_path, [monitor()], logger=[DummyLogger(), TensorBoardLogger(str(tmp_path), name="", version="")], max_steps=2)
+def test_dummy_logger_beside_a_real_one_and_no_logger_off_rank_zero(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t = trainer(
+        tmp_path,
+        [monitor()],
+        logger=[DummyLogger(), TensorBoardLogger(str(tmp_path), name="", version="")],
+        max_steps=2,
+    )
     t.fit(MLP(), loader())
     assert steps(tmp_path, "scale/fwd/net.0/linear") == [0, 1]
     # Another rank: no logger at all is fine there, only rank zero writes.

@@ -134,7 +134,9 @@ def measure(
     elements = sum(n for n, _ in by_param.values())
     covered = sum(n for n, hit in by_param.values() if hit)
     modules = [
-        (strip_compiled(path), m) for path, m in root.named_modules() if path and not isinstance(m, _CONTAINERS) and "_orig_mod" not in path.split(".")[-1:]
+        (strip_compiled(path), m)
+        for path, m in root.named_modules()
+        if path and not isinstance(m, _CONTAINERS) and "_orig_mod" not in path.split(".")[-1:]
     ]
     opaque = {c: [p for p, _ in modules if p.startswith(c + ".")] for c in compiled}
     hidden = {p for inside in opaque.values() for p in inside}
@@ -143,7 +145,14 @@ def measure(
     bare = [(path, m) for path, m in modules if (path, m) not in missing and _bare(path, m, labels, inside_leaf)]
     named = _largest(missing, why, largest) + _largest(bare, lambda p: "its parameters have no records", largest)
     opaque_calls = {c: len(inside) for c, inside in opaque.items() if inside}
-    return CoverageReport(elements, covered, len(modules), len(modules) - len(missing), sorted(named, key=lambda t: -t[1])[:largest], opaque_calls)
+    return CoverageReport(
+        elements,
+        covered,
+        len(modules),
+        len(modules) - len(missing),
+        sorted(named, key=lambda t: -t[1])[:largest],
+        opaque_calls,
+    )
 
 
 def _bare(path: str, m: nn.Module, labels: Set[str], inside_leaf: Callable[[str], bool]) -> bool:

@@ -40,7 +40,11 @@ __all__ = ["WeakBackend", "opaque_compiled", "opaque_module_paths", "tracked_for
 # allow_rnn: without it dynamo skips every frame that holds an RNN, GRU or LSTM (nothing of
 # a recurrent LM is recorded); with it, the RNN call itself still runs eagerly, recorded
 # at its output (``opaque_compiled``).
-_CONFIG = {k: v for k, v in (("nested_graph_breaks", True), ("trace_numpy", False), ("allow_rnn", True)) if hasattr(torch._dynamo.config, k)}
+_CONFIG = {
+    k: v
+    for k, v in (("nested_graph_breaks", True), ("trace_numpy", False), ("allow_rnn", True))
+    if hasattr(torch._dynamo.config, k)
+}
 MODULE_KEY = "<module>"  # label-dict key prefix of module outputs (no graph node of their own)
 COMPILED_KEY = "<compiled>"  # key prefix of compiled submodules' outputs (recorded, not a node)
 
@@ -127,7 +131,13 @@ def _table(cap: "Capture", graph: frames.FrameGraph, scope: Tuple[str, ...]) -> 
     for root, path, node in graph.outputs:
         full = ".".join(p for p in (where.get(root, scope[0]) if root else scope[0], path) if p)
         source = table.get(node)
-        if source is None or full in ("", scope[0]) or full in cap._labeller or full in cap.aliases or any(full in t.values() for t in cap.labels):
+        if (
+            source is None
+            or full in ("", scope[0])
+            or full in cap._labeller
+            or full in cap.aliases
+            or any(full in t.values() for t in cap.labels)
+        ):
             continue
         aliases[full] = aliases.get(source, source)
         listed[MODULE_KEY + full] = full
@@ -223,7 +233,9 @@ def _dynamo_settings() -> Iterator[None]:
     originals = {name: vars(nn.Module)[name] for name in _HOOK_METHODS}
     with warnings.catch_warnings(), torch._dynamo.config.patch(**_CONFIG):
         for message in _DYNAMO_WARNINGS:
-            warnings.filterwarnings("ignore", message=re.escape(message), category=UserWarning, module=r"torch\._dynamo")
+            warnings.filterwarnings(
+                "ignore", message=re.escape(message), category=UserWarning, module=r"torch\._dynamo"
+            )
         for name, fn in _EAGER_HOOK_METHODS.items():
             setattr(nn.Module, name, fn)
         try:

@@ -164,7 +164,9 @@ def _gradients(root: nn.Module, out: Any) -> Dict[str, Any]:
     if not outputs or not named or not torch.is_grad_enabled():
         return {}
     try:
-        grads = torch.autograd.grad(outputs, [p for _, p in named], [torch.ones_like(o) for o in outputs], allow_unused=True)
+        grads = torch.autograd.grad(
+            outputs, [p for _, p in named], [torch.ones_like(o) for o in outputs], allow_unused=True
+        )
     except RuntimeError as err:  # reentrant checkpointing refuses `autograd.grad`
         raise _NoGradients(str(err)) from err
     return {n: g for (n, _), g in zip(named, grads) if g is not None}
@@ -186,7 +188,9 @@ def _all_differences(expected: _Run, actual: _Run) -> List[_Difference]:
     each ``torch.equal`` would be a read of its own)."""
     if _all_equal(expected, actual):
         return []
-    return [d for kind, a, b in zip(("output", "buffer", "gradient of"), expected, actual) for d in _differences(a, b, kind)]
+    return [
+        d for kind, a, b in zip(("output", "buffer", "gradient of"), expected, actual) for d in _differences(a, b, kind)
+    ]
 
 
 def _all_equal(expected: _Run, actual: _Run) -> bool:
@@ -202,7 +206,9 @@ def _all_equal(expected: _Run, actual: _Run) -> bool:
             elif x.dtype != y.dtype or x.shape != y.shape or x.device != y.device:
                 return False
             else:
-                same = (x == y) | (torch.isnan(x) & torch.isnan(y)) if x.is_floating_point() or x.is_complex() else x == y
+                same = (
+                    (x == y) | (torch.isnan(x) & torch.isnan(y)) if x.is_floating_point() or x.is_complex() else x == y
+                )
                 flags.setdefault(x.device, []).append(same.all().reshape(1))
     return all(bool(torch.cat(f).all()) for f in flags.values())  # (one read per device)
 
@@ -210,7 +216,9 @@ def _all_equal(expected: _Run, actual: _Run) -> bool:
 class _Reference:
     """The eager forward's outputs, buffers and gradients on the step's inputs; state put back."""
 
-    def __init__(self, root: nn.Module, eager: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    def __init__(
+        self, root: nn.Module, eager: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+    ) -> None:
         self.root, self.eager, self.args, self.kwargs = root, eager, args, kwargs
         self.state = Snapshot(root)
         self._noise: Optional[Dict[str, float]] = None

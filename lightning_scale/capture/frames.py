@@ -150,7 +150,9 @@ def _placeholder_site(node: fx.Node) -> Optional[NodeSite]:
     return NodeSite(node.name, None, "", name, "")
 
 
-def node_sites(gm: fx.GraphModule, op_name: Callable[[fx.Node], str], prefix: str = "", resume: bool = False) -> List[NodeSite]:
+def node_sites(
+    gm: fx.GraphModule, op_name: Callable[[fx.Node], str], prefix: str = "", resume: bool = False
+) -> List[NodeSite]:
     """Sites of the tensor nodes of ``gm`` (node names prefixed for checkpoint bodies);
     a resume frame's inputs were recorded where they were produced, before the break."""
     sites = []
@@ -159,7 +161,11 @@ def node_sites(gm: fx.GraphModule, op_name: Callable[[fx.Node], str], prefix: st
             continue
         if node.op == "placeholder":
             value = node.meta.get("example_value", node.meta.get("grapharg"))
-            tensor = value is None or isinstance(value, torch.Tensor) or isinstance(getattr(value, "example", None), torch.Tensor)
+            tensor = (
+                value is None
+                or isinstance(value, torch.Tensor)
+                or isinstance(getattr(value, "example", None), torch.Tensor)
+            )
             site = None if prefix or not tensor else _placeholder_site(node)
             site = None if site is None or (resume and not site.is_attr) else site
         elif isinstance(node.meta.get("example_value"), torch.Tensor) or prefix:
@@ -209,7 +215,9 @@ def module_outputs(
     return out
 
 
-def exact_checkpoints(gm: fx.GraphModule, instrument_body: Callable[[fx.GraphModule, str], Callable[..., Any]]) -> List[Tuple[str, fx.GraphModule]]:
+def exact_checkpoints(
+    gm: fx.GraphModule, instrument_body: Callable[[fx.GraphModule, str], Callable[..., Any]]
+) -> List[Tuple[str, fx.GraphModule]]:
     """Route dynamo's checkpoint nodes through ``exact_checkpoint`` with instrumented bodies."""
     bodies = []
     for node in gm.graph.nodes:
@@ -259,7 +267,9 @@ def scope_of(
     return (owner, *(anchored.get(r, paths.get(id(local.get(r)), owner)) for r in roots))
 
 
-def anchored_roots(anchors: Dict[str, Tuple[int, str]], args: Tuple[Any, ...], tensors: Dict[int, List[str]]) -> Dict[str, str]:
+def anchored_roots(
+    anchors: Dict[str, Tuple[int, str]], args: Tuple[Any, ...], tensors: Dict[int, List[str]]
+) -> Dict[str, str]:
     """root local -> module path, from the full names of the parameters passed in
     (a tied weight has several: the one that ends with the graph's relative path)."""
     out = {}

@@ -87,7 +87,10 @@ class Capture:
 
     def _tensor_paths(self) -> Dict[int, List[str]]:
         if self._tensor_names is None:
-            named = [*self.module.named_parameters(remove_duplicate=False), *self.module.named_buffers(remove_duplicate=False)]
+            named = [
+                *self.module.named_parameters(remove_duplicate=False),
+                *self.module.named_buffers(remove_duplicate=False),
+            ]
             self._tensor_names = {}
             for name, t in named:
                 self._tensor_names.setdefault(id(t), []).append(frames.strip_compiled(name))
@@ -142,7 +145,9 @@ class Capture:
 
     def _opaque_rnns(self) -> List[str]:
         """RNN modules dynamo runs eagerly and ``opaque_modules`` records at their output."""
-        return [p for p in opaque_module_paths(self) if p not in self._opaque_compiled()] if self.mode == "dynamo" else []
+        return (
+            [p for p in opaque_module_paths(self) if p not in self._opaque_compiled()] if self.mode == "dynamo" else []
+        )
 
     def _opaque_compiled(self) -> List[str]:
         compiled = torch._dynamo.eval_frame.OptimizedModule
@@ -260,7 +265,11 @@ def _add_units(
 
 
 def _with_module_outputs(
-    gm: fx.GraphModule, labels: Dict[str, str], aliases: Dict[str, str], passthrough: Optional[Dict[str, str]] = None, scope: str = ""
+    gm: fx.GraphModule,
+    labels: Dict[str, str],
+    aliases: Dict[str, str],
+    passthrough: Optional[Dict[str, str]] = None,
+    scope: str = "",
 ) -> Dict[str, str]:
     """``labels`` plus, after each module's last node, the module's path as an alias of
     that node (``fc1`` -> ``fc1/linear``): a layer's output is found by its name. A leaf

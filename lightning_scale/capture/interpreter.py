@@ -67,11 +67,15 @@ class ScaleTrackingInterpreter(fx.Interpreter):
         ['input_1', 'weight', 'bias', 'linear', 'output']
     """
 
-    def __init__(self, module: fx.GraphModule, groups: Sequence[str] = ("moments", "range"), host_reads: Optional[bool] = None) -> None:
+    def __init__(
+        self, module: fx.GraphModule, groups: Sequence[str] = ("moments", "range"), host_reads: Optional[bool] = None
+    ) -> None:
         super().__init__(module)
         self.recorder = Recorder(groups, host_reads)
 
-    def run(self, *args: Any, initial_env: Optional[Dict[fx.Node, Any]] = None, enable_io_processing: bool = True) -> Any:
+    def run(
+        self, *args: Any, initial_env: Optional[Dict[fx.Node, Any]] = None, enable_io_processing: bool = True
+    ) -> Any:
         """Run the graph; the records of an earlier run are dropped, as the reference's."""
         self.recorder.clear()
         return super().run(*args, initial_env=initial_env, enable_io_processing=enable_io_processing)

@@ -18,7 +18,6 @@ from torch import fx, nn
 __all__ = ["label_graph", "view_aliases"]
 
 
-
 def _op_name(node: fx.Node, root: Optional[nn.Module]) -> str:
     if node.op == "call_module" and root is not None:
         return _module_type(root.get_submodule(str(node.target))).__name__.lower()
@@ -71,6 +70,7 @@ def _placeholder_name(target: str) -> str:
 def _base_label(node: fx.Node, root: Optional[nn.Module], scope: str) -> str:
     """``path/op`` for ops, the attribute path for parameters, the name for inputs;
     ``scope`` is the path of the module the graph belongs to inside the captured one."""
+
     def under(path: str) -> str:
         return ".".join(p for p in (scope, path) if p)
 
@@ -131,13 +131,32 @@ def label_graph(
 
 
 _VIEW_METHODS = {
-    "view", "reshape", "transpose", "permute", "contiguous", "flatten", "unflatten",
-    "squeeze", "unsqueeze", "t", "view_as", "reshape_as", "swapaxes", "mT",
-}  # fmt: skip
+    "view",
+    "reshape",
+    "transpose",
+    "permute",
+    "contiguous",
+    "flatten",
+    "unflatten",
+    "squeeze",
+    "unsqueeze",
+    "t",
+    "view_as",
+    "reshape_as",
+    "swapaxes",
+    "mT",
+}
 _VIEW_FUNCTIONS = {
-    torch.reshape, torch.transpose, torch.permute, torch.flatten, torch.squeeze,
-    torch.unsqueeze, torch.t, torch.swapaxes, torch.unflatten,
-}  # fmt: skip
+    torch.reshape,
+    torch.transpose,
+    torch.permute,
+    torch.flatten,
+    torch.squeeze,
+    torch.unsqueeze,
+    torch.t,
+    torch.swapaxes,
+    torch.unflatten,
+}
 
 
 def view_aliases(gm: fx.GraphModule, labels: Dict[str, str]) -> Dict[str, str]:

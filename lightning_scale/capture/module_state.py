@@ -85,7 +85,12 @@ def guarded(root: nn.Module) -> Iterator[List[Write]]:
 
 
 def _restore(
-    m: nn.Module, attrs: Dict[str, Any], slots: List[Dict[str, Any]], writes: List[Write], paths: Dict[int, str], ignored: Set[Tuple[str, str]]
+    m: nn.Module,
+    attrs: Dict[str, Any],
+    slots: List[Dict[str, Any]],
+    writes: List[Write],
+    paths: Dict[int, str],
+    ignored: Set[Tuple[str, str]],
 ) -> None:
     # Identity, not equality: values are tensors and proxies.
     changed = [k for k in set(m.__dict__) | set(attrs) if m.__dict__.get(k, _GONE) is not attrs.get(k, _GONE)]
@@ -129,12 +134,16 @@ class Snapshot:
                     t.copy_(value)
 
 
-def _module_state(m: nn.Module) -> Tuple[nn.Module, Dict[str, Any], List[Tuple[Any, Any]], List[Tuple[torch.Tensor, torch.Tensor]]]:
+def _module_state(
+    m: nn.Module,
+) -> Tuple[nn.Module, Dict[str, Any], List[Tuple[Any, Any]], List[Tuple[torch.Tensor, torch.Tensor]]]:
     attrs = dict(m.__dict__)
     # containers (``_buffers``, ``_forward_hooks``, user lists) are refilled in place
     contents = [(v, _copy_of(v)) for v in attrs.values() if isinstance(v, _CONTAINERS)]
     values = [*m._buffers.values(), *(v for v in attrs.values() if type(v) is torch.Tensor)]
-    tensors = [(t, t.detach().clone()) for t in values if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
+    tensors = [
+        (t, t.detach().clone()) for t in values if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
+    ]
     return m, attrs, contents, tensors
 
 
@@ -171,7 +180,12 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
         sys.modules["numpy"].random.set_state(state["numpy"])
 
 
-_RNG_NAMES = {"torch": "torch's CPU generator", "cuda": "torch's CUDA generators", "numpy": "numpy's generator", "random": "Python's `random`"}
+_RNG_NAMES = {
+    "torch": "torch's CPU generator",
+    "cuda": "torch's CUDA generators",
+    "numpy": "numpy's generator",
+    "random": "Python's `random`",
+}
 
 
 def _same(a: Any, b: Any) -> bool:

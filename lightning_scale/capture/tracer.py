@@ -39,7 +39,6 @@ DEFAULT_LEAF_TYPES: Tuple[Type[nn.Module], ...] = (
 )
 
 
-
 class DeepTracer(fx.Tracer):
     """An fx tracer that recurses into every submodule, with a per-submodule fallback.
 
@@ -83,7 +82,9 @@ class DeepTracer(fx.Tracer):
             return True
         return isinstance(m, self.leaf_types)
 
-    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    def call_module(
+        self, m: nn.Module, forward: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+    ) -> Any:
         name = self.path_of_module(m)
         if self.is_leaf_module(m, name):
             if name not in self.leaves:
@@ -137,7 +138,9 @@ class DeepTracer(fx.Tracer):
             )
         return super().create_node(kind, target, *args, **kwargs)
 
-    def trace(self, root: Union[nn.Module, Callable[..., Any]], concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
+    def trace(
+        self, root: Union[nn.Module, Callable[..., Any]], concrete_args: Optional[Dict[str, Any]] = None
+    ) -> fx.Graph:
         self._modes = _grad_modes()
         graph = super().trace(root, concrete_args)
         if getattr(graph, "_tracer_extras", None) is None:
@@ -167,7 +170,9 @@ def trace_module(module: nn.Module, tracer: DeepTracer) -> fx.GraphModule:
         graph = tracer.trace(module)
         gm = fx.GraphModule(module, graph)
     if drawn:  # ops on concrete values ran while tracing: the graph holds their one result
-        raise SideEffectError(f"forward draws from {' and '.join(drawn)} outside the traced ops; a graph would repeat one draw on every step")
+        raise SideEffectError(
+            f"forward draws from {' and '.join(drawn)} outside the traced ops; a graph would repeat one draw on every step"
+        )
     if writes:
         where = ", ".join(str(w) for w in writes[:3])
         raise SideEffectError(f"forward writes module state ({where}), which a graph does not replay")

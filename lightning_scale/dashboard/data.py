@@ -54,13 +54,19 @@ class RunData:
         """The logged value, NaN where none."""
         if stat not in self.stats or label not in self.labels or step not in self.steps:
             return math.nan
-        return float(self.values[self.steps.index(step), self.labels.index(label), DIRS.index(d), self.stats.index(stat)])
+        return float(
+            self.values[self.steps.index(step), self.labels.index(label), DIRS.index(d), self.stats.index(stat)]
+        )
 
 
-def of_series(labels: Sequence[str], parameters: Set[str], series: Dict[str, Dict[str, Dict[str, Dict[int, float]]]], **extra: Any) -> RunData:
+def of_series(
+    labels: Sequence[str], parameters: Set[str], series: Dict[str, Dict[str, Dict[str, Dict[int, float]]]], **extra: Any
+) -> RunData:
     """A ``RunData`` from ``{stat: {dir: {label: {step: value}}}}``."""
     stats = sorted(series)
-    steps = sorted({s for per_dir in series.values() for per_label in per_dir.values() for v in per_label.values() for s in v})
+    steps = sorted(
+        {s for per_dir in series.values() for per_label in per_dir.values() for v in per_label.values() for s in v}
+    )
     values = np.full((len(steps), len(labels), 2, len(stats)), math.nan)
     where_step, where_label = {s: t for t, s in enumerate(steps)}, {l: i for i, l in enumerate(labels)}
     for k, stat in enumerate(stats):
@@ -86,21 +92,35 @@ def _read_tensors(provider: Any, ctx: Any, eid: str, run: str, tags: List[str]) 
 
     if not tags:
         return {}
-    data = provider.read_tensors(ctx, experiment_id=eid, plugin_name=metadata.PLUGIN_NAME, downsample=_DOWNSAMPLE, run_tag_filter=RunTagFilter(runs=[run], tags=tags))
+    data = provider.read_tensors(
+        ctx,
+        experiment_id=eid,
+        plugin_name=metadata.PLUGIN_NAME,
+        downsample=_DOWNSAMPLE,
+        run_tag_filter=RunTagFilter(runs=[run], tags=tags),
+    )
     return data.get(run, {})
 
 
 def _listing(provider: Any, ctx: Any, eid: str, run: str) -> List[str]:
     from tensorboard.data.provider import RunTagFilter
 
-    return list(provider.list_tensors(ctx, experiment_id=eid, plugin_name=metadata.PLUGIN_NAME, run_tag_filter=RunTagFilter(runs=[run])).get(run, {}))
+    return list(
+        provider.list_tensors(
+            ctx, experiment_id=eid, plugin_name=metadata.PLUGIN_NAME, run_tag_filter=RunTagFilter(runs=[run])
+        ).get(run, {})
+    )
 
 
-def _node_docs(provider: Any, ctx: Any, eid: str, run: str, tags: List[str]) -> Dict[str, List[Tuple[int, Dict[str, Any]]]]:
+def _node_docs(
+    provider: Any, ctx: Any, eid: str, run: str, tags: List[str]
+) -> Dict[str, List[Tuple[int, Dict[str, Any]]]]:
     """``{prefix: [(step, node list document), ...]}`` by step."""
     out: Dict[str, List[Tuple[int, Dict[str, Any]]]] = {}
     for tag, datums in _read_tensors(provider, ctx, eid, run, [t for t in tags if t.endswith(metadata.TAG)]).items():
-        out[tag[: -len(metadata.TAG)]] = sorted(((d.step, metadata.decode(d.numpy)) for d in datums), key=lambda p: p[0])
+        out[tag[: -len(metadata.TAG)]] = sorted(
+            ((d.step, metadata.decode(d.numpy)) for d in datums), key=lambda p: p[0]
+        )
     return out
 
 
@@ -109,7 +129,9 @@ def list_runs(provider: Any, ctx: Any, eid: str) -> Dict[str, List[str]]:
     from tensorboard.data.provider import RunTagFilter
 
     out: Dict[str, Set[str]] = {}
-    for run, tags in provider.list_tensors(ctx, experiment_id=eid, plugin_name=metadata.PLUGIN_NAME, run_tag_filter=RunTagFilter()).items():
+    for run, tags in provider.list_tensors(
+        ctx, experiment_id=eid, plugin_name=metadata.PLUGIN_NAME, run_tag_filter=RunTagFilter()
+    ).items():
         out.setdefault(run, set()).update(t[: -len(metadata.TAG)] for t in tags if t.endswith(metadata.TAG))
     for run, tags in provider.list_scalars(ctx, experiment_id=eid, plugin_name="scalars").items():
         for tag in tags:
@@ -130,11 +152,17 @@ def fingerprint(provider: Any, ctx: Any, eid: str, run: str) -> tuple:
     from tensorboard.data.provider import RunTagFilter
 
     def summary(lister: Any, plugin: str) -> Tuple[int, int, float]:
-        series = lister(ctx, experiment_id=eid, plugin_name=plugin, run_tag_filter=RunTagFilter(runs=[run])).get(run, {})
+        series = lister(ctx, experiment_id=eid, plugin_name=plugin, run_tag_filter=RunTagFilter(runs=[run])).get(
+            run, {}
+        )
         if plugin == metadata.PLUGIN_NAME:
             has_records[0] = any(metadata.RECORDS in tag for tag in series)
         values = series.values()
-        return len(values), max((s.max_step for s in values), default=-1), max((s.max_wall_time for s in values), default=0.0)
+        return (
+            len(values),
+            max((s.max_step for s in values), default=-1),
+            max((s.max_wall_time for s in values), default=0.0),
+        )
 
     has_records = [False]
     out = [summary(provider.list_tensors, metadata.PLUGIN_NAME), summary(provider.list_tensors, "text")]
@@ -188,7 +216,11 @@ def _from_records(docs: List[Tuple[int, Dict[str, Any]]], read: Dict[str, Any], 
 def _scalar_tags(provider: Any, ctx: Any, eid: str, run: str) -> List[str]:
     from tensorboard.data.provider import RunTagFilter
 
-    return list(provider.list_scalars(ctx, experiment_id=eid, plugin_name="scalars", run_tag_filter=RunTagFilter(runs=[run])).get(run, {}))
+    return list(
+        provider.list_scalars(
+            ctx, experiment_id=eid, plugin_name="scalars", run_tag_filter=RunTagFilter(runs=[run])
+        ).get(run, {})
+    )
 
 
 def _read_scalars(provider: Any, ctx: Any, eid: str, run: str, tags: List[str]) -> Dict[str, Dict[int, float]]:
@@ -196,11 +228,26 @@ def _read_scalars(provider: Any, ctx: Any, eid: str, run: str, tags: List[str]) 
 
     if not tags:
         return {}
-    read = provider.read_scalars(ctx, experiment_id=eid, plugin_name="scalars", downsample=_DOWNSAMPLE, run_tag_filter=RunTagFilter(runs=[run], tags=tags))
+    read = provider.read_scalars(
+        ctx,
+        experiment_id=eid,
+        plugin_name="scalars",
+        downsample=_DOWNSAMPLE,
+        run_tag_filter=RunTagFilter(runs=[run], tags=tags),
+    )
     return {tag: {d.step: d.value for d in datums} for tag, datums in read.get(run, {}).items()}
 
 
-def _from_scalars(provider: Any, ctx: Any, eid: str, run: str, prefix: str, scalar_tags: List[str], docs: Dict[str, Any], extra: Dict[str, Any]) -> RunData:
+def _from_scalars(
+    provider: Any,
+    ctx: Any,
+    eid: str,
+    run: str,
+    prefix: str,
+    scalar_tags: List[str],
+    docs: Dict[str, Any],
+    extra: Dict[str, Any],
+) -> RunData:
     others = set(docs) | {"val_"}
     parsed = {t: _parse(t, prefix, others) for t in scalar_tags}
     series = _read_scalars(provider, ctx, eid, run, [t for t, p in parsed.items() if p])
@@ -224,7 +271,13 @@ def _code(provider: Any, ctx: Any, eid: str, run: str, prefix: str) -> Dict[int,
     tags = [t for t in listing.get(run, {}) if t.split("/", 1)[0] == f"{prefix}scale_code"]
     if not tags:
         return {}
-    data = provider.read_tensors(ctx, experiment_id=eid, plugin_name="text", downsample=1000, run_tag_filter=RunTagFilter(runs=[run], tags=tags[:1]))
+    data = provider.read_tensors(
+        ctx,
+        experiment_id=eid,
+        plugin_name="text",
+        downsample=1000,
+        run_tag_filter=RunTagFilter(runs=[run], tags=tags[:1]),
+    )
     out = {}
     for datum in data.get(run, {}).get(tags[0], []):
         raw = datum.numpy.flatten()[0] if datum.numpy.size else b""

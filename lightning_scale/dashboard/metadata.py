@@ -35,12 +35,18 @@ def _summary(tag: str, tensor: Any, content: bytes) -> Any:
     from tensorboard.compat.proto.summary_pb2 import DATA_CLASS_TENSOR, Summary, SummaryMetadata
 
     # DATA_CLASS_TENSOR: TensorBoard's data providers serve it through `read_tensors`
-    meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=PLUGIN_NAME, content=content), data_class=DATA_CLASS_TENSOR)
+    meta = SummaryMetadata(
+        plugin_data=SummaryMetadata.PluginData(plugin_name=PLUGIN_NAME, content=content), data_class=DATA_CLASS_TENSOR
+    )
     return Summary(value=[Summary.Value(tag=tag, metadata=meta, tensor=tensor)])
 
 
 def nodes_summary(
-    tag: str, labels: Sequence[str], parameters: Collection[str] = (), statistics: Sequence[str] = (), aliases: Optional[Mapping[str, str]] = None
+    tag: str,
+    labels: Sequence[str],
+    parameters: Collection[str] = (),
+    statistics: Sequence[str] = (),
+    aliases: Optional[Mapping[str, str]] = None,
 ) -> Any:
     """A ``Summary`` holding the node list (execution order), the parameter labels among it,
     the statistics of the records that follow and the aliases among the labels."""
@@ -49,7 +55,13 @@ def nodes_summary(
 
     params, present = set(parameters), set(labels)
     same = {a: s for a, s in (aliases or {}).items() if a in present and s in present}
-    doc = {"version": _VERSION, "labels": list(labels), "parameters": [l for l in labels if l in params], "statistics": list(statistics), "aliases": same}
+    doc = {
+        "version": _VERSION,
+        "labels": list(labels),
+        "parameters": [l for l in labels if l in params],
+        "statistics": list(statistics),
+        "aliases": same,
+    }
     return _summary(tag, tensor_util.make_tensor_proto(np.array(json.dumps(doc).encode(), dtype=object)), b"1")
 
 
@@ -74,7 +86,9 @@ def decode(value: Any) -> Dict[str, Any]:
     except (ValueError, AttributeError) as e:
         raise ValueError(f"not a scales node list: {str(raw)[:80]!r}") from e
     if not isinstance(doc, dict) or doc.get("version") != _VERSION:
-        raise ValueError(f"unsupported scales node list version: {doc.get('version') if isinstance(doc, dict) else doc!r}")
+        raise ValueError(
+            f"unsupported scales node list version: {doc.get('version') if isinstance(doc, dict) else doc!r}"
+        )
     out: Dict[str, Any] = {"labels": list(doc["labels"]), "parameters": list(doc.get("parameters", []))}
     out["statistics"] = list(doc.get("statistics", []))
     out["aliases"] = dict(doc.get("aliases", {}))

@@ -66,8 +66,19 @@ class ScalesPlugin(base_plugin.TBPlugin):
 
     def get_plugin_apps(self) -> Dict[str, Callable[..., Any]]:
         """Routes: the static frontend files and the JSON endpoints."""
-        apps: Dict[str, Callable[..., Any]] = {f"/{p.name}": self._static(p) for p in _STATIC.iterdir() if p.suffix in _TYPES}
-        apps.update({"/runs": self._runs, "/profile": self._profile, "/heatmap": self._heatmap, "/series": self._series, "/worst": self._worst, "/code": self._code})
+        apps: Dict[str, Callable[..., Any]] = {
+            f"/{p.name}": self._static(p) for p in _STATIC.iterdir() if p.suffix in _TYPES
+        }
+        apps.update(
+            {
+                "/runs": self._runs,
+                "/profile": self._profile,
+                "/heatmap": self._heatmap,
+                "/series": self._series,
+                "/worst": self._worst,
+                "/code": self._code,
+            }
+        )
         return apps
 
     def data_plugin_names(self) -> Tuple[str, ...]:
@@ -123,7 +134,9 @@ class ScalesPlugin(base_plugin.TBPlugin):
 
     @wrappers.Request.application
     def _worst(self, request: Request) -> wrappers.Response:
-        return self._respond(request, lambda d, a: tables.worst(d, _int(a, "step"), a.get("by", "fp16"), a.get("regex", "")))
+        return self._respond(
+            request, lambda d, a: tables.worst(d, _int(a, "step"), a.get("by", "fp16"), a.get("regex", ""))
+        )
 
     @wrappers.Request.application
     def _code(self, request: Request) -> wrappers.Response:

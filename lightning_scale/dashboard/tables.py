@@ -112,7 +112,15 @@ def heatmap(data: RunData, stat: str = "std") -> Dict[str, Any]:
     column = data.column(stat)  # [steps, nodes, 2]
     shown = _log2(column) if log else column
     groups = [module_group(label, label in data.parameters) for label in data.labels]
-    out: Dict[str, Any] = {"labels": data.labels, "groups": groups, "steps": data.steps, "params": sorted(data.parameters), "stat": stat, "log2": log, "stats": sorted(data.stats)}
+    out: Dict[str, Any] = {
+        "labels": data.labels,
+        "groups": groups,
+        "steps": data.steps,
+        "params": sorted(data.parameters),
+        "stat": stat,
+        "log2": log,
+        "stats": sorted(data.stats),
+    }
     for d, name in enumerate(DIRS):
         out[name] = _listed(shown[:, :, d].T, 4 if log else None)  # [nodes][steps]
     return out
@@ -153,7 +161,9 @@ def worst(data: RunData, step: Optional[int], by: str = "fp16", pattern: str = "
     if by not in RANKINGS:
         raise ValueError(f"`by` must be one of {list(RANKINGS)}, got {by!r}")
     if by == "fp8" and not any(f"fp8_{fmt}_snr_db" in data.stats for fmt in FP8_RECIPE.values()):
-        raise ValueError("`by=fp8` needs the FP8 what-if logged: ScaleMonitor(statistics=[..., 'fp8_e4m3_snr_db', 'fp8_e5m2_snr_db'])")
+        raise ValueError(
+            "`by=fp8` needs the FP8 what-if logged: ScaleMonitor(statistics=[..., 'fp8_e4m3_snr_db', 'fp8_e5m2_snr_db'])"
+        )
     try:
         match = re.compile(pattern).search
     except re.error as e:
@@ -161,7 +171,14 @@ def worst(data: RunData, step: Optional[int], by: str = "fp16", pattern: str = "
     step = nearest_step(data, step)
     fmt = by if by in FORMATS else "fp16"
     fractions = [k for k in ("underflow", "below_normal", "overflow") if f"{k}_{fmt}" in data.stats]
-    head = {"step": step, "steps": data.steps, "by": by, "format": fmt, "fractions": fractions, "fraction_hint": None if fractions else _fraction_hint(fmt)}
+    head = {
+        "step": step,
+        "steps": data.steps,
+        "by": by,
+        "format": fmt,
+        "fractions": fractions,
+        "fraction_hint": None if fractions else _fraction_hint(fmt),
+    }
     if step is None:
         return {**head, "total": 0, "rows": []}
     rows = _worst_rows(data, data.steps.index(step), fmt, fractions, match)
@@ -181,7 +198,11 @@ def _worst_rows(data: RunData, t: int, fmt: str, fractions: List[str], match: An
     for alias, source in data.aliases.items():
         if source in data.labels and alias in data.labels:
             also.setdefault(source, []).append(alias)
-    at = {k: data.column(k)[t] for k in [f"{k}_{fmt}" for k in fractions] + [f"fp8_{f}_{k}" for f in FP8_RECIPE.values() for k in ("snr_db", "flushed")]}
+    at = {
+        k: data.column(k)[t]
+        for k in [f"{k}_{fmt}" for k in fractions]
+        + [f"fp8_{f}_{k}" for f in FP8_RECIPE.values() for k in ("snr_db", "flushed")]
+    }
     rows = []
     for i, label in enumerate(data.labels):
         if data.aliases.get(label) in also or not any(match(l) for l in [label, *also.get(label, [])]):
@@ -190,13 +211,32 @@ def _worst_rows(data: RunData, t: int, fmt: str, fractions: List[str], match: An
             if math.isnan(std[t, i, d]):
                 continue
             drift = log_std[t, i, d] - log_std[0, i, d]
-            row: Dict[str, Any] = {"label": label, "aliases": also.get(label, []), "dir": name, "param": label in data.parameters}
-            row.update(log2_std=float(log_std[t, i, d]), log2_absmax=float(log_absmax[t, i, d]), under=float(under[t, i, d]), over=float(over[t, i, d]), headroom=float(room[t, i, d]))
-            row.update(drift=float(drift), abs_drift=float(abs(drift)), first_out=data.steps[first[i, d]] if first[i, d] >= 0 else None)
+            row: Dict[str, Any] = {
+                "label": label,
+                "aliases": also.get(label, []),
+                "dir": name,
+                "param": label in data.parameters,
+            }
+            row.update(
+                log2_std=float(log_std[t, i, d]),
+                log2_absmax=float(log_absmax[t, i, d]),
+                under=float(under[t, i, d]),
+                over=float(over[t, i, d]),
+                headroom=float(room[t, i, d]),
+            )
+            row.update(
+                drift=float(drift),
+                abs_drift=float(abs(drift)),
+                first_out=data.steps[first[i, d]] if first[i, d] >= 0 else None,
+            )
             row.update(out_steps=int(out_at[:, i, d].sum()), tracked_steps=int(logged[:, i, d].sum()))
             row.update({k: float(at[f"{k}_{fmt}"][i, d]) for k in fractions})
             fp8 = FP8_RECIPE[name]
-            row.update(fp8_format=fp8, fp8_snr_db=float(at[f"fp8_{fp8}_snr_db"][i, d]), fp8_flushed=float(at[f"fp8_{fp8}_flushed"][i, d]))
+            row.update(
+                fp8_format=fp8,
+                fp8_snr_db=float(at[f"fp8_{fp8}_snr_db"][i, d]),
+                fp8_flushed=float(at[f"fp8_{fp8}_flushed"][i, d]),
+            )
             rows.append(row)
     return rows
 

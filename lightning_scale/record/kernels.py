@@ -73,9 +73,13 @@ def uses_triton(x: Tensor, kernel: Optional[str] = None) -> bool:
         return x.is_cuda and triton_missing() is None and not _interpreted()
     missing = triton_missing()
     if missing is not None:
-        raise RuntimeError(f'`{ENV}=triton` but Triton cannot be imported ({missing}); `pip install triton` or set `{ENV}=auto`')
+        raise RuntimeError(
+            f"`{ENV}=triton` but Triton cannot be imported ({missing}); `pip install triton` or set `{ENV}=auto`"
+        )
     if x.device.type == "cpu" and not _interpreted():
-        raise RuntimeError(f"`{ENV}=triton` on a CPU tensor needs Triton's interpreter: set TRITON_INTERPRET=1 before triton is imported")
+        raise RuntimeError(
+            f"`{ENV}=triton` on a CPU tensor needs Triton's interpreter: set TRITON_INTERPRET=1 before triton is imported"
+        )
     return True
 
 
@@ -99,7 +103,9 @@ def status(device: torch.device, host_reads: Optional[bool] = None) -> str:
     if kernel == "torch":
         return f"device statistics: torch's kernels ({ENV}=torch)"
     missing = triton_missing()
-    fails = f"device statistics: {ENV}=triton will fail: " if kernel == "triton" else "device statistics: torch's kernels "
+    fails = (
+        f"device statistics: {ENV}=triton will fail: " if kernel == "triton" else "device statistics: torch's kernels "
+    )
     if missing is not None:
         return fails + f"(Triton not importable: {missing})"
     interpreted = _interpreted()

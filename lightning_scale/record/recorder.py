@@ -63,7 +63,9 @@ class Recorder:
         self._host_only = True  # every entry so far is a float (host-read records)
         self._previous: Optional[Tuple[Any, int, int]] = None  # (weakref, version, slot)
         self._same: Dict[int, List[int]] = {}  # slot -> slots that returned the same tensor
-        self._grads: Dict[int, Tuple[Any, int, Union[List[stats.Entry], Tensor]]] = {}  # id -> (weakref, version, entry)
+        self._grads: Dict[
+            int, Tuple[Any, int, Union[List[stats.Entry], Tensor]]
+        ] = {}  # id -> (weakref, version, entry)
         self._short = ShortRecords(self.groups)  # host tensors of a few elements: taken together
         self._fast = stats.fast_host_record(self.groups)  # host tensors above them: one read, few steps
         self.error: Optional[BaseException] = None
@@ -158,7 +160,9 @@ class Recorder:
             prev = self.histograms.get((key, direction))
             self.histograms[(key, direction)] = h if prev is None else prev + h
 
-    def records(self, keys: Optional[Sequence[Hashable]] = None, aliases: Optional[Mapping[Hashable, Hashable]] = None) -> Tensor:
+    def records(
+        self, keys: Optional[Sequence[Hashable]] = None, aliases: Optional[Mapping[Hashable, Hashable]] = None
+    ) -> Tensor:
         """One ``[len(keys), 2, len(FIELDS)]`` float64 tensor on the observed device.
 
         Row ``[i, FORWARD]`` is key ``i``'s forward record, ``[i, BACKWARD]`` its
@@ -285,7 +289,10 @@ def _host_reads_from_env() -> Optional[bool]:
 
 @functools.lru_cache(maxsize=16)
 def _placement(
-    own: Tuple[Hashable, ...], keys: Tuple[Hashable, ...], aliases: Tuple[Tuple[Hashable, Hashable], ...], same: Tuple[Tuple[int, Tuple[int, ...]], ...]
+    own: Tuple[Hashable, ...],
+    keys: Tuple[Hashable, ...],
+    aliases: Tuple[Tuple[Hashable, Hashable], ...],
+    same: Tuple[Tuple[int, Tuple[int, ...]], ...],
 ) -> Dict[int, List[int]]:
     """``Recorder._targets`` of a recorder with slot keys ``own`` and ``_same`` items ``same``
     (do not modify the result: it is shared)."""

@@ -36,7 +36,12 @@ _FMT = [_IX[f"{kind}_{fmt}"] for fmt in stats.FORMATS for kind in ("underflow", 
 def batchable(x: Tensor, groups: Collection[str]) -> bool:
     """Whether ``x``'s record may be computed by ``ShortRecords`` (short, not float64, on
     the host, groups that do not depend on the tensor as a whole)."""
-    return 0 < x.numel() <= MAX_ELEMENTS and x.dtype != torch.float64 and x.device.type == "cpu" and _GROUPS.issuperset(groups)
+    return (
+        0 < x.numel() <= MAX_ELEMENTS
+        and x.dtype != torch.float64
+        and x.device.type == "cpu"
+        and _GROUPS.issuperset(groups)
+    )
 
 
 class ShortRecords:
@@ -106,7 +111,9 @@ def records_of_many(values: "np.ndarray", sizes: List[int], groups: Collection[s
     return out.tolist()
 
 
-def _format_fields(a: "np.ndarray", starts: "np.ndarray", sizes: List[int], nan: "np.ndarray", out: "np.ndarray") -> None:
+def _format_fields(
+    a: "np.ndarray", starts: "np.ndarray", sizes: List[int], nan: "np.ndarray", out: "np.ndarray"
+) -> None:
     """zeros, min_nonzero and the format counts into ``out``, from |x| (float32)."""
     bounds = formats._BOUNDS[torch.float32][0]  # noqa: SLF001 - the one definition of the boundaries
     clean = np.where(np.isnan(a), np.float32(0), a)  # NaN joins the zeros' bucket; subtracted below

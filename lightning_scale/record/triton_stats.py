@@ -77,9 +77,22 @@ def _load(x_ptr, offsets, valid, BF16: tl.constexpr):
 
 @triton.jit
 def _tiles_kernel(
-    x_ptr, part_ptr, bounds_ptr, n, M, N, s0, s1, tiles_n, ntiles,
-    BR: tl.constexpr, BC: tl.constexpr, FORMATS: tl.constexpr, PW: tl.constexpr, BF16: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    part_ptr,
+    bounds_ptr,
+    n,
+    M,
+    N,
+    s0,
+    s1,
+    tiles_n,
+    ntiles,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    FORMATS: tl.constexpr,
+    PW: tl.constexpr,
+    BF16: tl.constexpr,
+):
     pid = tl.program_id(0)
     r = tl.arange(0, BR)[:, None]
     c = tl.arange(0, BC)[None, :]
@@ -136,7 +149,9 @@ def _tiles_kernel(
                 u = tl.sum((nonzero & (ab < sub)).to(tl.int32)).to(tl.float64)
                 b = tl.sum((nonzero & (ab < nrm)).to(tl.int32)).to(tl.float64)
                 o = tl.sum((nonzero & (ab > big)).to(tl.int32)).to(tl.float64)
-                got = tl.where(slot == 8 + 3 * f, u, tl.where(slot == 9 + 3 * f, b, tl.where(slot == 10 + 3 * f, o, got)))
+                got = tl.where(
+                    slot == 8 + 3 * f, u, tl.where(slot == 9 + 3 * f, b, tl.where(slot == 10 + 3 * f, o, got))
+                )
         counts += got
     # the partial row: FIELDS slots, with the finite values' count, mean, m2 and max |x| in 0-3
     row = tl.where(slot == 0, cnt, tl.where(slot == 1, mean, tl.where(slot == 2, m2, counts)))
@@ -147,9 +162,18 @@ def _tiles_kernel(
 
 @triton.jit
 def _finish_kernel(
-    part_ptr, out_ptr, scale_ptr, P, n,
-    CH: tl.constexpr, PW: tl.constexpr, F: tl.constexpr, RANGE: tl.constexpr, FORMATS: tl.constexpr, FP8: tl.constexpr,
-):  # fmt: skip
+    part_ptr,
+    out_ptr,
+    scale_ptr,
+    P,
+    n,
+    CH: tl.constexpr,
+    PW: tl.constexpr,
+    F: tl.constexpr,
+    RANGE: tl.constexpr,
+    FORMATS: tl.constexpr,
+    FP8: tl.constexpr,
+):
     f = tl.arange(0, PW)
     rows = tl.arange(0, CH)
     nan_ = tl.cast(0x7FF8000000000000, tl.int64).to(tl.float64, bitcast=True)
@@ -179,7 +203,9 @@ def _finish_kernel(
     # as torch.mean of the float64 values: NaN with a NaN or both infinities, else the infinity
     bad = (nans > 0) | ((pinf > 0) & (pinf < infs))
     mean = tl.where(bad, nan_, tl.where(pinf > 0, inf_, tl.where(infs > 0, -inf_, mean)))
-    row = tl.where(f == 0, n.to(tl.float64), tl.where(f == 1, mean, tl.where(f == 2, tl.where(nans + infs > 0, nan_, m2), nan_)))
+    row = tl.where(
+        f == 0, n.to(tl.float64), tl.where(f == 1, mean, tl.where(f == 2, tl.where(nans + infs > 0, nan_, m2), nan_))
+    )
     row = tl.where((f == 4) | (f == 5), sums, row)
     if RANGE:
         row = tl.where(f == 3, tl.where(nans > 0, nan_, tl.where(infs > 0, inf_, top)), row)
@@ -212,8 +238,21 @@ def _fp8_round(v, EMIN: tl.constexpr, MBITS: tl.constexpr):
 
 @triton.jit
 def _fp8_kernel(
-    x_ptr, part_ptr, scale_ptr, n, M, N, s0, s1, tiles_n, ntiles, BR: tl.constexpr, BC: tl.constexpr, PW: tl.constexpr, BF16: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    part_ptr,
+    scale_ptr,
+    n,
+    M,
+    N,
+    s0,
+    s1,
+    tiles_n,
+    ntiles,
+    BR: tl.constexpr,
+    BC: tl.constexpr,
+    PW: tl.constexpr,
+    BF16: tl.constexpr,
+):
     pid = tl.program_id(0)
     r = tl.arange(0, BR)[:, None]
     c = tl.arange(0, BC)[None, :]
@@ -282,7 +321,7 @@ def layout(x: Tensor, bc: int = _BC) -> Optional[Layout]:
     if dims is None:
         return None
     if len(dims) == 1:
-        (size, stride), = dims
+        ((size, stride),) = dims
         return x, n, -(-n // bc), bc, bc * stride, stride
     (m, a), (k, b) = dims
     if abs(a) < abs(b):  # the faster-moving dimension inside a tile's rows
@@ -364,8 +403,22 @@ def record_into(x: Tensor, groups: Collection[str], row: Tensor, block: Optional
     warps = {"num_warps": 8} if block >= 4096 and not interpreted() else {}
     bf16 = t.dtype == torch.bfloat16
     t = t.view(torch.int16) if bf16 else t  # (see _load)
-    _tiles_kernel[(programs,)](t, part, _bounds(x.device), *args, BR=br, BC=bc, FORMATS="formats" in groups, PW=_PW, BF16=bf16, **warps)
-    _finish_kernel[(1,)](part, row, scale, programs, n, CH=_CH, PW=_PW, F=_F, RANGE="range" in groups, FORMATS="formats" in groups, FP8=fp8)
+    _tiles_kernel[(programs,)](
+        t, part, _bounds(x.device), *args, BR=br, BC=bc, FORMATS="formats" in groups, PW=_PW, BF16=bf16, **warps
+    )
+    _finish_kernel[(1,)](
+        part,
+        row,
+        scale,
+        programs,
+        n,
+        CH=_CH,
+        PW=_PW,
+        F=_F,
+        RANGE="range" in groups,
+        FORMATS="formats" in groups,
+        FP8=fp8,
+    )
     if fp8:
         _fp8_kernel[(programs,)](t, part8, scale, *args, BR=br, BC=bc, PW=_PW8, BF16=bf16, **warps)
         _fp8_finish_kernel[(1,)](part8, row[_FP80:], scale, programs, CH=_CH, PW=_PW8)

@@ -82,7 +82,12 @@ class AnomalyWatch:
         nodes = [i for i, label in enumerate(labels) if label not in outputs]
         messages = []
         for name, d in (("forward", FORWARD), ("backward", BACKWARD)):
-            bad = [i for i in nodes if nan[i][d] or (inf[i][d] and (d == BACKWARD or not _benign(labels[i], consumers, index, nan, inf, {})))]
+            bad = [
+                i
+                for i in nodes
+                if nan[i][d]
+                or (inf[i][d] and (d == BACKWARD or not _benign(labels[i], consumers, index, nan, inf, {})))
+            ]
             new = [i for i in bad if (labels[i], d) not in self._warned]
             self._warned.update((labels[i], d) for i in new)
             if new:
@@ -96,7 +101,14 @@ class AnomalyWatch:
         return self._consumers
 
 
-def _benign(label: str, consumers: Dict[str, Set[str]], index: Dict[str, int], nan: List[List[bool]], inf: List[List[bool]], memo: Dict[str, bool]) -> bool:
+def _benign(
+    label: str,
+    consumers: Dict[str, Set[str]],
+    index: Dict[str, int],
+    nan: List[List[bool]],
+    inf: List[List[bool]],
+    memo: Dict[str, bool],
+) -> bool:
     """A forward Inf at ``label`` is benign when it never reaches the output and every
     consumer is finite or itself a benign Inf (nodes without a record are looked through)."""
     if label in memo:
@@ -115,7 +127,9 @@ def _benign(label: str, consumers: Dict[str, Set[str]], index: Dict[str, int], n
     return ok
 
 
-def _message(name: str, d: int, new: List[int], labels: Sequence[str], nan: List[List[bool]], step: int, prefix: str) -> str:
+def _message(
+    name: str, d: int, new: List[int], labels: Sequence[str], nan: List[List[bool]], step: int, prefix: str
+) -> str:
     # Gradients flow from the last node to the first: the origin is the last in graph order.
     first = new[0] if d == FORWARD else new[-1]
     kind = "NaN" if nan[first][d] else "Inf"

@@ -13,7 +13,9 @@ from lightning_scale.record import stats
 __all__ = ["annotate_code"]
 
 
-def annotate_code(code: str, scales: Mapping[str, ScalePair], labels: Optional[Mapping[str, str]] = None, flag: str = "fp16") -> str:
+def annotate_code(
+    code: str, scales: Mapping[str, ScalePair], labels: Optional[Mapping[str, str]] = None, flag: str = "fp16"
+) -> str:
     """Annotate each line of fx-generated ``code`` that defines a node with its scales.
 
     Without ``labels``: ``(-> fwd, <- bwd)`` appended to the line (unit-scaling's format).
@@ -31,7 +33,9 @@ def annotate_code(code: str, scales: Mapping[str, ScalePair], labels: Optional[M
         raise ValueError(f"`flag` must be one of {sorted(stats.FORMATS)}, got {flag!r}")
     rows = [_annotated_line(line, names, is_def, scales) for line, names, is_def in _parsed(code)]
     if labels is None:
-        return "\n".join(line + (sep + ", ".join(str(scales[n]) for n in names) if names else "") for line, sep, names in rows).strip()
+        return "\n".join(
+            line + (sep + ", ".join(str(scales[n]) for n in names) if names else "") for line, sep, names in rows
+        ).strip()
     return _aligned(rows, scales, labels, stats.FORMATS[flag])
 
 
@@ -57,7 +61,9 @@ def _parsed(code: str) -> Tuple[Tuple[str, Tuple[str, ...], bool], ...]:
     return tuple(out)
 
 
-def _annotated_line(line: str, names: Tuple[str, ...], is_def: bool, scales: Mapping[str, ScalePair]) -> Tuple[str, str, List[str]]:
+def _annotated_line(
+    line: str, names: Tuple[str, ...], is_def: bool, scales: Mapping[str, ScalePair]
+) -> Tuple[str, str, List[str]]:
     """(code, separator before the annotation, node names it defines that have scales)."""
     if names and not is_def and names[0] in scales:
         return line, ";  ", [names[0]]
@@ -75,7 +81,12 @@ def _flag(pair: ScalePair, fmt: stats.FloatFormat) -> str:
     return "!>" if max(values) > fmt.max else ""
 
 
-def _aligned(rows: Sequence[Tuple[str, str, List[str]]], scales: Mapping[str, ScalePair], labels: Mapping[str, str], fmt: stats.FloatFormat) -> str:
+def _aligned(
+    rows: Sequence[Tuple[str, str, List[str]]],
+    scales: Mapping[str, ScalePair],
+    labels: Mapping[str, str],
+    fmt: stats.FloatFormat,
+) -> str:
     cells = []
     for line, _, names in rows:
         if not names:  # (most lines: nothing to format)

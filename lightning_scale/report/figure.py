@@ -14,7 +14,12 @@ __all__ = ["scale_figure"]
 
 # FP16 and E5M2 share their smallest normal (2^-14) and nearly their max: different line
 # styles keep both visible.
-_FORMAT_STYLE = {"fp16": ("tab:green", "--"), "bf16": ("tab:gray", "-"), "e4m3": ("tab:red", "-."), "e5m2": ("tab:purple", ":")}
+_FORMAT_STYLE = {
+    "fp16": ("tab:green", "--"),
+    "bf16": ("tab:gray", "-"),
+    "e4m3": ("tab:red", "-."),
+    "e5m2": ("tab:purple", ":"),
+}
 
 
 def scale_figure(labels: Sequence[str], records: Tensor, title: str = "") -> Any:
@@ -31,7 +36,10 @@ def scale_figure(labels: Sequence[str], records: Tensor, title: str = "") -> Any
     fig, ax = plt.subplots(figsize=(8, max(3.0, 0.2 * n + 1.5)))
     ys = list(range(n))
     for d, colour, name in ((FORWARD, "tab:blue", "forward"), (BACKWARD, "tab:orange", "backward")):
-        xs = [math.log2(v) if p and v > 0 and math.isfinite(v) else math.nan for v, p in zip(std[:, d].tolist(), present[:, d].tolist())]
+        xs = [
+            math.log2(v) if p and v > 0 and math.isfinite(v) else math.nan
+            for v, p in zip(std[:, d].tolist(), present[:, d].tolist())
+        ]
         ax.scatter(xs, ys, s=18, color=colour, label=name, zorder=3)
     for fmt, (colour, style) in _FORMAT_STYLE.items():
         f = stats.FORMATS[fmt]

@@ -45,9 +45,21 @@ from torch import Tensor
 
 from lightning_scale.record import stats
 
-FORWARD = 0  # a record tensor's row [i, 0] is the forward record (``recorder.FORWARD``; not imported: it imports dynamo)
+FORWARD = (
+    0  # a record tensor's row [i, 0] is the forward record (``recorder.FORWARD``; not imported: it imports dynamo)
+)
 
-__all__ = ["Pooled", "RankFailedError", "RankMismatchError", "RankSpread", "fingerprint", "pool", "pool_step", "rank", "world_size"]
+__all__ = [
+    "Pooled",
+    "RankFailedError",
+    "RankMismatchError",
+    "RankSpread",
+    "fingerprint",
+    "pool",
+    "pool_step",
+    "rank",
+    "world_size",
+]
 
 
 class RankMismatchError(RuntimeError):
@@ -161,7 +173,9 @@ def pool_step(
     extra = [t if t is not None else torch.zeros(0, dtype=torch.float64, device=device) for t in (sums, first)]
     rep = [i for i, label in enumerate(labels) if label in replicated]
     rep_of = {labels[i]: k for k, i in enumerate(rep)}  # label -> its row among the replicated
-    hist_rep = [(j, rep_of[label]) for j, label in enumerate(histogram_labels) if label in rep_of]  # (histogram row, replicated row)
+    hist_rep = [
+        (j, rep_of[label]) for j, label in enumerate(histogram_labels) if label in rep_of
+    ]  # (histogram row, replicated row)
     cols = _Columns.of(groups)
     layout = f"{records.shape[0]}|{hists.shape[0]}|{spread}|{tuple(extra[0].shape)}|{tuple(extra[1].shape)}|{rep}|{cols.fields}"
     print_ = fingerprint([*labels, "", *histogram_labels, "", layout])
@@ -178,7 +192,9 @@ def pool_step(
     ext = stats.merge_extremes(records)[..., cols.extremes]  # (n, 2, E) of the computed fields
     rep_index = stats.index_tensor(rep, device) if rep else None
     rep_part = _replicated_part(records[..., cols.fields], rep_index)
-    top = torch.cat([ext.reshape(-1), _spread_part(records).reshape(-1) if spread else records.new_zeros(0), rep_part.reshape(-1)])
+    top = torch.cat(
+        [ext.reshape(-1), _spread_part(records).reshape(-1) if spread else records.new_zeros(0), rep_part.reshape(-1)]
+    )
     dist.all_reduce(top, op=dist.ReduceOp.MAX)
     ext_top, spread_top, rep_top = torch.split(top, [ext.numel(), n * 2 * _SPREAD if spread else 0, rep_part.numel()])
     ext_top = cols.extremes_of(ext_top.view(ext.shape))
@@ -186,7 +202,9 @@ def pool_step(
     mine = extra[1] if me == 0 else torch.zeros_like(extra[1])
     total = torch.cat([add.reshape(-1), hists.reshape(-1), extra[0].reshape(-1), mine.reshape(-1)])
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    add_sum, hist_sum, sums_sum, first_sum = torch.split(total, [add.numel(), hists.numel(), extra[0].numel(), extra[1].numel()])
+    add_sum, hist_sum, sums_sum, first_sum = torch.split(
+        total, [add.numel(), hists.numel(), extra[0].numel(), extra[1].numel()]
+    )
     add_sum = cols.sums_of(add_sum.view(add.shape))
     dev = stats.deviations(records, ext_top, add_sum)
     _reduce(dev, dist.ReduceOp.SUM, dst)
@@ -197,7 +215,9 @@ def pool_step(
     hist_sum = hist_sum.view(hists.shape)
     if rep_index is not None:
         same, value = _replicated_of(rep_top.view(len(rep), -1))
-        value = torch.full((len(rep), len(stats.FIELDS)), math.nan, dtype=torch.float64, device=device).index_copy_(1, cols.field_index(device), value)
+        value = torch.full((len(rep), len(stats.FIELDS)), math.nan, dtype=torch.float64, device=device).index_copy_(
+            1, cols.field_index(device), value
+        )
         fwd = merged[rep_index, FORWARD]
         merged[rep_index, FORWARD] = torch.where(same.unsqueeze(-1), value, fwd)
         if hist_rep:
@@ -259,7 +279,9 @@ def _reduce(t: Tensor, op: "dist.ReduceOp", dst: Optional[int]) -> None:
 
 def _header(n: int, h: int, print_: float, failed: bool, me: int, world: int, device: torch.device) -> Tensor:
     lowest = -float(me) if failed else -float(world)
-    return torch.tensor([n, -n, print_, -print_, h, -h, me + 1.0 if failed else 0.0, lowest], dtype=torch.float64).to(device)
+    return torch.tensor([n, -n, print_, -print_, h, -h, me + 1.0 if failed else 0.0, lowest], dtype=torch.float64).to(
+        device
+    )
 
 
 def _check_header(header: Tensor) -> None:
@@ -268,13 +290,25 @@ def _check_header(header: Tensor) -> None:
     top = header.tolist()  # the only host read before the step's transfer: it decides whether to go on
     if top[6] > 0:
         lo, hi = int(-top[7]), int(top[6]) - 1
-        which = f"[{lo}]" if lo == hi else f"[{lo}, {hi}]" if hi == lo + 1 else f"[{lo}, ..., {hi}] (the lowest and highest)"
+        which = (
+            f"[{lo}]"
+            if lo == hi
+            else f"[{lo}, {hi}]"
+            if hi == lo + 1
+            else f"[{lo}, ..., {hi}] (the lowest and highest)"
+        )
         raise RankFailedError(f"statistics failed on rank(s) {which}")
-    differ = [f"{what} {int(-top[i + 1])} to {int(top[i])}" for i, what in ((0, "node counts"), (4, "value histogram rows")) if top[i] != -top[i + 1]]
+    differ = [
+        f"{what} {int(-top[i + 1])} to {int(top[i])}"
+        for i, what in ((0, "node counts"), (4, "value histogram rows"))
+        if top[i] != -top[i + 1]
+    ]
     if top[2] != -top[3]:
         differ.append("the fingerprints of the labels differ")
     if differ:
-        raise RankMismatchError(f"Ranks captured different graphs ({', '.join(differ)}); every rank must run the same model code on a tracked step")
+        raise RankMismatchError(
+            f"Ranks captured different graphs ({', '.join(differ)}); every rank must run the same model code on a tracked step"
+        )
 
 
 def _spread_part(records: Tensor) -> Tensor:
@@ -284,7 +318,9 @@ def _spread_part(records: Tensor) -> Tensor:
     std = stats.statistic(records, "std")
     ok = (count > 0) & ~std.isnan()
     low = torch.full_like(std, -math.inf)
-    return torch.stack([torch.where(ok, std, low), torch.where(ok, -std, low), ((count > 0) & std.isnan()).double(), -count], -1)
+    return torch.stack(
+        [torch.where(ok, std, low), torch.where(ok, -std, low), ((count > 0) & std.isnan()).double(), -count], -1
+    )
 
 
 def _spread_of(top: Tensor) -> Tensor:
@@ -329,7 +365,9 @@ def _one_rank(records: Tensor, hists: Tensor, spread: bool, extra: List[Tensor],
     return out._replace(spread=RankSpread(out.records[..., 0] > 0, std, std))
 
 
-def _unpack(host: Tensor, shape: torch.Size, hist_shape: torch.Size, extra: List[Tensor], given: Tuple[bool, bool], spread: bool) -> Pooled:
+def _unpack(
+    host: Tensor, shape: torch.Size, hist_shape: torch.Size, extra: List[Tensor], given: Tuple[bool, bool], spread: bool
+) -> Pooled:
     n = shape[0]
     sizes = [shape.numel(), hist_shape.numel(), extra[0].numel(), extra[1].numel(), n * 2 * 3 if spread else 0]
     records, hists, sums, first, spread_t = torch.split(host, sizes)
@@ -338,13 +376,22 @@ def _unpack(host: Tensor, shape: torch.Size, hist_shape: torch.Size, extra: List
         s = spread_t.view(n, 2, 3)
         rank_spread = RankSpread(s[..., 0] > 0, s[..., 1], s[..., 2])
     return Pooled(
-        records.view(shape), hists.view(hist_shape), rank_spread,
-        sums.view(extra[0].shape) if given[0] else None, first.view(extra[1].shape) if given[1] else None,
-    )  # fmt: skip
+        records.view(shape),
+        hists.view(hist_shape),
+        rank_spread,
+        sums.view(extra[0].shape) if given[0] else None,
+        first.view(extra[1].shape) if given[1] else None,
+    )
 
 
 def collective_bytes(
-    records: int, histograms: int = 0, replicated: int = 0, spread: bool = False, sums: int = 0, first: int = 0, groups: Optional[Collection[str]] = None
+    records: int,
+    histograms: int = 0,
+    replicated: int = 0,
+    spread: bool = False,
+    sums: int = 0,
+    first: int = 0,
+    groups: Optional[Collection[str]] = None,
 ) -> Dict[str, int]:
     """Bytes each rank sends into each collective of ``pool_step`` (and receives back),
     from the number of records, histogram rows and replicated rows: none depends on the
@@ -353,7 +400,8 @@ def collective_bytes(
     bins = stats.LOG2_HI - stats.LOG2_LO
     return {
         "header (MAX)": 8 * _HEADER,
-        "extremes (MAX)": 8 * (records * 2 * (len(cols.extremes) + (_SPREAD if spread else 0)) + replicated * (2 * len(cols.fields) + 2)),
+        "extremes (MAX)": 8
+        * (records * 2 * (len(cols.extremes) + (_SPREAD if spread else 0)) + replicated * (2 * len(cols.fields) + 2)),
         "sums (SUM)": 8 * (records * 2 * len(cols.sums) + histograms * 2 * bins + sums + first),
         "m2 (SUM)": 8 * records * 2,
     }
@@ -395,4 +443,6 @@ def merge_updates(per_rank: Tensor, sharded: Sequence[bool]) -> Tensor:
     whole = torch.tensor([i for i, shard in enumerate(sharded) if not shard], dtype=torch.long)
     grads = per_rank[:, split].clone()  # (world, s, 2, FIELDS)
     grads[:, :, _WEIGHT] = 0.0
-    return pooled_updates(sharded, stats.merge_rows(grads), per_rank[:, split, _WEIGHT, :3].sum(0), per_rank[0, whole, :, :3])
+    return pooled_updates(
+        sharded, stats.merge_rows(grads), per_rank[:, split, _WEIGHT, :3].sum(0), per_rank[0, whole, :, :3]
+    )

@@ -148,7 +148,11 @@ class Reporter:
         rec, cap, labels = data.recorder, data.capture, data.labels
         rec.flush()  # (the short tensors' statistics: a failure there is a failure too)
         failed = rec.error is not None
-        records = torch.zeros(len(labels), 2, len(stats.FIELDS), dtype=torch.float64, device=device) if failed else rec.records(labels, cap.aliases)
+        records = (
+            torch.zeros(len(labels), 2, len(stats.FIELDS), dtype=torch.float64, device=device)
+            if failed
+            else rec.records(labels, cap.aliases)
+        )
         device = records.device
         rows = data.updates
         names, sharded = ([], []) if rows is None else (rows.names, rows.sharded)
@@ -165,9 +169,18 @@ class Reporter:
         hist_labels = self.histogram_labels(data)
         hists = rec.histogram_tensor(hist_labels) if hist_labels else None
         out = pool.pool_step(
-            records, [*labels, *(_UPDATE + n for n in split)], replicated=replicated, failed=failed, histograms=hists,
-            histogram_labels=hist_labels, spread=self.rank_spread, sums=sums, first=torch.cat(first) if first else None, dst=0, groups=rec.groups,
-        )  # fmt: skip
+            records,
+            [*labels, *(_UPDATE + n for n in split)],
+            replicated=replicated,
+            failed=failed,
+            histograms=hists,
+            histogram_labels=hist_labels,
+            spread=self.rank_spread,
+            sums=sums,
+            first=torch.cat(first) if first else None,
+            dst=0,
+            groups=rec.groups,
+        )
         if out is None:
             return None
         n = len(labels)
@@ -185,7 +198,9 @@ class Reporter:
             return []
         return [l for l in data.labels if self.value_histograms.search(l)]
 
-    def report(self, data: StepData, step: Optional[PooledStep], is_zero: bool, loggers: Sequence[Any], accumulate: int) -> None:
+    def report(
+        self, data: StepData, step: Optional[PooledStep], is_zero: bool, loggers: Sequence[Any], accumulate: int
+    ) -> None:
         """On rank zero (which got the pooled step), warn about anomalies, choose what to
         write and queue the writing."""
         if step is None:
@@ -207,17 +222,32 @@ class Reporter:
         records, spread = _unscaled(pooled, self.unscale_gradients, accumulate / (loss_scale or 1.0))
         hist_labels = self.histogram_labels(data)
         job = _Written(
-            data.step, data.prefix, [labels[i] for i in keep], records[keep], None if spread is None else pool.RankSpread(*(t[keep] for t in spread)),
-            {f"{'fwd' if d == FORWARD else 'bwd'}/{l}": pooled.histograms[i, d] for i, l in enumerate(hist_labels) for d in (FORWARD, BACKWARD)},
-            loss_scale, _updates(data, step), list(zip(data.capture.graphs, data.capture.labels)) if self.code else None, dict(data.capture.aliases),
-        )  # fmt: skip
+            data.step,
+            data.prefix,
+            [labels[i] for i in keep],
+            records[keep],
+            None if spread is None else pool.RankSpread(*(t[keep] for t in spread)),
+            {
+                f"{'fwd' if d == FORWARD else 'bwd'}/{l}": pooled.histograms[i, d]
+                for i, l in enumerate(hist_labels)
+                for d in (FORWARD, BACKWARD)
+            },
+            loss_scale,
+            _updates(data, step),
+            list(zip(data.capture.graphs, data.capture.labels)) if self.code else None,
+            dict(data.capture.aliases),
+        )
         boards, others = _split(loggers)
         if boards:
             writer = self._writer(boards, data.prefix, data.parameters, "boards")
-            self.worker.submit(f"step {data.step}", _write, writer, job, boards, {l: i for i, l in enumerate(labels)}, records)
+            self.worker.submit(
+                f"step {data.step}", _write, writer, job, boards, {l: i for i, l in enumerate(labels)}, records
+            )
         if others:  # not thread-safe: their scalars go out here, now
             writer = self._writer(others, data.prefix, data.parameters, "others")
-            self.worker.run_now(f"step {data.step}", _write, writer, replace(job, code=None, histograms={}), others, {}, records)
+            self.worker.run_now(
+                f"step {data.step}", _write, writer, replace(job, code=None, histograms={}), others, {}, records
+            )
 
     def log_anomaly(self, loggers: Sequence[Any], step: int, loss: float, text: str) -> None:
         """Log the scalar ``anomaly/loss`` and the text ``anomaly/event`` at the anomalous
@@ -258,7 +288,16 @@ class Reporter:
         ``others`` on the training thread only (neither shares its caches across threads)."""
         key = f"{kind}:{prefix}"
         if key not in self._writers:
-            self._writers[key] = ScaleWriter(loggers, self.statistics, self.histograms, self.figure, prefix, self.figure_every, parameters=parameters, max_tags=self.max_tags)
+            self._writers[key] = ScaleWriter(
+                loggers,
+                self.statistics,
+                self.histograms,
+                self.figure,
+                prefix,
+                self.figure_every,
+                parameters=parameters,
+                max_tags=self.max_tags,
+            )
         return self._writers[key]
 
 

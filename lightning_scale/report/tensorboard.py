@@ -37,7 +37,17 @@ from lightning_scale.record import stats
 from lightning_scale.record.recorder import BACKWARD, FORWARD
 from lightning_scale.report.figure import scale_figure
 
-__all__ = ["DIRECTIONS", "WORST_COLUMNS", "ScaleWriter", "fast_record_checksums", "is_tensorboard", "scale_figure", "scalar_metrics", "summary_metrics", "worst_table"]
+__all__ = [
+    "DIRECTIONS",
+    "WORST_COLUMNS",
+    "ScaleWriter",
+    "fast_record_checksums",
+    "is_tensorboard",
+    "scale_figure",
+    "scalar_metrics",
+    "summary_metrics",
+    "worst_table",
+]
 
 DIRECTIONS = (("fwd", FORWARD), ("bwd", BACKWARD))
 
@@ -51,7 +61,9 @@ def _tag_stat(name: str) -> str:
     return "scale" if name == "std" else name
 
 
-def scalar_metrics(labels: Sequence[str], records: Tensor, names: Sequence[str], log2: bool = False) -> Dict[str, float]:
+def scalar_metrics(
+    labels: Sequence[str], records: Tensor, names: Sequence[str], log2: bool = False
+) -> Dict[str, float]:
     """``{"scale/fwd/<label>": std, "<stat>/bwd/<label>": ...}`` for present records
     (and ``scale_log2/<dir>/<label>`` for positive finite stds if ``log2``)."""
     values, keep = _scalar_values(records, names, log2)
@@ -76,7 +88,9 @@ def _mask_key(keep: Tensor) -> Tuple[Tuple[int, ...], bytes]:
 
 
 @functools.lru_cache(maxsize=8)
-def _scalar_tags(labels: Tuple[str, ...], names: Tuple[str, ...], log2: bool, mask: Tuple[Tuple[int, ...], bytes]) -> Tuple[str, ...]:
+def _scalar_tags(
+    labels: Tuple[str, ...], names: Tuple[str, ...], log2: bool, mask: Tuple[Tuple[int, ...], bytes]
+) -> Tuple[str, ...]:
     """The tags of ``_scalar_values``'s kept entries, in their order (cached: a run
     writes the same tags step after step, ~6000 strings with every statistic)."""
     keep = torch.frombuffer(bytearray(mask[1]), dtype=torch.bool).view(mask[0]).tolist()
@@ -113,7 +127,9 @@ def _headrooms(log_std: Tensor, top: Tensor, fmts: Sequence[str]) -> Tuple[Tenso
 def summary_metrics(records: Tensor) -> Dict[str, float]:
     """``{"scale_summary/<dir>/below_normal_<fmt>": count, ".../above_max_<fmt>": count}`` over nodes."""
     fmts = headroom.FORMAT_NAMES
-    under, over, _ = _headrooms(*_log2_scales(stats.statistic(records, "std"), stats.statistic(records, "absmax")), fmts)
+    under, over, _ = _headrooms(
+        *_log2_scales(stats.statistic(records, "std"), stats.statistic(records, "absmax")), fmts
+    )
     present = (records[..., 0] > 0).unsqueeze(-1)  # (nodes, 2, 1)
     below, above = ((under < 0) & present).sum(0).tolist(), ((over < 0) & present).sum(0).tolist()  # (2, formats)
     out: Dict[str, float] = {}
@@ -128,7 +144,9 @@ def summary_metrics(records: Tensor) -> Dict[str, float]:
 WORST_COLUMNS = ("log2 std", "log2 absmax", "above min normal", "below max", "headroom")
 
 
-def worst_table(labels: Sequence[str], records: Tensor, k: int = 10, fmt: str = "fp16", aliases: Optional[Dict[str, str]] = None) -> str:
+def worst_table(
+    labels: Sequence[str], records: Tensor, k: int = 10, fmt: str = "fp16", aliases: Optional[Dict[str, str]] = None
+) -> str:
     """Markdown table of the ``k`` node directions with the least headroom to ``fmt``'s edges.
 
     The columns and their signs are the Worst-nodes view's (``headroom.headroom``):
@@ -147,7 +165,12 @@ def worst_table(labels: Sequence[str], records: Tensor, k: int = 10, fmt: str = 
     order = order[torch.sort(room[order].isnan().to(torch.uint8), stable=True).indices]
     top = [j for j in order[present[order]][:k].tolist()]
     head = " | ".join(WORST_COLUMNS)
-    lines = [f"Nodes nearest the {fmt} range edges (octaves inside the range; negative = outside)", "", f"| # | node | dir | {head} |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Nodes nearest the {fmt} range edges (octaves inside the range; negative = outside)",
+        "",
+        f"| # | node | dir | {head} |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     std_l, absmax_l = std.tolist(), absmax.tolist()
     same: Dict[str, List[str]] = {}
     for alias, source in aliases.items():
@@ -156,7 +179,9 @@ def worst_table(labels: Sequence[str], records: Tensor, k: int = 10, fmt: str = 
         label, tag = labels[j % len(labels)], DIRECTIONS[j // len(labels)][0]
         r = headroom.headroom(std_l[j], absmax_l[j], fmt)
         also = f" (= {', '.join(f'`{a}`' for a in same[label])})" if label in same else ""
-        lines.append(f"| {n} | `{label}`{also} | {tag} | {headroom.log2(std_l[j]):.2f} | {headroom.log2(absmax_l[j]):.2f} | {r['under']:.2f} | {r['over']:.2f} | {r['headroom']:.2f} |")
+        lines.append(
+            f"| {n} | `{label}`{also} | {tag} | {headroom.log2(std_l[j]):.2f} | {headroom.log2(absmax_l[j]):.2f} | {r['under']:.2f} | {r['over']:.2f} | {r['headroom']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -296,7 +321,13 @@ class ScaleWriter:
         return [logger.experiment for logger in self.loggers if self._tensorboards_of(logger)]
 
     def write(
-        self, step: int, labels: Sequence[str], records: Tensor, code: Optional[str] = None, spread: Any = None, aliases: Optional[Dict[str, str]] = None
+        self,
+        step: int,
+        labels: Sequence[str],
+        records: Tensor,
+        code: Optional[str] = None,
+        spread: Any = None,
+        aliases: Optional[Dict[str, str]] = None,
     ) -> None:
         """Write scalars, histograms, figure, text and the dashboard's records for ``step``
         (``labels`` in execution order; ``spread``: a ``pool.RankSpread`` or None;
@@ -361,7 +392,9 @@ class ScaleWriter:
                     out[f"scale_rank_max/{tag}/{label}"] = hi[i][d]
         return out
 
-    def _write_records(self, writer: Any, step: int, labels: Sequence[str], rows: Tensor, aliases: Dict[str, str]) -> None:
+    def _write_records(
+        self, writer: Any, step: int, labels: Sequence[str], rows: Tensor, aliases: Dict[str, str]
+    ) -> None:
         """Every node's statistics at ``step``, and the node list before them when it changed;
         a new records tag every ``metadata.CHUNK`` steps and whenever the node list changes."""
         file_writer = getattr(writer, "_get_file_writer", None)
@@ -371,12 +404,24 @@ class ScaleWriter:
         key = (tuple(labels), tuple(names), tuple(sorted(aliases.items())))
         if key != self._nodes:
             self._nodes, self._chunk = key, (step, 0)
-            file_writer().add_summary(metadata.nodes_summary(self.prefix + metadata.TAG, labels, self.parameters, names, aliases), step)
+            file_writer().add_summary(
+                metadata.nodes_summary(self.prefix + metadata.TAG, labels, self.parameters, names, aliases), step
+            )
         first, count = self._chunk if self._chunk[1] < metadata.CHUNK else (step, 0)
         self._chunk = (first, count + 1)
         file_writer().add_summary(metadata.records_summary(metadata.chunk_tag(self.prefix, first), rows.numpy()), step)
 
-    def _write_extras(self, writer: Any, step: int, labels: Sequence[str], records: Tensor, n: int, code: Optional[str], draw: bool, aliases: Dict[str, str]) -> None:
+    def _write_extras(
+        self,
+        writer: Any,
+        step: int,
+        labels: Sequence[str],
+        records: Tensor,
+        n: int,
+        code: Optional[str],
+        draw: bool,
+        aliases: Dict[str, str],
+    ) -> None:
         self._write_layout(writer, labels[:n], records[:n])
         if self.histograms:
             std = stats.statistic(records, "std")
@@ -392,7 +437,9 @@ class ScaleWriter:
             else:
                 writer.add_figure(f"{self.prefix}scale_plot", fig, step, close=True)
         if self.summary and len(labels):
-            writer.add_text(f"{self.prefix}scale_worst", worst_table(labels, records, self.top_k, aliases=aliases), step)
+            writer.add_text(
+                f"{self.prefix}scale_worst", worst_table(labels, records, self.top_k, aliases=aliases), step
+            )
         if code:
             writer.add_text(f"{self.prefix}scale_code", "    " + code.replace("\n", "\n    "), step)
 
@@ -406,7 +453,9 @@ class ScaleWriter:
         present = mask.tolist()
         written = {tag: tuple(l for i, l in enumerate(labels) if present[i][d]) for tag, d in DIRECTIONS}
         name = "scale_log2" if self.log2 else "scale"
-        categories = layout.custom_scalar_layout(self.prefix, labels, written, stat=name, parameters=self.parameters or None)
+        categories = layout.custom_scalar_layout(
+            self.prefix, labels, written, stat=name, parameters=self.parameters or None
+        )
         with _LAYOUT_LOCK:
             per_prefix = _LAYOUTS.setdefault(writer, {})
             before = any(per_prefix.values())
@@ -418,7 +467,9 @@ class ScaleWriter:
         if file_writer is not None:
             file_writer().add_summary(_layout_summary(merged))
         elif merged:  # another SummaryWriter implementation: the public way (every category open)
-            writer.add_custom_scalars({title: {chart: ["Multiline", tags] for chart, tags in charts} for title, charts in merged})
+            writer.add_custom_scalars(
+                {title: {chart: ["Multiline", tags] for chart, tags in charts} for title, charts in merged}
+            )
 
     def write_value_histograms(self, step: int, histograms: Dict[str, Tensor]) -> None:
         """Histograms of log2|x| (``{"fwd/<label>": counts over exponent bins}``)."""

@@ -98,4 +98,8 @@ class Worker:
             if (type(err), str(err)) in self._seen:  # a logger that keeps failing warns once
                 return
             self._seen.add((type(err), str(err)))
-            warnings.warn(f"ScaleMonitor: writing {what} failed ({type(err).__name__}: {err}); training continues", UserWarning, stacklevel=1)
+            warnings.warn(
+                f"ScaleMonitor: writing {what} failed ({type(err).__name__}: {err}); training continues",
+                UserWarning,
+                stacklevel=1,
+            )

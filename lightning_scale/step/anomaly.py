@@ -148,7 +148,9 @@ class AnomalyDetector:
         """Whether an anomaly asks for ``step`` to be tracked."""
         return self.anomalies != [] and self.anomalies[-1].first <= step <= self._until
 
-    def observe(self, step: int, loss: Tensor, scale_before: Optional[Tensor] = None, scale_after: Optional[Tensor] = None) -> None:
+    def observe(
+        self, step: int, loss: Tensor, scale_before: Optional[Tensor] = None, scale_after: Optional[Tensor] = None
+    ) -> None:
         """Queue step ``step``'s loss (and whether its GradScaler backed off) for a lagged read.
 
         ``scale_before``/``scale_after``: the GradScaler's scale tensor before and after its
@@ -281,7 +283,9 @@ def _payload(loss: Tensor, scale_before: Optional[Tensor], scale_after: Optional
     return torch.stack([(~finite).to(torch.float64), skipped, torch.where(finite, value, torch.zeros_like(value))])
 
 
-def _start_copy(step: int, payload: Tensor, work: Optional[dist.Work]) -> Tuple[int, Tensor, Optional[torch.cuda.Event]]:
+def _start_copy(
+    step: int, payload: Tensor, work: Optional[dist.Work]
+) -> Tuple[int, Tensor, Optional[torch.cuda.Event]]:
     if work is not None:
         work.wait()  # NCCL: the current stream waits, the host does not
     if payload.device.type != "cuda":

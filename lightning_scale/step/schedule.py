@@ -39,7 +39,9 @@ class Schedule:
         if not _is_int(self.start_step) or self.start_step < 0:
             raise ValueError(f"`start_step` must be a non-negative integer, got {self.start_step!r}")
         if self.stop_step is not None and (not _is_int(self.stop_step) or self.stop_step <= self.start_step):
-            raise ValueError(f"`stop_step` must be an integer above `start_step` ({self.start_step}) or None, got {self.stop_step!r}")
+            raise ValueError(
+                f"`stop_step` must be an integer above `start_step` ({self.start_step}) or None, got {self.stop_step!r}"
+            )
         if self.every_n_steps is None and not self.steps:
             raise ValueError("Nothing to track: give `every_n_steps` or a non-empty `steps` list")
 

@@ -77,7 +77,9 @@ class Verification:
             if outcome.switched:
                 self.replace(cap, outcome.capture)
                 self.verified.add(id(outcome.capture))
-            self.info(f"ScaleMonitor: capture of {name} verified ({outcome.describe()}); tracking with {outcome.capture.mode}")
+            self.info(
+                f"ScaleMonitor: capture of {name} verified ({outcome.describe()}); tracking with {outcome.capture.mode}"
+            )
             return outcome.capture
 
         return verify

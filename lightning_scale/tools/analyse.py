@@ -67,7 +67,9 @@ def analyse_module(
     return text
 
 
-def records_table(keys: Sequence[str], records: Tensor, names: Sequence[str] = tuple(stats.STATISTICS)) -> List[Dict[str, Any]]:
+def records_table(
+    keys: Sequence[str], records: Tensor, names: Sequence[str] = tuple(stats.STATISTICS)
+) -> List[Dict[str, Any]]:
     """One dict per node and direction with every named statistic (host ``records``).
 
     Rows: ``{"node": label, "direction": "forward"|"backward", "std": ..., ...}``; a

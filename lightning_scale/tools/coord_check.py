@@ -20,7 +20,23 @@ import re
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Dict, FrozenSet, Iterable, Iterator, List, NamedTuple, Optional, Pattern, Sequence, Set, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Collection,
+    Dict,
+    FrozenSet,
+    Iterable,
+    Iterator,
+    List,
+    NamedTuple,
+    Optional,
+    Pattern,
+    Sequence,
+    Set,
+    Tuple,
+    Union,
+)
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.seed import seed_everything
@@ -147,7 +163,9 @@ class CoordCheck:
             out[key] = _slope([math.log2(w) for w in curve], list(curve.values()))
         return out
 
-    def plot(self, group: Group = "op", step: Optional[int] = None, axes: Optional[Sequence[Any]] = None, title: str = "") -> Any:
+    def plot(
+        self, group: Group = "op", step: Optional[int] = None, axes: Optional[Sequence[Any]] = None, title: str = ""
+    ) -> Any:
         """log2 std against width, one line per group, forward and backward side by side.
 
         Args:
@@ -174,7 +192,14 @@ class CoordCheck:
         for ax, direction in zip(axes, DIRECTIONS):
             for (name, d), curve in curves.items():
                 if d == direction:
-                    ax.plot(list(curve), list(curve.values()), marker="o", ms=3, lw=1, label=f"{name} ({slopes[name, d]:+.2f})")
+                    ax.plot(
+                        list(curve),
+                        list(curve.values()),
+                        marker="o",
+                        ms=3,
+                        lw=1,
+                        label=f"{name} ({slopes[name, d]:+.2f})",
+                    )
             ax.set_xscale("log", base=2)
             ax.set_xticks(self.widths, [str(w) for w in self.widths])
             ax.set_xlabel("width")
@@ -330,7 +355,9 @@ def _check_arguments(make_module: Any, steps: Any, batches: Any, seed: Any, trai
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"`steps` must be an integer >= 1, got {steps!r}")
     if batches is not None and not callable(batches) and not hasattr(batches, "__iter__"):
-        raise TypeError(f"`batches` must be a DataLoader (iterable), a callable width -> DataLoader, or None, got {type(batches).__name__}")
+        raise TypeError(
+            f"`batches` must be a DataLoader (iterable), a callable width -> DataLoader, or None, got {type(batches).__name__}"
+        )
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"`seed` must be an integer, got {seed!r}")
     if trainer_options is not None and not isinstance(trainer_options, dict):
@@ -342,7 +369,9 @@ def _check_arguments(make_module: Any, steps: Any, batches: Any, seed: Any, trai
 
 def _monitor(options: Dict[str, Any]) -> ScaleMonitor:
     # Everything but the std is off: a coordinate check reads scalars only.
-    return ScaleMonitor(every_n_steps=1, statistics=["std"], histograms=False, figure=False, code=False, max_tags=10**9, **options)
+    return ScaleMonitor(
+        every_n_steps=1, statistics=["std"], histograms=False, figure=False, code=False, max_tags=10**9, **options
+    )
 
 
 def _build(make_module: Callable[[int], Any], width: int, seed: int) -> pl.LightningModule:
@@ -353,13 +382,22 @@ def _build(make_module: Callable[[int], Any], width: int, seed: int) -> pl.Light
     return module
 
 
-def _train(module: pl.LightningModule, loader: Any, steps: int, seed: int, monitor: ScaleMonitor, extra: Dict[str, Any]) -> Dict[int, Dict[str, float]]:
+def _train(
+    module: pl.LightningModule, loader: Any, steps: int, seed: int, monitor: ScaleMonitor, extra: Dict[str, Any]
+) -> Dict[int, Dict[str, float]]:
     logger = _MemoryLogger()
     with tempfile.TemporaryDirectory() as root, _quiet():
         options: Dict[str, Any] = dict(
-            accelerator="cpu", devices=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, default_root_dir=root,
-        )  # fmt: skip
+            accelerator="cpu",
+            devices=1,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            log_every_n_steps=1,
+            default_root_dir=root,
+        )
         options.update(extra)
         trainer = pl.Trainer(max_steps=steps, logger=logger, callbacks=[monitor], **options)
         seed_everything(seed, verbose=False)  # the same batch order at every width
@@ -376,7 +414,9 @@ def _rows(metrics: Dict[int, Dict[str, float]], width: int, steps: int) -> List[
                 rows.append(CoordRow(m.group(2), m.group(1), width, step, float(value)))
     seen = sorted({r.step for r in rows})
     if seen != list(range(steps)):
-        raise RuntimeError(f"coord_check: at width {width} ScaleMonitor recorded steps {seen}, expected 0..{steps - 1}; see its warnings")
+        raise RuntimeError(
+            f"coord_check: at width {width} ScaleMonitor recorded steps {seen}, expected 0..{steps - 1}; see its warnings"
+        )
     return rows
 
 

@@ -24,7 +24,16 @@ __all__ = ["GPTModule", "main", "token_loaders"]
 class GPTModule(pl.LightningModule):
     """A LightningModule around ``models.GPT``: next-token cross-entropy, AdamW."""
 
-    def __init__(self, vocab: int = 256, seq: int = 64, layers: int = 4, dim: int = 128, heads: int = 4, dropout: float = 0.0, lr: float = 3e-3) -> None:
+    def __init__(
+        self,
+        vocab: int = 256,
+        seq: int = 64,
+        layers: int = 4,
+        dim: int = 128,
+        heads: int = 4,
+        dropout: float = 0.0,
+        lr: float = 3e-3,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(GPTConfig(vocab, seq, layers, dim, heads, dropout))

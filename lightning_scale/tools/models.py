@@ -25,7 +25,14 @@ class GPTConfig:
     """Sizes of a ``GPT``; ``unit_scaled`` picks the unit-scaled parametrisation."""
 
     def __init__(
-        self, vocab: int = 256, seq: int = 64, layers: int = 4, dim: int = 128, heads: int = 4, dropout: float = 0.0, unit_scaled: bool = False
+        self,
+        vocab: int = 256,
+        seq: int = 64,
+        layers: int = 4,
+        dim: int = 128,
+        heads: int = 4,
+        dropout: float = 0.0,
+        unit_scaled: bool = False,
     ) -> None:
         self.vocab, self.seq, self.layers, self.dim, self.heads, self.dropout = vocab, seq, layers, dim, heads, dropout
         self.unit_scaled = unit_scaled

@@ -22,7 +22,11 @@ def labels_of(nodes: int, per_block: int = 20) -> List[str]:
     out = []
     for i in range(nodes):
         block, k = divmod(i, per_block)
-        out.append(f"blocks.{block}.fc.weight" if k == 0 else f"blocks.{block}.{'attn' if k < per_block // 2 else 'mlp'}/op_{k}")
+        out.append(
+            f"blocks.{block}.fc.weight"
+            if k == 0
+            else f"blocks.{block}.{'attn' if k < per_block // 2 else 'mlp'}/op_{k}"
+        )
     return out
 
 
@@ -30,7 +34,9 @@ def records_of(nodes: int, step: int, seed: int = 0) -> torch.Tensor:
     """Host float64 records [nodes, 2, len(FIELDS)]: stds drifting by step, gradients ~2^-12..2^-20."""
     g = torch.Generator().manual_seed(seed)
     depth = torch.linspace(0, 1, nodes, dtype=torch.float64)
-    log2_std = torch.stack([torch.randn(nodes, generator=g, dtype=torch.float64) + 2 * depth, -12 - 8 * depth + 0.05 * step], 1)
+    log2_std = torch.stack(
+        [torch.randn(nodes, generator=g, dtype=torch.float64) + 2 * depth, -12 - 8 * depth + 0.05 * step], 1
+    )
     std = 2.0**log2_std
     records = torch.zeros(nodes, 2, len(stats.FIELDS), dtype=torch.float64)
     count = 4096.0
@@ -55,7 +61,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     tb = SummaryWriter(args.logdir)
     labels = labels_of(args.nodes)
-    writer = ScaleWriter([_Logger(tb)], ["std", "absmax"], histograms=True, figure=False, parameters=[l for l in labels if "/" not in l])
+    writer = ScaleWriter(
+        [_Logger(tb)], ["std", "absmax"], histograms=True, figure=False, parameters=[l for l in labels if "/" not in l]
+    )
     for k in range(args.steps):
         writer.write(k * 50, labels, records_of(args.nodes, k, seed=k))
     tb.close()

@@ -51,7 +51,9 @@ def main(out: Path, rank: int) -> None:
         if det.tracks(step):
             tracked.append(step)
         det.observe(step, torch.tensor(loss))
-    torch.save({"tracked": tracked, "events": [(a.step, a.loss, a.reason) for a in det.anomalies]}, out / f"rank{rank}.pt")
+    torch.save(
+        {"tracked": tracked, "events": [(a.step, a.loss, a.reason) for a in det.anomalies]}, out / f"rank{rank}.pt"
+    )
     dist.destroy_process_group()
 
 

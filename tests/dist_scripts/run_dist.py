@@ -105,7 +105,19 @@ def _fail_on_rank_1() -> None:
 
 
 _PACKAGE = str(Path(__file__).resolve().parents[2] / "lightning_scale")
-_COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor", "gather", "scatter", "all_to_all_single", "all_gather_object", "broadcast_object_list")
+_COLLECTIVES = (
+    "all_reduce",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "all_to_all_single",
+    "all_gather_object",
+    "broadcast_object_list",
+)
 
 
 def count_collectives(trainer: "list[pl.Trainer]") -> List[Any]:
@@ -118,7 +130,9 @@ def count_collectives(trainer: "list[pl.Trainer]") -> List[Any]:
             if frame.f_code.co_filename.startswith(_PACKAGE):
                 flat = [a for a in (*args, *kwargs.values()) for a in (a if isinstance(a, (list, tuple)) else [a])]
                 size = sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
-                op = kwargs.get("op", next((a for a in args if isinstance(a, torch.distributed.ReduceOp.RedOpType)), None))
+                op = kwargs.get(
+                    "op", next((a for a in args if isinstance(a, torch.distributed.ReduceOp.RedOpType)), None)
+                )
                 calls.append([name, str(op).split(".")[-1], size, trainer[0].global_step if trainer else None])
             return fn(*args, **kwargs)
 
@@ -140,8 +154,26 @@ def main(out: Path, strategy_name: str, mode: str, world: int = 2, capture: str 
     module = Module(out, fsdp=strategy_name == "fsdp2")
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         torch.save(full_state(module.model), out / "init.pt")
-    strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1) if strategy_name == "fsdp2" else strategy_name
-    callbacks = [ScaleMonitor(every_n_steps=None, steps=[0], histograms=False, figure=False, code=False, rank_spread=True, capture=capture)] if callback else []
+    strategy = (
+        ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+        if strategy_name == "fsdp2"
+        else strategy_name
+    )
+    callbacks = (
+        [
+            ScaleMonitor(
+                every_n_steps=None,
+                steps=[0],
+                histograms=False,
+                figure=False,
+                code=False,
+                rank_spread=True,
+                capture=capture,
+            )
+        ]
+        if callback
+        else []
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=world,

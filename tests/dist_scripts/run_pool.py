@@ -34,7 +34,17 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUPS = ("moments", "range", "formats", "fp8")
-COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor", "gather", "scatter", "all_to_all_single")
+COLLECTIVES = (
+    "all_reduce",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "all_to_all_single",
+)
 
 
 def _package() -> None:
@@ -62,7 +72,14 @@ def tensors(i: int, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
     scale = 2.0 ** (i % 40 - 20)
     size = 6 + i % 5 if is_parameter(i) else (i * 7 + rank * 3) % 13 if i % 250 != 7 else 0
     fwd = torch.randn(size, generator=gen, dtype=torch.float64) * scale + (i % 5 - 2) * 3 * scale
-    grad = torch.randn((i * 5 + rank) % 9 if i % 250 != 7 else 0, generator=torch.Generator().manual_seed(i * 7919 + rank), dtype=torch.float64) * scale
+    grad = (
+        torch.randn(
+            (i * 5 + rank) % 9 if i % 250 != 7 else 0,
+            generator=torch.Generator().manual_seed(i * 7919 + rank),
+            dtype=torch.float64,
+        )
+        * scale
+    )
     if i % 97 == 0 and rank == 1 and size and not is_parameter(i):
         fwd[0] = float("nan")
     if i % 89 == 0 and grad.numel():
@@ -143,7 +160,17 @@ def main(out: Path, rank: int, world: int, nodes: int) -> None:
     first = torch.full((2, 3), float(rank + 1), dtype=torch.float64)
 
     def big() -> Any:
-        return pool.pool_step(recs, labels, replicated=replicated, histograms=hists, histogram_labels=hist_labels, spread=True, sums=sums, first=first, dst=0)
+        return pool.pool_step(
+            recs,
+            labels,
+            replicated=replicated,
+            histograms=hists,
+            histogram_labels=hist_labels,
+            spread=True,
+            sums=sums,
+            first=first,
+            dst=0,
+        )
 
     big()  # warm-up: the first collective sets gloo up
     dist.barrier()
@@ -162,7 +189,14 @@ def main(out: Path, rank: int, world: int, nodes: int) -> None:
         "count": _outcome(lambda: pool.pool_step(recs[: nodes - (rank == 1)], labels[: nodes - (rank == 1)])),
         "after": _outcome(lambda: pool.pool_step(recs, labels)),
     }
-    saved: Dict[str, Any] = {"records": recs, "calls": calls, "seconds": seconds, "peak_rss_added": added, "small": small, "outcomes": outcomes}
+    saved: Dict[str, Any] = {
+        "records": recs,
+        "calls": calls,
+        "seconds": seconds,
+        "peak_rss_added": added,
+        "small": small,
+        "outcomes": outcomes,
+    }
     if rank == 0:
         saved["result"], saved["partial"] = result, partial
     else:

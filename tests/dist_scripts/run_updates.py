@@ -81,7 +81,9 @@ class Reference(pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.steps.append({"before": {n: _full(p) for n, p in pl_module.named_parameters()}})
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         params = list(pl_module.named_parameters())
         self.steps[-1]["after"] = {n: _full(p) for n, p in params}
         self.steps[-1]["grad"] = {n: _full(p.grad) for n, p in params}
@@ -90,9 +92,15 @@ class Reference(pl.Callback):
 def main(out: Path, strategy_name: str) -> None:
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(64, 8), torch.randn(64, 4))
-    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if strategy_name == "fsdp2" else strategy_name
+    strategy = (
+        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        if strategy_name == "fsdp2"
+        else strategy_name
+    )
     reference = Reference()
-    monitor = ScaleMonitor(every_n_steps=None, steps=[1], histograms=False, figure=False, code=False, anomaly_steps=2, update_ratios=True)
+    monitor = ScaleMonitor(
+        every_n_steps=None, steps=[1], histograms=False, figure=False, code=False, anomaly_steps=2, update_ratios=True
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,

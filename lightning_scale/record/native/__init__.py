@@ -59,7 +59,16 @@ class _Kernels:
     def __init__(self, lib: ctypes.CDLL, path: str) -> None:
         self.path = path
         sums_args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_double)]
-        all_args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p]
+        all_args = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_int32,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
         #: (dtype, with max |x|) -> the sums kernel; dtype -> the kernel of every group
         self.fns: Dict[Tuple[torch.dtype, bool], Any] = {}
         self.all_fns: Dict[torch.dtype, Any] = {}
@@ -69,14 +78,20 @@ class _Kernels:
             self.all_fns[dtype] = _bind(lib, f"ls_all_{suffix}", all_args)
         self.dtypes = list(self.all_fns)
 
-    def call(self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, with_max: bool) -> Tuple[float, float, float]:
+    def call(
+        self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, with_max: bool
+    ) -> Tuple[float, float, float]:
         out = (ctypes.c_double * 3)()  # (one per call: thread-safe)
         self.fns[(dtype, with_max)](address, rows, cols, stride, out)
         return out[0], out[1], out[2]
 
-    def call_all(self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, bounds: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    def call_all(
+        self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, bounds: np.ndarray
+    ) -> Tuple[np.ndarray, np.ndarray]:
         out, counts = np.empty(5), np.empty(len(bounds), dtype=np.int64)
-        self.all_fns[dtype](address, rows, cols, stride, bounds.ctypes.data, len(bounds), counts.ctypes.data, out.ctypes.data)
+        self.all_fns[dtype](
+            address, rows, cols, stride, bounds.ctypes.data, len(bounds), counts.ctypes.data, out.ctypes.data
+        )
         return out, counts
 
 
@@ -218,7 +233,11 @@ def _build_and_load() -> _Kernels:
     # (without per-CPU variants where the toolchain has no ifunc support, e.g. musl)
     for extra in ([], ["-DLS_NO_CLONES"]):
         flags = _FLAGS + extra
-        key = hashlib.sha256(b"\0".join([source, " ".join(compiler + flags).encode(), platform.machine().encode(), sys.platform.encode()])).hexdigest()[:16]
+        key = hashlib.sha256(
+            b"\0".join(
+                [source, " ".join(compiler + flags).encode(), platform.machine().encode(), sys.platform.encode()]
+            )
+        ).hexdigest()[:16]
         path = os.path.join(folder, f"sums-{key}.so")
         if os.path.exists(path) or _compile(compiler, flags, folder, path, errors):
             break
@@ -276,8 +295,13 @@ def _self_check(kernels: _Kernels) -> None:
     values[5] = 0.0  # (with the middle one, two zeros)
     f32 = values.astype(np.float32)
     data = {torch.float32: f32, torch.bfloat16: (f32.view(np.uint32) >> 16).astype(np.uint16)}  # bf16: truncated
-    exact = {torch.float32: f32.astype(np.float64), torch.bfloat16: ((data[torch.bfloat16].astype(np.uint32) << 16).view(np.float32)).astype(np.float64)}
-    bounds = np.array([1, 0x3A800000, 0x3F800000, 0x42C80000, 0x7F000000], dtype=np.int32)  # tiny, 2**-10, 1, 100, 2**127
+    exact = {
+        torch.float32: f32.astype(np.float64),
+        torch.bfloat16: ((data[torch.bfloat16].astype(np.uint32) << 16).view(np.float32)).astype(np.float64),
+    }
+    bounds = np.array(
+        [1, 0x3A800000, 0x3F800000, 0x42C80000, 0x7F000000], dtype=np.int32
+    )  # tiny, 2**-10, 1, 100, 2**127
     for dtype in kernels.dtypes:
         flat, ref = data[dtype], exact[dtype]
         wide = np.zeros((3, 1000), dtype=flat.dtype)  # rows of 867 in rows of 1000
@@ -287,11 +311,21 @@ def _self_check(kernels: _Kernels) -> None:
             for with_max in (False, True):
                 got = kernels.call(dtype, array.ctypes.data, *layout, with_max)
                 if not (_sums_close(got, want) and got[2] == (mags.max() if with_max else -1.0)):
-                    raise _Unavailable(f"self-check failed for {dtype} (max: {with_max}): got {got}, expected {(want.sum(), (want * want).sum(), mags.max())}")
+                    raise _Unavailable(
+                        f"self-check failed for {dtype} (max: {with_max}): got {got}, expected {(want.sum(), (want * want).sum(), mags.max())}"
+                    )
             out, counts = kernels.call_all(dtype, array.ctypes.data, *layout, bounds)
             expect_counts = [(mags < b).sum() for b in bounds.view(np.float32).astype(np.float64)]
-            if not (_sums_close(out, want) and list(counts) == expect_counts and out[2] == mags.max() and out[3] == mags[mags > 0].min() and out[4] == 0):
-                raise _Unavailable(f"self-check failed for {dtype} (every group): got {list(out)}, {list(counts)}, expected counts {expect_counts}")
+            if not (
+                _sums_close(out, want)
+                and list(counts) == expect_counts
+                and out[2] == mags.max()
+                and out[3] == mags[mags > 0].min()
+                and out[4] == 0
+            ):
+                raise _Unavailable(
+                    f"self-check failed for {dtype} (every group): got {list(out)}, {list(counts)}, expected counts {expect_counts}"
+                )
 
 
 def _sums_close(got: Any, want: np.ndarray) -> bool:

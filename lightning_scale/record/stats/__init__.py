@@ -50,10 +50,16 @@ from lightning_scale.record.stats.fields import (
     merged_record,
     statistic,
     summarise,
-)  # fmt: skip
+)
 from lightning_scale.record.stats.formats import _format_counts_device, _format_counts_host
 from lightning_scale.record.stats.fp8 import CHUNK, _fp8_fields
-from lightning_scale.record.stats.host import _DOT_MAX, _host_absmax, _host_moments, _native_every_group, fast_host_record
+from lightning_scale.record.stats.host import (
+    _DOT_MAX,
+    _host_absmax,
+    _host_moments,
+    _native_every_group,
+    fast_host_record,
+)
 
 __all__ = [
     "FIELDS",
@@ -83,7 +89,9 @@ __all__ = [
 ]
 
 
-def record_of(x: Tensor, groups: Collection[str] = ("moments",), host_reads: Optional[bool] = None, kernel: Optional[str] = None) -> List[Entry]:
+def record_of(
+    x: Tensor, groups: Collection[str] = ("moments",), host_reads: Optional[bool] = None, kernel: Optional[str] = None
+) -> List[Entry]:
     """Statistics of ``x`` as a list of ``len(FIELDS)`` entries (floats or 0-dim tensors).
 
     Args:

@@ -42,8 +42,17 @@ FP8_DTYPES: Dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch
 _FORMAT_FIELDS = [f"{kind}_{fmt}" for fmt in FORMATS for kind in ("underflow", "below_normal", "overflow")]
 _FP8_FIELDS = [f"fp8_{fmt}_{kind}" for fmt in FP8_DTYPES for kind in ("sq_err", "sq", "flushed")]
 FIELDS: Tuple[str, ...] = (
-    "count", "mean", "m2", "absmax", "nan", "inf", "zeros", "min_nonzero", *_FORMAT_FIELDS, *_FP8_FIELDS,
-)  # fmt: skip
+    "count",
+    "mean",
+    "m2",
+    "absmax",
+    "nan",
+    "inf",
+    "zeros",
+    "min_nonzero",
+    *_FORMAT_FIELDS,
+    *_FP8_FIELDS,
+)
 _IX = {name: i for i, name in enumerate(FIELDS)}
 _COUNT, _MEAN, _M2, _ABSMAX, _NAN, _INF, _ZEROS, _MINNZ = range(8)
 _FMT0 = 8
@@ -103,7 +112,9 @@ def index_tensor(values: Sequence[int], device: torch.device) -> Tensor:
 # Assembly, merging and derived statistics on float64 record tensors.
 
 
-def assemble(rows: Sequence[Union[Sequence[Entry], Tensor]], device: Optional[torch.device] = None, host_only: bool = False) -> Tensor:
+def assemble(
+    rows: Sequence[Union[Sequence[Entry], Tensor]], device: Optional[torch.device] = None, host_only: bool = False
+) -> Tensor:
     """Stack per-tensor entry lists into one float64 ``[N, len(FIELDS)]`` tensor.
 
     A row may also be a float64 tensor of ``len(FIELDS)`` elements (a record the fused
@@ -129,7 +140,9 @@ def assemble(rows: Sequence[Union[Sequence[Entry], Tensor]], device: Optional[to
         full[index_tensor(whole, dev)] = stacked
         full[index_tensor(keep, dev)] = rest
         return full
-    template = torch.tensor([[v if isinstance(v, float) else 0.0 for v in row] for row in rows], dtype=torch.float64).reshape(len(rows), len(FIELDS))
+    template = torch.tensor(
+        [[v if isinstance(v, float) else 0.0 for v in row] for row in rows], dtype=torch.float64
+    ).reshape(len(rows), len(FIELDS))
     by_dtype: Dict[torch.dtype, Tuple[List[int], List[Tensor]]] = {}
     for r, row in enumerate(rows):
         for c, v in enumerate(row):
@@ -144,8 +157,6 @@ def assemble(rows: Sequence[Union[Sequence[Entry], Tensor]], device: Optional[to
     for positions, values in by_dtype.values():  # one stack and one cast per dtype
         out.view(-1)[index_tensor(positions, dev)] = torch.stack(values).to(torch.float64)
     return out
-
-
 
 
 def merge(a: Tensor, b: Tensor) -> Tensor:
@@ -200,11 +211,17 @@ def merge_extremes(records: Tensor) -> Tensor:
     top, least, mean = records[..., _ABSMAX], records[..., _MINNZ], records[..., _MEAN]
     none = torch.full_like(top, -math.inf)
     finite = has & mean.isfinite()
-    return torch.stack([
-        torch.where(has & ~top.isnan(), top, none), torch.where(has & ~least.isnan(), -least, none),
-        (has & top.isnan()).double(), (has & least.isnan()).double(),
-        torch.where(finite, mean, none), torch.where(finite, -mean, none),
-    ], -1)  # fmt: skip
+    return torch.stack(
+        [
+            torch.where(has & ~top.isnan(), top, none),
+            torch.where(has & ~least.isnan(), -least, none),
+            (has & top.isnan()).double(),
+            (has & least.isnan()).double(),
+            torch.where(finite, mean, none),
+            torch.where(finite, -mean, none),
+        ],
+        -1,
+    )
 
 
 def _center(ext: Tensor) -> Tensor:

@@ -123,7 +123,10 @@ _LOW_BOUNDS = sorted({t for f in FORMATS.values() for t in (f.min_subnormal, f.m
 #: Up to this many elements one sorted search over every boundary costs less than a pass
 #: per threshold (small tensors are call-bound: biases, norms' weights).
 _SMALL = 1024
-_NUMPY_BOUNDS = {np.dtype(np.float32): np.array(_BOUNDS[torch.float32][0], dtype=np.float32), np.dtype(np.float64): np.array(_BOUNDS[torch.float64][0])}
+_NUMPY_BOUNDS = {
+    np.dtype(np.float32): np.array(_BOUNDS[torch.float32][0], dtype=np.float32),
+    np.dtype(np.float64): np.array(_BOUNDS[torch.float64][0]),
+}
 
 
 def _format_counts_small(a: "np.ndarray") -> Tuple[List[Entry], float]:

@@ -16,7 +16,22 @@ from torch import Tensor
 
 from lightning_scale.record import native
 from lightning_scale.record.stats.device import _scaled_moments
-from lightning_scale.record.stats.fields import _ABSMAX, _COUNT, _FMT0, _FP80, _INF, _M2, _MEAN, _MINNZ, _NAN, _NAN_ROW, _WIDE, _ZEROS, Entry, _host_sum
+from lightning_scale.record.stats.fields import (
+    _ABSMAX,
+    _COUNT,
+    _FMT0,
+    _FP80,
+    _INF,
+    _M2,
+    _MEAN,
+    _MINNZ,
+    _NAN,
+    _NAN_ROW,
+    _WIDE,
+    _ZEROS,
+    Entry,
+    _host_sum,
+)
 from lightning_scale.record.stats.formats import _NATIVE_BOUNDS, _format_fields_of_row
 
 

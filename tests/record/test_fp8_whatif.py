@@ -40,9 +40,15 @@ def fit(tmp_path: Path, monitor: Optional[ScaleMonitor]) -> Tuple[GPTModule, Opt
     loader = DataLoader(TensorDataset(torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data])), batch_size=4)
     logger = pl.loggers.TensorBoardLogger(str(tmp_path), name="fp8") if monitor else False
     trainer = pl.Trainer(
-        max_steps=STEPS, accelerator="cpu", devices=1, callbacks=[monitor] if monitor else [], logger=logger,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        max_steps=STEPS,
+        accelerator="cpu",
+        devices=1,
+        callbacks=[monitor] if monitor else [],
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, loader)
     return module, trainer.logger.log_dir if monitor else None
 
@@ -104,7 +110,9 @@ def logged(watched: Tuple[GPTModule, ScaleMonitor, Dict[str, Dict[int, float]]])
     return watched[2]
 
 
-def test_logged_fp8_statistics_match_a_float64_quantisation_of_the_same_tensors(logged: Dict[str, Dict[int, float]]) -> None:
+def test_logged_fp8_statistics_match_a_float64_quantisation_of_the_same_tensors(
+    logged: Dict[str, Dict[int, float]],
+) -> None:
     reference = twin_tensors()
     compared = set()
     for (step, d, label), x in reference.items():
@@ -113,12 +121,24 @@ def test_logged_fp8_statistics_match_a_float64_quantisation_of_the_same_tensors(
         for fmt in FP8:
             snr, flushed = what_if(x, fmt)
             got_snr = logged[f"fp8_{fmt}_snr_db/{d}/{label}"][step]
-            assert got_snr == pytest.approx(snr, rel=1.2e-7, abs=0), (step, d, label, fmt)  # float32 in the event file: 1 ulp
-            assert logged[f"fp8_{fmt}_flushed/{d}/{label}"][step] == pytest.approx(flushed, abs=1e-7), (step, d, label, fmt)
+            assert got_snr == pytest.approx(snr, rel=1.2e-7, abs=0), (
+                step,
+                d,
+                label,
+                fmt,
+            )  # float32 in the event file: 1 ulp
+            assert logged[f"fp8_{fmt}_flushed/{d}/{label}"][step] == pytest.approx(flushed, abs=1e-7), (
+                step,
+                d,
+                label,
+                fmt,
+            )
         compared.add(label)
     twin = tiny_gpt()
     every_param = {n for n, _ in twin.named_parameters()}
-    layers = {f"model.{n}" for n, m in twin.model.named_modules() if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding))}
+    layers = {
+        f"model.{n}" for n, m in twin.model.named_modules() if isinstance(m, (nn.Linear, nn.LayerNorm, nn.Embedding))
+    }
     assert every_param | layers <= compared, sorted((every_param | layers) - compared)
     assert len(compared) * 2 * STEPS * 2 > 100  # labels x directions x steps x formats
 
@@ -140,7 +160,9 @@ def test_the_what_if_sees_real_losses(logged: Dict[str, Dict[int, float]]) -> No
     assert logged[f"fp8_e5m2_flushed/bwd/{bias}"][0] == 0.0
 
 
-def test_training_with_the_fp8_group_is_bit_identical(tmp_path: Path, watched: Tuple[GPTModule, ScaleMonitor, Any]) -> None:
+def test_training_with_the_fp8_group_is_bit_identical(
+    tmp_path: Path, watched: Tuple[GPTModule, ScaleMonitor, Any]
+) -> None:
     plain, _ = fit(tmp_path, None)
     module, monitor, logged = watched
     assert monitor.groups == ["fp8", "moments"] and logged["fp8_e4m3_snr_db/bwd/model.head.weight"].keys() == {0, 1}

@@ -15,8 +15,19 @@ from lightning_scale.record.recorder import FORWARD, Recorder
 from lightning_scale.record.short_records import MAX_ELEMENTS, batchable, records_of_many
 
 GROUPS = ("moments", "range", "formats")
-EXACT = ["count", "nan", "inf", "absmax", "zeros", "min_nonzero"] + [f for f in stats.FIELDS if f.startswith(("underflow", "below_normal", "overflow"))]
-SPECIALS = {"zero": 0.0, "subnormal": 3e-42, "tiny": 2.0**-140, "huge": 3e38, "inf": math.inf, "nan": math.nan, "fp16_max": 65504.0, "e4m3_edge": 448.0}
+EXACT = ["count", "nan", "inf", "absmax", "zeros", "min_nonzero"] + [
+    f for f in stats.FIELDS if f.startswith(("underflow", "below_normal", "overflow"))
+]
+SPECIALS = {
+    "zero": 0.0,
+    "subnormal": 3e-42,
+    "tiny": 2.0**-140,
+    "huge": 3e38,
+    "inf": math.inf,
+    "nan": math.nan,
+    "fp16_max": 65504.0,
+    "e4m3_edge": 448.0,
+}
 
 
 @st.composite
@@ -24,7 +35,9 @@ def short_tensor(draw: st.DrawFn) -> torch.Tensor:
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
     n = draw(st.integers(1, 600))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
-    x = (torch.randn(n, generator=g, dtype=torch.float64) + draw(st.sampled_from([0.0, 3.0, 1e4]))) * 2.0 ** draw(st.integers(-30, 30))
+    x = (torch.randn(n, generator=g, dtype=torch.float64) + draw(st.sampled_from([0.0, 3.0, 1e4]))) * 2.0 ** draw(
+        st.integers(-30, 30)
+    )
     for kind in draw(st.lists(st.sampled_from(sorted(SPECIALS)), max_size=4)):
         x[int(torch.randint(0, n, (), generator=g))] = SPECIALS[kind]
     return x.to(torch.float32).to(dtype)
@@ -44,7 +57,9 @@ def test_batched_records_equal_one_by_one(xs: list) -> None:
         v = x.double()
         finite = bool(torch.isfinite(v).all())
         mean = float(v.mean())
-        assert got["mean"] == pytest.approx(mean, rel=1e-12, abs=1e-300, nan_ok=True) or (math.isinf(mean) and got["mean"] == mean)
+        assert got["mean"] == pytest.approx(mean, rel=1e-12, abs=1e-300, nan_ok=True) or (
+            math.isinf(mean) and got["mean"] == mean
+        )
         if finite:  # float64 two passes: far inside the 1e-6 of the one-by-one path
             m2 = float(((v - v.mean()) ** 2).sum())
             assert got["m2"] == pytest.approx(m2, rel=1e-9, abs=1e-300)
@@ -60,7 +75,14 @@ def test_recorder_batches_short_tensors_and_keeps_their_value_at_observe_time() 
     rec.observe("x", x)
     x.mul_(100.0)  # after the observation: not what was recorded
     got = dict(zip(stats.FIELDS, rec.records(["x"])[0, FORWARD].tolist()))
-    assert (got["count"], got["mean"], got["m2"], got["absmax"], got["zeros"], got["min_nonzero"]) == (4.0, 2.5, 5.0, 4.0, 0.0, 1.0)
+    assert (got["count"], got["mean"], got["m2"], got["absmax"], got["zeros"], got["min_nonzero"]) == (
+        4.0,
+        2.5,
+        5.0,
+        4.0,
+        0.0,
+        1.0,
+    )
     assert np.isnan(got["fp8_e4m3_sq_err"])  # not asked for: NaN, as record_of
 
 

@@ -85,7 +85,10 @@ def test_compare_says_which_output_differs_and_by_how_much() -> None:
         "output differs: torch.float32 (2,) on cpu != torch.float64 (2,) on cpu",
         "output `logits` differs: 1 of 4 elements differ, max |difference| 0.5",
     ]
-    assert fidelity.compare({"n": 3}, {"n": 4, "x": 1}, "buffer") == ["buffer `n` differs: 3 != 4", "buffer `x` only in the captured forward"]
+    assert fidelity.compare({"n": 3}, {"n": 4, "x": 1}, "buffer") == [
+        "buffer `n` differs: 3 != 4",
+        "buffer `x` only in the captured forward",
+    ]
 
 
 def test_verify_leaves_the_state_as_it_was_and_takes_the_first_matching_route() -> None:
@@ -128,13 +131,20 @@ def test_verify_catches_a_route_that_skips_a_buffer_update() -> None:
     def without_statistics(x: Tensor) -> Tensor:  # batch statistics, running ones left alone
         noise = float(np.random.random_sample()) + random.random()
         bn = model.bn
-        return model.drop(nn.functional.batch_norm(model.fc(x), None, None, bn.weight, bn.bias, training=True, eps=bn.eps)) * noise
+        return (
+            model.drop(nn.functional.batch_norm(model.fc(x), None, None, bn.weight, bn.bias, training=True, eps=bn.eps))
+            * noise
+        )
 
-    outcome = fidelity.verify(model, model.forward, [("skips", lambda: Route(without_statistics))], (torch.randn(8, 4),), {})  # type: ignore[list-item, return-value]
+    outcome = fidelity.verify(
+        model, model.forward, [("skips", lambda: Route(without_statistics))], (torch.randn(8, 4),), {}
+    )  # type: ignore[list-item, return-value]
     assert outcome.capture is None
     differences = outcome.verdicts[0].differences
     assert "buffer `bn.num_batches_tracked` differs: 1 of 1 elements differ" in differences
-    assert any(d.startswith("buffer `bn.running_mean` differs: 4 of 4 elements differ, max |difference| ") for d in differences)
+    assert any(
+        d.startswith("buffer `bn.running_mean` differs: 4 of 4 elements differ, max |difference| ") for d in differences
+    )
 
 
 def test_verify_capture_must_be_a_bool() -> None:
@@ -172,9 +182,16 @@ def fit(tmp_path: Any, callbacks: List[Any]) -> Tuple[Net, List[str]]:
     model = Net()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(24, 4)), batch_size=8)
     trainer = pl.Trainer(
-        default_root_dir=tmp_path, max_steps=3, callbacks=callbacks, accelerator="cpu", devices=1, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, logger=pl.loggers.TensorBoardLogger(tmp_path) if callbacks else False,
-    )  # fmt: skip
+        default_root_dir=tmp_path,
+        max_steps=3,
+        callbacks=callbacks,
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=pl.loggers.TensorBoardLogger(tmp_path) if callbacks else False,
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.manual_seed(1)
@@ -182,7 +199,9 @@ def fit(tmp_path: Any, callbacks: List[Any]) -> Tuple[Net, List[str]]:
     return model, [str(w.message) for w in caught if "ScaleMonitor" in str(w.message)]
 
 
-def test_a_failing_probe_leaves_training_as_it_is_with_one_warning(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_probe_leaves_training_as_it_is_with_one_warning(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("probe broke")
 
@@ -193,7 +212,9 @@ def test_a_failing_probe_leaves_training_as_it_is_with_one_warning(tmp_path: Any
     for other in (probed, failed):
         assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), other.state_dict().values()))
     assert warned == []
-    assert failed_warned == ["ScaleMonitor: checking the capture of Net failed (RuntimeError: probe broke); training continues untracked."]
+    assert failed_warned == [
+        "ScaleMonitor: checking the capture of Net failed (RuntimeError: probe broke); training continues untracked."
+    ]
 
 
 def test_where_eager_does_not_reproduce_itself_a_route_may_differ_by_as_much() -> None:
@@ -218,10 +239,19 @@ def test_where_eager_does_not_reproduce_itself_a_route_may_differ_by_as_much() -
         return model(x) * 1.01 + jitter()
 
     x = torch.randn(3, 4)
-    outcome = fidelity.verify(model, eager, [("scaled", lambda: Route(scaled)), ("same", lambda: Route(eager))], (x,), {})  # type: ignore[list-item, return-value]
+    outcome = fidelity.verify(
+        model, eager, [("scaled", lambda: Route(scaled)), ("same", lambda: Route(eager))], (x,), {}
+    )  # type: ignore[list-item, return-value]
     assert outcome.capture is not None and outcome.capture.fn is eager  # type: ignore[attr-defined]
     scaled_verdict, same_verdict = outcome.verdicts
     assert scaled_verdict.within_noise == []  # 1e-2 relative is far above the jitter (<= 3e-6)
-    assert [d.split(":")[0] for d in scaled_verdict.differences] == ["output differs", "gradient of `bias` differs", "gradient of `weight` differs"]
+    assert [d.split(":")[0] for d in scaled_verdict.differences] == [
+        "output differs",
+        "gradient of `bias` differs",
+        "gradient of `weight` differs",
+    ]
     assert same_verdict.matches and same_verdict.within_noise == ["output"]
-    assert same_verdict.describe() == "same: bit-identical but where the eager forward does not reproduce itself (output: within 4x its spread)"
+    assert (
+        same_verdict.describe()
+        == "same: bit-identical but where the eager forward does not reproduce itself (output: within 4x its spread)"
+    )

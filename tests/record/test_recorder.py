@@ -117,4 +117,3 @@ def test_shared_gradient_tensor_reuses_record_exactly(monkeypatch) -> None:  # t
     torch.testing.assert_close(records[fc2, BACKWARD], records[add, BACKWARD], rtol=0, atol=0, equal_nan=True)
     present = int((records[..., 0] > 0).sum())
     assert len(grads) == present - 1  # fc2's output gradient: add's, reused; fc1's: new values, computed
-

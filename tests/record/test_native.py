@@ -21,7 +21,9 @@ from lightning_scale.record.stats import formats
 
 from test_stats_property import check_against_reference, fields, sample
 
-needs_compiler = pytest.mark.skipif(native._compiler() is None, reason="no C compiler on this machine: the native kernel cannot be built")
+needs_compiler = pytest.mark.skipif(
+    native._compiler() is None, reason="no C compiler on this machine: the native kernel cannot be built"
+)
 
 
 @pytest.fixture
@@ -165,7 +167,9 @@ def test_without_per_cpu_variants_where_the_toolchain_refuses_them(fresh, monkey
     # a compiler that fails as one without ifunc support would, unless asked for the plain build
     wrapper = fresh / "cc-no-ifunc"
     real = native._compiler()
-    wrapper.write_text(f'#!/bin/sh\ncase "$*" in *-DLS_NO_CLONES*) exec {" ".join(real)} "$@";; esac\necho "target_clones: no ifunc here" >&2\nexit 1\n')
+    wrapper.write_text(
+        f'#!/bin/sh\ncase "$*" in *-DLS_NO_CLONES*) exec {" ".join(real)} "$@";; esac\necho "target_clones: no ifunc here" >&2\nexit 1\n'
+    )
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
     assert native.load() is not None, native.status()
@@ -175,7 +179,7 @@ def test_without_per_cpu_variants_where_the_toolchain_refuses_them(fresh, monkey
 
 @needs_compiler
 def test_a_kernel_that_fails_its_self_check_is_not_used(fresh, monkeypatch):
-    source = (fresh / "wrong.c")
+    source = fresh / "wrong.c"
     with open(native._SOURCE) as f:
         text = f.read()
     # one wrong number: the sum of squares off by one part in a thousand
@@ -196,14 +200,23 @@ def test_two_processes_building_at_once_both_load(tmp_path):
         print(native._loaded.path)
         """
     )
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     assert outs[0][0] == outs[1][0]  # the same file
-    assert [n for n in os.listdir(tmp_path / "cache") if not n.startswith(".")] == [os.path.basename(outs[0][0].strip())]
+    assert [n for n in os.listdir(tmp_path / "cache") if not n.startswith(".")] == [
+        os.path.basename(outs[0][0].strip())
+    ]
 
 
-@pytest.mark.parametrize("groups", [("moments",), ("moments", "range"), ("moments", "formats"), ("moments", "range", "formats")])
+@pytest.mark.parametrize(
+    "groups", [("moments",), ("moments", "range"), ("moments", "formats"), ("moments", "range", "formats")]
+)
 def test_the_recorders_short_path_gives_record_ofs_numbers(kernels, serial, groups):
     """``Recorder`` takes ``stats.fast_host_record`` for long host tensors: the very numbers
     of ``record_of``, its fallbacks included (mean-dominated, non-finite, huge values)."""
@@ -238,7 +251,9 @@ def test_every_group_of_a_big_tensor_matches_numpy(kernels, serial, dtype):
     """Format counts, zeros, least nonzero and absmax exact, moments within 1e-6, over 1M
     elements spanning every format's range (subnormal to overflow), zeros and infinities."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(1 << 20, generator=g, dtype=torch.float64) * torch.pow(2.0, torch.randint(-140, 127, (1 << 20,), generator=g).double())
+    x = torch.randn(1 << 20, generator=g, dtype=torch.float64) * torch.pow(
+        2.0, torch.randint(-140, 127, (1 << 20,), generator=g).double()
+    )
     x[::1000] = 0.0
     x = x.to(dtype)
     assert native.every_group(x, formats._NATIVE_BOUNDS) is not None

@@ -56,7 +56,7 @@ def test_annotations_are_the_interpreters_scales() -> None:
     assert list(found) == recorded  # every recorded node is annotated, in order
     for name, (fwd, bwd) in found.items():
         assert f"(-> {fwd}, <- {bwd})" == str(scales[name]), name
-    assert "_1 = getattr(self, \"1\")(linear);  (-> " in code  # BatchNorm1d stays a leaf
+    assert '_1 = getattr(self, "1")(linear);  (-> ' in code  # BatchNorm1d stays a leaf
 
 
 def test_annotations_match_eager_values_and_the_reference() -> None:
@@ -117,20 +117,38 @@ def test_syntax_highlighting_colours_the_same_text() -> None:
 def test_annotate_code() -> None:
     code = 'torch.fx._symbolic_trace.wrap("f")\n\ndef forward(self, x):\n    y = x * 2;  x = None\n    z = f(y)\n    return z\n'
     scales = {"y": ScalePair(1.0, 0.5), "x": ScalePair(2.0, None)}
-    assert report.annotate_code(code, scales) == "def forward(self, x):  (-> 2.0, <- n/a)\n    y = x * 2;  (-> 1.0, <- 0.5)\n    z = f(y)\n    return z"
+    assert (
+        report.annotate_code(code, scales)
+        == "def forward(self, x):  (-> 2.0, <- n/a)\n    y = x * 2;  (-> 1.0, <- 0.5)\n    z = f(y)\n    return z"
+    )
 
 
 def test_annotate_code_with_labels_aligns_scales_and_flags_out_of_range() -> None:
     code = "def forward(self, x):\n    linear = torch._C._nn.linear(x, w, b);  x = None\n    mul = linear * 1e-9\n    big = mul * 1e15\n    return big\n"
-    scales = {"x": ScalePair(1.0, None), "linear": ScalePair(0.5, 2.0**-15), "mul": ScalePair(5e-10, 1.0), "big": ScalePair(7e4, 1.0)}
+    scales = {
+        "x": ScalePair(1.0, None),
+        "linear": ScalePair(0.5, 2.0**-15),
+        "mul": ScalePair(5e-10, 1.0),
+        "big": ScalePair(7e4, 1.0),
+    }
     labels = {"x": "x", "linear": "net.0/linear", "mul": "net/mul", "big": "net/mul_1"}
     lines = report.annotate_code(code, scales, labels=labels).splitlines()
-    sources = ["def forward(self, x):", "    linear = torch._C._nn.linear(x, w, b)", "    mul = linear", "    big = mul", "    return big"]
+    sources = [
+        "def forward(self, x):",
+        "    linear = torch._C._nn.linear(x, w, b)",
+        "    mul = linear",
+        "    big = mul",
+        "    return big",
+    ]
     assert len({line.index(src) for line, src in zip(lines, sources)}) == 1  # the code starts in one column
     by_label = {label: line for line in lines for label in labels.values() if f" {label} " in line}
-    assert by_label["net.0/linear"].startswith("(-> 0.5, <- 3.05e-05)") and "!<" in by_label["net.0/linear"]  # 2^-15 < 2^-14
+    assert (
+        by_label["net.0/linear"].startswith("(-> 0.5, <- 3.05e-05)") and "!<" in by_label["net.0/linear"]
+    )  # 2^-15 < 2^-14
     assert "!<" in by_label["net/mul"] and "!>" in by_label["net/mul_1"] and "!" not in by_label["x"]
-    assert "!" not in report.annotate_code(code, scales, labels=labels, flag="bf16").split("net/mul_1")[1].split("\n")[0]
+    assert (
+        "!" not in report.annotate_code(code, scales, labels=labels, flag="bf16").split("net/mul_1")[1].split("\n")[0]
+    )
     with pytest.raises(ValueError, match="`flag` must be one of"):
         report.annotate_code(code, scales, labels=labels, flag="fp8")
 

@@ -27,11 +27,14 @@ from lightning_scale.dashboard.layout import module_group
 
 # The system browser (Playwright's own download cannot work offline); overridable for other layouts.
 CHROMIUM = os.environ.get("LIGHTNING_SCALE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FP16_MIN, FP16_MAX = 2.0**-14, 65504.0
 
 if not os.path.exists(CHROMIUM):
-    pytest.skip(f"no Chromium at {CHROMIUM} (`apt-get install -y chromium` as root; `make venv` and .ci/run do it where they can)", allow_module_level=True)
+    pytest.skip(
+        f"no Chromium at {CHROMIUM} (`apt-get install -y chromium` as root; `make venv` and .ci/run do it where they can)",
+        allow_module_level=True,
+    )
 sync_api = pytest.importorskip("playwright.sync_api", reason='playwright is not installed (pip install -e ".[test]")')
 
 
@@ -52,7 +55,9 @@ def _entry_point_path(tmp: Path) -> str:
     info = tmp / "lightning_scale_dashboard_test-0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lightning-scale-dashboard-test\nVersion: 0\n")
-    (info / "entry_points.txt").write_text("[tensorboard_plugins]\nscales = lightning_scale.dashboard.plugin:ScalesPlugin\n")
+    (info / "entry_points.txt").write_text(
+        "[tensorboard_plugins]\nscales = lightning_scale.dashboard.plugin:ScalesPlugin\n"
+    )
     return str(tmp)
 
 
@@ -60,8 +65,26 @@ def _entry_point_path(tmp: Path) -> str:
 def tensorboard(logdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A `tensorboard` on `logdir` with the plugin active; its URL."""
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), _entry_point_path(tmp_path_factory.mktemp("ep")), os.environ.get("PYTHONPATH", "")) if p))
-    cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port), "--load_fast=false"]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            p
+            for p in (str(ROOT), _entry_point_path(tmp_path_factory.mktemp("ep")), os.environ.get("PYTHONPATH", ""))
+            if p
+        ),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "tensorboard.main",
+        "--logdir",
+        str(logdir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--load_fast=false",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -99,10 +122,19 @@ def browser_page(url: str) -> Iterator[Tuple[Any, List[str]]]:
     """A page of headless Chromium at `url` and the list its errors are gathered in."""
     errors: List[str] = []
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+        )
         pg = browser.new_page(viewport={"width": 1500, "height": 1000})
         pg.on("pageerror", lambda e: errors.append(str(e)))
-        pg.on("console", lambda m: errors.append(m.text) if m.type == "error" and "plugin/scales" in (m.location or {}).get("url", "") else None)
+        pg.on(
+            "console",
+            lambda m: (
+                errors.append(m.text)
+                if m.type == "error" and "plugin/scales" in (m.location or {}).get("url", "")
+                else None
+            ),
+        )
         pg.goto(url)
         try:
             yield pg, errors
@@ -129,7 +161,9 @@ def _plugin_frame(pg: Any) -> Any:
 
 
 def _profile(frame: Any) -> List[Dict[str, str]]:
-    return frame.eval_on_selector_all("svg.profile g.node", "gs => gs.map(g => ({label: g.dataset.label, fwd: g.dataset.fwd, bwd: g.dataset.bwd}))")
+    return frame.eval_on_selector_all(
+        "svg.profile g.node", "gs => gs.map(g => ({label: g.dataset.label, fwd: g.dataset.fwd, bwd: g.dataset.bwd}))"
+    )
 
 
 def _check_profile(rows: List[Dict[str, str]], scalars: Dict[str, Dict[int, float]], step: int) -> None:
@@ -152,11 +186,15 @@ def test_plugin_listed_labels_in_order_and_slider(server: Tuple[str, Path], page
     assert frame.inner_text("#step-value") == str(STEPS - 1)
     _check_profile(rows, scalars, STEPS - 1)
     frame.eval_on_selector("#step", "s => { s.value = 0; s.dispatchEvent(new Event('input')); }")
-    frame.wait_for_function("document.querySelector('#step-value').textContent === '0' && document.querySelector('.legend').textContent.includes('step 0')")
+    frame.wait_for_function(
+        "document.querySelector('#step-value').textContent === '0' && document.querySelector('.legend').textContent.includes('step 0')"
+    )
     changed = _profile(frame)
     assert changed != rows
     _check_profile(changed, scalars, 0)
-    assert float(frame.inner_text("table.ratios td:nth-child(2)")) == pytest.approx(scalars["update_ratio/blocks.0.0.weight"][0], rel=1e-3)
+    assert float(frame.inner_text("table.ratios td:nth-child(2)")) == pytest.approx(
+        scalars["update_ratio/blocks.0.0.weight"][0], rel=1e-3
+    )
     assert not errors
 
 
@@ -178,15 +216,27 @@ def test_profile_hover_and_collapse(page: Tuple[Any, Any, List[str]]) -> None:
     assert not errors
 
 
-def test_profile_marks_nodes_outside_a_format_and_keeps_its_axis_in_view(server: Tuple[str, Path], page: Tuple[Any, Any, List[str]]) -> None:
+def test_profile_marks_nodes_outside_a_format_and_keeps_its_axis_in_view(
+    server: Tuple[str, Path], page: Tuple[Any, Any, List[str]]
+) -> None:
     pg, frame, errors = page
     _, scalars = logged(server[1])
     frame.click("button[data-view=profile]")
     frame.wait_for_selector("svg.profile g.node")
     step = int(frame.inner_text("#step-value"))
-    outside = [l for l in logged_labels(scalars) if any(scalars.get(f"scale/{d}/{l}", {}).get(step, 1.0) < FP16_MIN or scalars.get(f"absmax/{d}/{l}", {}).get(step, 0.0) > FP16_MAX for d in ("fwd", "bwd"))]
+    outside = [
+        l
+        for l in logged_labels(scalars)
+        if any(
+            scalars.get(f"scale/{d}/{l}", {}).get(step, 1.0) < FP16_MIN
+            or scalars.get(f"absmax/{d}/{l}", {}).get(step, 0.0) > FP16_MAX
+            for d in ("fwd", "bwd")
+        )
+    ]
     assert outside  # the test sees some
-    assert sorted(frame.eval_on_selector_all("svg.profile g.node.out", "gs => gs.map(g => g.dataset.label)")) == sorted(outside)
+    assert sorted(frame.eval_on_selector_all("svg.profile g.node.out", "gs => gs.map(g => g.dataset.label)")) == sorted(
+        outside
+    )
     assert f"{len(outside)} of {len(logged_labels(scalars))} nodes outside fp16" in frame.inner_text(".legend")
     assert "absmax" in frame.inner_text(".legend")  # logged here
     frame.check("#only")
@@ -195,7 +245,9 @@ def test_profile_marks_nodes_outside_a_format_and_keeps_its_axis_in_view(server:
     frame.uncheck("#only")
     frame.wait_for_function(f"document.querySelectorAll('svg.profile g.node').length === {len(logged_labels(scalars))}")
     assert crossings(frame, "svg.profile-axis") == []  # edge labels whole, no line through them
-    assert "fp16 · e5m2 min◂" in frame.eval_on_selector_all("svg.profile-axis text.edge-label", "ts => ts.map(t => t.textContent)")
+    assert "fp16 · e5m2 min◂" in frame.eval_on_selector_all(
+        "svg.profile-axis text.edge-label", "ts => ts.map(t => t.textContent)"
+    )
     pg.set_viewport_size({"width": 1500, "height": 300})  # scrolled far down, the axis stays in view
     frame.evaluate("window.scrollTo(0, document.body.scrollHeight)")
     frame.wait_for_timeout(100)
@@ -262,13 +314,19 @@ def test_heatmap_rows_labelled_cells_and_series(server: Tuple[str, Path], page: 
     assert crossings(frame, "svg.colourbar") == []  # colour-bar labels: no tick through them, none cut off
     frame.click(".hm-band[data-group='blocks.1']")  # fold a block
     frame.wait_for_function("!document.querySelector(\".hm-block[data-group='blocks.1'] .row-label\")")
-    assert not [t for t in frame.eval_on_selector_all(".row-label", "ls => ls.map(l => l.textContent)") if t.startswith("blocks.1.")]
+    assert not [
+        t
+        for t in frame.eval_on_selector_all(".row-label", "ls => ls.map(l => l.textContent)")
+        if t.startswith("blocks.1.")
+    ]
     frame.click(".hm-band[data-group='blocks.1']")
     frame.wait_for_selector(".hm-block[data-group='blocks.1'] .row-label")
     assert not errors
 
 
-def test_heatmap_series_panel_opens_in_view_with_axes(server: Tuple[str, Path], page: Tuple[Any, Any, List[str]]) -> None:
+def test_heatmap_series_panel_opens_in_view_with_axes(
+    server: Tuple[str, Path], page: Tuple[Any, Any, List[str]]
+) -> None:
     pg, frame, errors = page
     acc, scalars = logged(server[1])
     frame.click("button[data-view=heatmap]")
@@ -277,16 +335,23 @@ def test_heatmap_series_panel_opens_in_view_with_axes(server: Tuple[str, Path], 
     row = len(doc["labels"]) - 2
     heatmap_cell(pg, frame, "bwd", row, 1, click=True)
     frame.wait_for_selector(".series-box polyline", state="attached")
-    box = frame.eval_on_selector(".series-box", "b => { const r = b.getBoundingClientRect(); return [r.top, r.bottom, r.left, r.right, innerHeight, innerWidth]; }")
+    box = frame.eval_on_selector(
+        ".series-box",
+        "b => { const r = b.getBoundingClientRect(); return [r.top, r.bottom, r.left, r.right, innerHeight, innerWidth]; }",
+    )
     assert 0 <= box[0] and box[1] <= box[4] and 0 <= box[2] and box[3] <= box[5]  # in view, wherever the row was
     assert doc["labels"][row] in frame.inner_text(".series-box h4")
-    assert frame.eval_on_selector_all(".series-box text.tick.x", "ts => ts.map(t => +t.textContent)") == list(range(STEPS))
+    assert frame.eval_on_selector_all(".series-box text.tick.x", "ts => ts.map(t => +t.textContent)") == list(
+        range(STEPS)
+    )
     assert len(frame.eval_on_selector_all(".series-box text.tick.y", "ts => ts")) >= 3
     titles = frame.eval_on_selector_all(".series-box text.axis-title", "ts => ts.map(t => t.textContent)")
     assert titles == ["step", "log2 std"]
     want = [math.log2(scalars[f"scale/bwd/{doc['labels'][row]}"][s]) for s in range(STEPS)]
     ys = [float(p.split(",")[1]) for p in frame.get_attribute(".series-box polyline.bwd", "points").split()]
-    assert len(ys) == STEPS and all((ys[a] < ys[b]) == (want[a] > want[b]) for a in range(STEPS) for b in range(STEPS) if want[a] != want[b])  # higher value, higher point
+    assert len(ys) == STEPS and all(
+        (ys[a] < ys[b]) == (want[a] > want[b]) for a in range(STEPS) for b in range(STEPS) if want[a] != want[b]
+    )  # higher value, higher point
     frame.click(".series-box .close")
     assert frame.is_hidden(".series-box")
     assert not errors
@@ -295,7 +360,9 @@ def test_heatmap_series_panel_opens_in_view_with_axes(server: Tuple[str, Path], 
 ALIASES = capture(Blocks(), "auto").aliases  # label -> label of the same tensor
 
 
-def _independent_ranking(order: List[str], scalars: Dict[str, Dict[int, float]], step: int) -> List[Tuple[str, str, float]]:
+def _independent_ranking(
+    order: List[str], scalars: Dict[str, Dict[int, float]], step: int
+) -> List[Tuple[str, str, float]]:
     rows = []
     for label in order:  # ties keep execution order; one row per tensor
         if ALIASES.get(label) in order:
@@ -307,24 +374,46 @@ def _independent_ranking(order: List[str], scalars: Dict[str, Dict[int, float]],
     return sorted(rows, key=lambda r: r[2])
 
 
-def test_worst_nodes_ranking_matches_the_logged_numbers(server: Tuple[str, Path], page: Tuple[Any, Any, List[str]]) -> None:
+def test_worst_nodes_ranking_matches_the_logged_numbers(
+    server: Tuple[str, Path], page: Tuple[Any, Any, List[str]]
+) -> None:
     _, frame, errors = page
     acc, scalars = logged(server[1])
     order = metadata.decode(acc.Tensors(metadata.TAG)[-1].tensor_proto.string_val[0])["labels"]
     frame.click("button[data-view=worst]")
     frame.wait_for_selector("table.worst tr.worst-row")
     step = int(frame.inner_text("#step-value"))
-    shown = frame.eval_on_selector_all("tr.worst-row", "rs => rs.map(r => [r.dataset.label, r.dataset.dir, +r.dataset.headroom])")
+    shown = frame.eval_on_selector_all(
+        "tr.worst-row", "rs => rs.map(r => [r.dataset.label, r.dataset.dir, +r.dataset.headroom])"
+    )
     want = _independent_ranking(order, scalars, step)
     assert [(l, d) for l, d, _ in shown] == [(l, d) for l, d, _ in want]
     assert [h for _, _, h in shown] == pytest.approx([h for _, _, h in want], abs=1e-5)
     # a tensor's aliases are listed in its row
-    for label, aliases in frame.eval_on_selector_all("tr.worst-row", "rs => rs.map(r => [r.dataset.label, r.querySelector('.aliases')?.textContent ?? ''])"):
-        assert aliases == ("= " + ", ".join(a for a in order if ALIASES.get(a) == label) if any(ALIASES.get(a) == label for a in order) else "")
-    assert any(a for _, a in frame.eval_on_selector_all("tr.worst-row", "rs => rs.map(r => [0, r.querySelector('.aliases')?.textContent ?? ''])"))
+    for label, aliases in frame.eval_on_selector_all(
+        "tr.worst-row", "rs => rs.map(r => [r.dataset.label, r.querySelector('.aliases')?.textContent ?? ''])"
+    ):
+        assert aliases == (
+            "= " + ", ".join(a for a in order if ALIASES.get(a) == label)
+            if any(ALIASES.get(a) == label for a in order)
+            else ""
+        )
+    assert any(
+        a
+        for _, a in frame.eval_on_selector_all(
+            "tr.worst-row", "rs => rs.map(r => [0, r.querySelector('.aliases')?.textContent ?? ''])"
+        )
+    )
     # since when: the first tracked step outside FP16's range and for how many, as the scalars say
-    for label, d, first, k, m in frame.eval_on_selector_all("tr.worst-row", "rs => rs.map(r => [r.dataset.label, r.dataset.dir, r.dataset.first, +r.dataset.outSteps, +r.dataset.tracked])"):
-        out = [s for s in range(STEPS) if scalars[f"scale/{d}/{label}"][s] < FP16_MIN or scalars[f"absmax/{d}/{label}"][s] > FP16_MAX]
+    for label, d, first, k, m in frame.eval_on_selector_all(
+        "tr.worst-row",
+        "rs => rs.map(r => [r.dataset.label, r.dataset.dir, r.dataset.first, +r.dataset.outSteps, +r.dataset.tracked])",
+    ):
+        out = [
+            s
+            for s in range(STEPS)
+            if scalars[f"scale/{d}/{label}"][s] < FP16_MIN or scalars[f"absmax/{d}/{label}"][s] > FP16_MAX
+        ]
         assert (first, k, m) == (str(out[0]) if out else "", len(out), STEPS)
     assert "below normal fp16" in frame.inner_text("table.worst tr")  # the run logged below_normal_fp16: its column
     frame.select_option("#by", "e4m3")
@@ -332,7 +421,9 @@ def test_worst_nodes_ranking_matches_the_logged_numbers(server: Tuple[str, Path]
     assert "'underflow_e4m3', 'below_normal_e4m3', 'overflow_e4m3'" in frame.inner_text("p.hint")  # not logged: how to
     frame.select_option("#by", "fp16")
     frame.fill("#regex", r"blocks\.1")
-    frame.wait_for_function("[...document.querySelectorAll('tr.worst-row')].every(r => r.dataset.label.includes('blocks.1'))")
+    frame.wait_for_function(
+        "[...document.querySelectorAll('tr.worst-row')].every(r => r.dataset.label.includes('blocks.1'))"
+    )
     assert frame.eval_on_selector_all("tr.worst-row", "rs => rs.length") == len([w for w in want if "blocks.1" in w[0]])
     assert not errors
 
@@ -346,7 +437,11 @@ def test_code_and_validation_views(server: Tuple[str, Path], page: Tuple[Any, An
     assert frame.eval_on_selector("pre.code", "p => p.scrollWidth <= p.clientWidth")  # long lines wrap
     frame.select_option("#prefix", "val_")
     frame.click("button[data-view=profile]")
-    frame.wait_for_function("document.querySelector('#prefix').value === 'val_' && document.querySelectorAll('svg.profile g.node').length > 0")
-    frame.wait_for_function(f"document.querySelectorAll('svg.profile g.node').length === {len(logged_labels(scalars, 'val_'))}")
+    frame.wait_for_function(
+        "document.querySelector('#prefix').value === 'val_' && document.querySelectorAll('svg.profile g.node').length > 0"
+    )
+    frame.wait_for_function(
+        f"document.querySelectorAll('svg.profile g.node').length === {len(logged_labels(scalars, 'val_'))}"
+    )
     assert {r["label"] for r in _profile(frame)} == set(logged_labels(scalars, "val_"))
     assert not errors

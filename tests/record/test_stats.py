@@ -65,7 +65,9 @@ def measured(x: Tensor, host_reads: bool) -> Dict[str, float]:
     return stats.summarise(record(x, host_reads))
 
 
-EXACT = ["count", "nan", "inf", "zeros", "min_nonzero"] + [f"{k}_{f}" for f in THRESHOLDS for k in ("underflow", "below_normal", "overflow")]
+EXACT = ["count", "nan", "inf", "zeros", "min_nonzero"] + [
+    f"{k}_{f}" for f in THRESHOLDS for k in ("underflow", "below_normal", "overflow")
+]
 
 
 def assert_matches(got: Dict[str, float], want: Dict[str, float], rel: float, names: List[str]) -> None:
@@ -107,7 +109,9 @@ def test_moments_and_range_match_float64_reference(host_reads: bool, dtype: torc
     x = (torch.randn(shape, generator=g) * 3 - 0.5).to(dtype)
     x.view(-1)[::5] = 0.0  # exact zeros for the zero fraction and min nonzero
     rel = 1e-12 if dtype == torch.float64 else 1e-5
-    assert_matches(measured(x, host_reads), reference(x), rel, ["count", "mean", "std", "rms", "absmax", "min_nonzero", "zeros"])
+    assert_matches(
+        measured(x, host_reads), reference(x), rel, ["count", "mean", "std", "rms", "absmax", "min_nonzero", "zeros"]
+    )
 
 
 @HOST_READS
@@ -285,7 +289,12 @@ def no_host_reads(monkeypatch: pytest.MonkeyPatch):
 def test_device_path_reads_nothing_to_the_host(no_host_reads, monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(7)
     # (clamped: float32 sums of values near float32's max overflow on both paths alike)
-    xs = [torch.randn(64, 8, generator=g), threshold_data(torch.float32).clamp(-1e6, 1e6), torch.randn(100, generator=g).bfloat16(), torch.tensor(3.0)]
+    xs = [
+        torch.randn(64, 8, generator=g),
+        threshold_data(torch.float32).clamp(-1e6, 1e6),
+        torch.randn(100, generator=g).bfloat16(),
+        torch.tensor(3.0),
+    ]
     no_host_reads()
     with pytest.raises(AssertionError, match="read to the host"):
         float(xs[0].sum())  # the patch is in force
@@ -367,4 +376,6 @@ def test_contiguous_shortcut_equals_the_generic_path_bit_for_bit(case: str) -> N
     generic = x.t()
     assert x.is_contiguous() and not generic.is_contiguous()
     # (not fp8: its float64 sums of the scaled error follow the memory order)
-    torch.testing.assert_close(record(x, True, MERGEABLE), record(generic, True, MERGEABLE), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(
+        record(x, True, MERGEABLE), record(generic, True, MERGEABLE), rtol=0, atol=0, equal_nan=True
+    )

@@ -29,10 +29,13 @@ def numpy_reference(x: Tensor) -> Dict[str, float]:
     a = np.abs(v)
     nonzero = a[(a > 0) & ~np.isnan(a)]
     ref = {
-        "count": float(v.size), "nan": float(np.isnan(v).sum()), "inf": float(np.isinf(v).sum()),
-        "zeros": float((a == 0).sum()), "min_nonzero": float(nonzero.min()) if nonzero.size else math.inf,
+        "count": float(v.size),
+        "nan": float(np.isnan(v).sum()),
+        "inf": float(np.isinf(v).sum()),
+        "zeros": float((a == 0).sum()),
+        "min_nonzero": float(nonzero.min()) if nonzero.size else math.inf,
         "absmax": float(a.max()),
-    }  # fmt: skip
+    }
     for name, f in EDGES.items():
         sub = f.smallest_normal * f.eps
         ref[f"underflow_{name}"] = float(((a > 0) & (a < sub)).sum())
@@ -135,7 +138,10 @@ def test_extreme_finite_tensors_get_finite_accurate_std(dtype: torch.dtype, host
     cases = {
         "near max": torch.tensor([top, -top, top / 2, top / 3], dtype=dtype),
         # float64: m2, a float64 itself, underflows below ~2**-511, so tiny rather than subnormal
-        "all subnormal": (torch.arange(1, 101, dtype=torch.float64) * (2.0**-500 if dtype == torch.float64 else info.smallest_normal * info.eps)).to(dtype),
+        "all subnormal": (
+            torch.arange(1, 101, dtype=torch.float64)
+            * (2.0**-500 if dtype == torch.float64 else info.smallest_normal * info.eps)
+        ).to(dtype),
     }
     for name, x in cases.items():
         std = float(stats.statistic(stats.assemble([stats.record_of(x, ("moments",), host_reads)]), "std")[0])
@@ -154,7 +160,9 @@ def fp8_reference(x: Tensor, name: str) -> Dict[str, float]:
     xf = torch.nan_to_num(x.to(acc), nan=0.0, posinf=0.0, neginf=0.0)
     amax = xf.abs().max()
     # as documented: capped at the largest finite number (amax = 0, or a tiny amax)
-    scale = min(torch.tensor(torch.finfo(FP8[name]).max, dtype=acc) / amax, torch.tensor(torch.finfo(acc).max, dtype=acc))
+    scale = min(
+        torch.tensor(torch.finfo(FP8[name]).max, dtype=acc) / amax, torch.tensor(torch.finfo(acc).max, dtype=acc)
+    )
     q = (xf * scale).to(FP8[name]).to(acc)
     s = float(scale)
     return {
@@ -171,7 +179,9 @@ def fp8_record(x: Tensor, host_reads: bool) -> Tensor:
 
 @settings(max_examples=40, deadline=None)
 @given(tensors(), st.booleans())
-@example(torch.tensor([1.794e-10, 1.7556e150], dtype=torch.float64), False)  # squares of scaled errors: float64 subnormals
+@example(
+    torch.tensor([1.794e-10, 1.7556e150], dtype=torch.float64), False
+)  # squares of scaled errors: float64 subnormals
 def test_fp8_fields_match_a_float64_quantisation(x: Tensor, host_reads: bool) -> None:
     rec = fp8_record(x, host_reads)
     for name in FP8:
@@ -258,7 +268,18 @@ def test_format_counts_need_at_most_20_bytes_per_element() -> None:
 # The device path at the dispatcher: no host read, no data-dependent shape
 
 # ops that read a value to the host or size their output by the data
-HOST_SYNC_OPS = {"_local_scalar_dense", "bincount", "nonzero", "masked_select", "unique", "_unique2", "item", "is_nonzero", "equal", "allclose"}
+HOST_SYNC_OPS = {
+    "_local_scalar_dense",
+    "bincount",
+    "nonzero",
+    "masked_select",
+    "unique",
+    "_unique2",
+    "item",
+    "is_nonzero",
+    "equal",
+    "allclose",
+}
 
 
 def test_device_path_dispatches_no_host_read_or_data_dependent_op() -> None:
@@ -285,7 +306,11 @@ def test_device_path_dispatches_no_host_read_or_data_dependent_op() -> None:
 
 @pytest.mark.parametrize("host_reads", [True, False], ids=["host_reads", "device_only"])
 def test_mean_with_infinities_is_torch_mean(host_reads: bool) -> None:
-    for values, mean in (([math.inf, 1.0, 2.0], math.inf), ([1.0, -math.inf], -math.inf), ([math.inf, -math.inf, 1.0], math.nan)):
+    for values, mean in (
+        ([math.inf, 1.0, 2.0], math.inf),
+        ([1.0, -math.inf], -math.inf),
+        ([math.inf, -math.inf, 1.0], math.nan),
+    ):
         got = fields(torch.tensor(values), host_reads)
         assert got["mean"] == mean or (math.isnan(mean) and math.isnan(got["mean"])), values
         assert math.isnan(got["m2"]) and got["inf"] == sum(math.isinf(v) for v in values)

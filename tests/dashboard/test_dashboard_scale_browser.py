@@ -28,7 +28,10 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tuple[str, Logged]
     log_dir = write_gpt_logs(tmp_path_factory.mktemp("gpt"), LAYERS)
     acc, scalars = logged(log_dir)
     doc = metadata.decode(acc.Tensors(metadata.TAG)[-1].tensor_proto.string_val[0])
-    events = sorted((e for t in acc.Tags()["tensors"] if t.startswith(metadata.RECORDS) for e in acc.Tensors(t)), key=lambda e: e.step)
+    events = sorted(
+        (e for t in acc.Tags()["tensors"] if t.startswith(metadata.RECORDS) for e in acc.Tensors(t)),
+        key=lambda e: e.step,
+    )
     std = np.stack([tensor_util.make_ndarray(e.tensor_proto)[..., doc["statistics"].index("std")] for e in events])
     with tensorboard(log_dir.parent.parent, tmp_path_factory) as url:
         yield url, (doc, std, scalars)
@@ -49,12 +52,16 @@ def test_profile_shows_the_last_block_within_8_s(big: Tuple[str, Logged]) -> Non
         frame = _plugin_frame(pg)
         frame.wait_for_selector(f"svg.profile g.node[data-label^='{last}']", timeout=60_000, state="attached")
         seconds = time.perf_counter() - t0
-        rows = frame.eval_on_selector_all("svg.profile g.node", "gs => gs.map(g => [g.dataset.label, g.dataset.fwd, g.dataset.bwd])")
+        rows = frame.eval_on_selector_all(
+            "svg.profile g.node", "gs => gs.map(g => [g.dataset.label, g.dataset.fwd, g.dataset.bwd])"
+        )
         assert [r[0] for r in rows] == doc["labels"]  # every node, in execution order
         for i in (0, len(rows) // 2, len(rows) - 1):
             for d, drawn in ((0, rows[i][1]), (1, rows[i][2])):
                 want = std[-1, i, d]
-                assert (drawn == "" and math.isnan(want)) or float(drawn) == pytest.approx(math.log2(want), abs=1e-5), rows[i]
+                assert (drawn == "" and math.isnan(want)) or float(drawn) == pytest.approx(math.log2(want), abs=1e-5), (
+                    rows[i]
+                )
         legend = frame.inner_text(".legend")
         assert "absmax" not in legend  # not logged with the default statistics: the legend does not promise it
         assert not errors
@@ -77,7 +84,9 @@ def test_heatmap_rows_carry_visible_labels(big: Tuple[str, Logged]) -> None:
         assert doc["labels"][-1] in [t.lstrip("◆ ") for t in visible_texts(frame, ".row-label")]
         font = frame.eval_on_selector(".row-label", "l => parseFloat(getComputedStyle(l).fontSize)")
         assert font >= 9
-        assert frame.evaluate("document.querySelectorAll('*').length") < 3 * len(rows) + 1000  # not one element per cell
+        assert (
+            frame.evaluate("document.querySelectorAll('*').length") < 3 * len(rows) + 1000
+        )  # not one element per cell
         i = len(rows) - 1
         tip = heatmap_cell(pg, frame, "bwd", i, GPT_STEPS - 1)
         assert tip.startswith(f"{doc['labels'][i]} · bwd · step {GPT_STEPS - 1} · log2 std ")
@@ -93,12 +102,17 @@ def test_worst_nodes_one_row_per_tensor(big: Tuple[str, Logged]) -> None:
         frame.wait_for_selector("svg.profile g.node", timeout=60_000)
         frame.click("button[data-view=worst]")
         frame.wait_for_selector("tr.worst-row", timeout=30_000)
-        shown = frame.eval_on_selector_all("tr.worst-row", "rs => rs.map(r => [r.dataset.label, r.dataset.dir, r.querySelector('.aliases')?.textContent ?? ''])")
+        shown = frame.eval_on_selector_all(
+            "tr.worst-row",
+            "rs => rs.map(r => [r.dataset.label, r.dataset.dir, r.querySelector('.aliases')?.textContent ?? ''])",
+        )
         assert len({(l, d) for l, d, _ in shown}) == len(shown) and not [l for l, _, _ in shown if l in aliases]
         for label, _, listed in shown:
             same = [a for a in doc["labels"] if aliases.get(a) == label]
             assert listed == (f"= {', '.join(same)}" if same else "")
-        assert "'underflow_fp16', 'below_normal_fp16', 'overflow_fp16'" in frame.inner_text("p.hint")  # not logged by default
+        assert "'underflow_fp16', 'below_normal_fp16', 'overflow_fp16'" in frame.inner_text(
+            "p.hint"
+        )  # not logged by default
         assert not errors
 
 
@@ -108,6 +122,8 @@ def test_custom_scalars_draws_its_first_chart_within_15_s(big: Tuple[str, Logged
         t0 = time.perf_counter()
         pg.wait_for_selector("tf-custom-scalar-multi-line-chart-card path.line", timeout=60_000, state="attached")
         seconds = time.perf_counter() - t0
-        titles: List[str] = pg.eval_on_selector_all("tf-custom-scalar-multi-line-chart-card", "cs => cs.map(c => c.title)")
+        titles: List[str] = pg.eval_on_selector_all(
+            "tf-custom-scalar-multi-line-chart-card", "cs => cs.map(c => c.title)"
+        )
     assert titles == ["model.tok · forward", "model.tok · backward"]  # the first block's; the others wait, closed
     assert seconds < 15, f"the first chart took {seconds:.1f} s"

@@ -56,11 +56,15 @@ def test_summary_counts_and_worst_table_follow_headroom() -> None:
         absmax = [float(rec[i, d, stats.FIELDS.index("absmax")]) for i in present]
         for key, count in headroom.below_normal_counts(std, absmax).items():
             assert out[f"scale_summary/{tag}/{key}"] == count, key
-        rows += [{"label": labels[i], "dir": tag, **headroom.headroom(s, a, "fp16")} for i, s, a in zip(present, std, absmax)]
+        rows += [
+            {"label": labels[i], "dir": tag, **headroom.headroom(s, a, "fp16")} for i, s, a in zip(present, std, absmax)
+        ]
     assert out["scale_summary/bwd/below_normal_fp16"] > 0 and out["scale_summary/fwd/above_max_fp16"] > 0
     table = worst_table(labels, rec, k=5).splitlines()[4:]
     ranked = headroom.rank(rows, "headroom")[:5]
-    assert [(r.split("|")[2].strip(" `"), r.split("|")[3].strip()) for r in table] == [(r["label"], r["dir"]) for r in ranked]
+    assert [(r.split("|")[2].strip(" `"), r.split("|")[3].strip()) for r in table] == [
+        (r["label"], r["dir"]) for r in ranked
+    ]
 
 
 def test_summary_bytes_are_protobufs_encoding() -> None:

@@ -13,7 +13,16 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 from _dashboard_logs import Blocks, logged
-from test_dashboard_browser import CHROMIUM, ROOT, _entry_point_path, _free_port, _plugin_frame, _wait_for_plugin, heatmap_cell, sync_api
+from test_dashboard_browser import (
+    CHROMIUM,
+    ROOT,
+    _entry_point_path,
+    _free_port,
+    _plugin_frame,
+    _wait_for_plugin,
+    heatmap_cell,
+    sync_api,
+)
 from test_dashboard_fp8 import write_fp8_logs
 
 from lightning_scale.capture import capture
@@ -30,14 +39,34 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tuple[Any, Any,
     acc, scalars = logged(log_dir)
     order = metadata.decode(acc.Tensors(metadata.TAG)[-1].tensor_proto.string_val[0])["labels"]
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), _entry_point_path(tmp_path_factory.mktemp("ep")), os.environ.get("PYTHONPATH", "")) if p))
-    cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(log_dir.parent.parent), "--host", "127.0.0.1", "--port", str(port), "--load_fast=false"]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            p
+            for p in (str(ROOT), _entry_point_path(tmp_path_factory.mktemp("ep")), os.environ.get("PYTHONPATH", ""))
+            if p
+        ),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "tensorboard.main",
+        "--logdir",
+        str(log_dir.parent.parent),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--load_fast=false",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     errors: List[str] = []
     try:
         _wait_for_plugin(f"http://127.0.0.1:{port}", proc)
         with sync_api.sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+            browser = p.chromium.launch(
+                executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+            )
             pg = browser.new_page(viewport={"width": 1500, "height": 1000})
             pg.on("pageerror", lambda e: errors.append(str(e)))
             pg.goto(f"http://127.0.0.1:{port}/#scales")
@@ -56,14 +85,18 @@ def _value(scalars: Scalars, tag: str, step: int) -> Any:
     return v if v is not None and math.isfinite(v) else None
 
 
-def test_profile_and_heatmap_draw_the_picked_fp8_statistic(served: Tuple[Any, Any, List[str], Scalars, List[str]]) -> None:
+def test_profile_and_heatmap_draw_the_picked_fp8_statistic(
+    served: Tuple[Any, Any, List[str], Scalars, List[str]],
+) -> None:
     pg, frame, order, scalars, errors = served
     options = frame.eval_on_selector_all("#stat option", "os => os.map(o => o.value)")
     assert options[0] == "std" and {"fp8_e4m3_snr_db", "fp8_e5m2_flushed"} <= set(options)
     frame.select_option("#stat", "fp8_e4m3_snr_db")
     frame.wait_for_selector("svg.profile[data-stat=fp8_e4m3_snr_db]")
     step = int(frame.inner_text("#step-value"))
-    rows = frame.eval_on_selector_all("svg.profile g.node", "gs => gs.map(g => [g.dataset.label, g.dataset.fwd, g.dataset.bwd])")
+    rows = frame.eval_on_selector_all(
+        "svg.profile g.node", "gs => gs.map(g => [g.dataset.label, g.dataset.fwd, g.dataset.bwd])"
+    )
     assert [r[0] for r in rows] == order
     for label, fwd, bwd in rows:
         for d, drawn in (("fwd", fwd), ("bwd", bwd)):
@@ -81,12 +114,16 @@ def test_profile_and_heatmap_draw_the_picked_fp8_statistic(served: Tuple[Any, An
             tip = heatmap_cell(pg, frame, "bwd", i, j)
             assert tip.startswith(f"{label} · bwd · step {steps[j]} · fp8_e4m3_snr_db "), tip
             want, drawn = _value(scalars, f"fp8_e4m3_snr_db/bwd/{label}", steps[j]), tip.rsplit(" ", 1)[1]
-            assert (drawn == "–" and want is None) or float(drawn) == pytest.approx(want, rel=5e-3)  # three significant digits, (label, j)
+            assert (drawn == "–" and want is None) or float(drawn) == pytest.approx(
+                want, rel=5e-3
+            )  # three significant digits, (label, j)
             shown += drawn != "–"
     assert shown > 10
     assert "fp8_e4m3_snr_db" in frame.inner_text(".legend")
     # a cell's series: the picked statistic over the steps, one point per finite value
-    i = next(i for i, label in enumerate(labels) if _value(scalars, f"fp8_e4m3_snr_db/bwd/{label}", steps[0]) is not None)
+    i = next(
+        i for i, label in enumerate(labels) if _value(scalars, f"fp8_e4m3_snr_db/bwd/{label}", steps[0]) is not None
+    )
     heatmap_cell(pg, frame, "bwd", i, 0, click=True)
     frame.wait_for_selector(".series-box polyline.bwd", state="attached")
     assert labels[i] in frame.inner_text(".series-box h4") and "fp8_e4m3_snr_db" in frame.inner_text(".series-box h4")
@@ -99,12 +136,21 @@ def test_worst_view_ranks_by_fp8_snr(served: Tuple[Any, Any, List[str], Scalars,
     _, frame, order, scalars, errors = served
     frame.click("button[data-view=worst]")
     frame.select_option("#by", "fp8")
-    frame.wait_for_function("document.querySelector('p.note') && document.querySelector('p.note').textContent.includes('FP8 what-if')")
+    frame.wait_for_function(
+        "document.querySelector('p.note') && document.querySelector('p.note').textContent.includes('FP8 what-if')"
+    )
     step = int(frame.inner_text("#step-value"))
-    shown = frame.eval_on_selector_all("tr.worst-row", "rs => rs.map(r => [r.dataset.label, r.dataset.dir, r.dataset.snr])")
+    shown = frame.eval_on_selector_all(
+        "tr.worst-row", "rs => rs.map(r => [r.dataset.label, r.dataset.dir, r.dataset.snr])"
+    )
     recipe = (("fwd", "e4m3"), ("bwd", "e5m2"))
     want = sorted(
-        ((scalars[f"fp8_{fmt}_snr_db/{d}/{label}"][step], label, d) for label in order for d, fmt in recipe if f"scale/{d}/{label}" in scalars and ALIASES.get(label) not in order),
+        (
+            (scalars[f"fp8_{fmt}_snr_db/{d}/{label}"][step], label, d)
+            for label in order
+            for d, fmt in recipe
+            if f"scale/{d}/{label}" in scalars and ALIASES.get(label) not in order
+        ),
         key=lambda r: r[0],
     )  # stable: ties in execution order
     assert [(l, d) for l, d, _ in shown] == [(l, d) for _, l, d in want]

@@ -51,7 +51,9 @@ def t5_loss(model: nn.Module, ids: Tensor) -> Tensor:
 
 
 def gpt2(checkpointing: bool = False) -> nn.Module:
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
     model = transformers.GPT2LMHeadModel(cfg)
     if checkpointing:
         model.gradient_checkpointing_enable()
@@ -59,22 +61,49 @@ def gpt2(checkpointing: bool = False) -> nn.Module:
 
 
 def bert() -> nn.Module:
-    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, max_position_embeddings=16)
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=16,
+    )
     return transformers.BertForMaskedLM(cfg)
 
 
 def t5() -> nn.Module:
-    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2, decoder_start_token_id=0)
+    cfg = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2, decoder_start_token_id=0
+    )
     return transformers.T5ForConditionalGeneration(cfg)
 
 
 def llama() -> nn.Module:
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
 def mixtral() -> nn.Module:
-    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16)
+    cfg = transformers.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=16,
+    )
     return transformers.MixtralForCausalLM(cfg)
 
 
@@ -115,19 +144,40 @@ def olmoe() -> nn.Module:
     """A real transformers MoE asked for its router logits (output-capturing hooks,
     registered on the first forward that wants them)."""
     cfg = transformers.OlmoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        num_experts=4, num_experts_per_tok=2, max_position_embeddings=16, output_router_logits=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=16,
+        output_router_logits=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return transformers.OlmoeForCausalLM(cfg)
 
 
 def wav2vec2() -> nn.Module:
     """CTC speech model with SpecAugment (`mask_time_prob`): its masks come from numpy."""
     cfg = transformers.Wav2Vec2Config(
-        vocab_size=16, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 2),
-        conv_kernel=(10, 3), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, mask_time_prob=0.3, mask_time_length=2,
+        vocab_size=16,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        conv_dim=(8, 8),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=2,
+        mask_time_prob=0.3,
+        mask_time_length=2,
         layerdrop=0.0,  # (LayerDrop skips the one layer on some steps: no records of it there, by design)
-    )  # fmt: skip
+    )
     return transformers.Wav2Vec2ForCTC(cfg)
 
 
@@ -138,7 +188,9 @@ def ctc_loss(model: nn.Module, ids: Tensor) -> Tensor:
 
 def mamba() -> nn.Module:
     """Takes its `associative_scan` path while dynamo compiles it."""
-    cfg = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4, time_step_rank=4)
+    cfg = transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4, time_step_rank=4
+    )
     return transformers.MambaForCausalLM(cfg)
 
 
@@ -241,7 +293,11 @@ CASES: Dict[str, Tuple[Callable[[], nn.Module], Callable[[nn.Module, Tensor], Te
     # (GPT-2's loss starts with a graph break right after `lm_head`: its output keeps its
     # op label `model.lm_head/linear` only, see docs/limitations.md)
     "gpt2": (gpt2, lm_loss, ["transformer.h.0.mlp.c_fc", "transformer.h.1.ln_2", "transformer.ln_f"]),
-    "gpt2-checkpointing": (lambda: gpt2(True), lm_loss, ["transformer.h.0.mlp.c_fc", "transformer.h.1.ln_2", "transformer.ln_f"]),
+    "gpt2-checkpointing": (
+        lambda: gpt2(True),
+        lm_loss,
+        ["transformer.h.0.mlp.c_fc", "transformer.h.1.ln_2", "transformer.ln_f"],
+    ),
     "bert": (bert, lm_loss, ["bert.encoder.layer.0.intermediate.dense", "bert.encoder.layer.1.output.LayerNorm"]),
     "t5": (t5, t5_loss, ["encoder.block.0.layer.1.DenseReluDense.wi", "decoder.final_layer_norm", "lm_head"]),
     "llama": (llama, lm_loss, ["model.layers.0.mlp.down_proj", "model.layers.1.input_layernorm", "lm_head"]),
@@ -287,17 +343,30 @@ def seed(n: int) -> None:
 
 
 def fit(
-    tmp_path: Any, name: str, make: Callable[[], nn.Module], loss: Callable[[nn.Module, Tensor], Tensor], monitor: bool, task: type = None, **kwargs: Any
+    tmp_path: Any,
+    name: str,
+    make: Callable[[], nn.Module],
+    loss: Callable[[nn.Module, Tensor], Tensor],
+    monitor: bool,
+    task: type = None,
+    **kwargs: Any,
 ) -> Tuple[pl.LightningModule, List[str], Any]:
     torch.manual_seed(0)
     module = (task or Task)(make(), loss)
     data = torch.utils.data.DataLoader([tokens(i)[0] for i in range(6)], batch_size=BATCH)
     callback = ScaleMonitor(every_n_steps=1, figure=False, **kwargs) if monitor else None
     trainer = pl.Trainer(
-        default_root_dir=tmp_path / name, max_steps=2, callbacks=[callback] if callback else [], accelerator="cpu", devices=1, log_every_n_steps=1,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        default_root_dir=tmp_path / name,
+        max_steps=2,
+        callbacks=[callback] if callback else [],
+        accelerator="cpu",
+        devices=1,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
         logger=pl.loggers.TensorBoardLogger(tmp_path / name) if monitor else False,
-    )  # fmt: skip
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         seed(1)
@@ -315,9 +384,17 @@ def same_state(a: nn.Module, b: nn.Module) -> bool:
 # fidelity round (RNN leaves, MoE hooks, numpy draws, a route the probe must switch,
 # Identity); every case also trains bit-identically step by step below, outside the Trainer.
 TRAINER_CASES = [
-    "gpt2-checkpointing", "mixtral", "lightning-demo-transformer", "unit-scaling",
-    "olmoe-router-logits", "lstm-lm", "numpy-rng", "is-compiling-branch", "convnext-drop-path", "mamba",
-]  # fmt: skip
+    "gpt2-checkpointing",
+    "mixtral",
+    "lightning-demo-transformer",
+    "unit-scaling",
+    "olmoe-router-logits",
+    "lstm-lm",
+    "numpy-rng",
+    "is-compiling-branch",
+    "convnext-drop-path",
+    "mamba",
+]
 
 
 @pytest.mark.parametrize("name", TRAINER_CASES)
@@ -368,7 +445,10 @@ def test_a_model_no_route_reproduces_trains_untracked_with_one_warning(tmp_path:
         "so tracking would change training (dynamo: output differs: 1 of 1 elements differ, max |difference| "
     )
     assert "; gradient of `model.head.bias` differs: 64 of 64 elements differ" in warned[0]
-    assert "; fx: could not capture (CaptureError: torch.fx could not trace CompileAwareTask: TraceError: symbolically traced" in warned[0]
+    assert (
+        "; fx: could not capture (CaptureError: torch.fx could not trace CompileAwareTask: TraceError: symbolically traced"
+        in warned[0]
+    )
     assert warned[0].endswith("pass `verify_capture=False` to track it anyway; training continues untracked.")
     assert monitor._disabled and monitor._captures  # one capture, its probe failed: no other step tracked
 

@@ -32,8 +32,12 @@ triton = pytest.importorskip("triton", reason='the fused kernel needs triton (`p
 from lightning_scale.record import triton_stats  # noqa: E402 - after the skip
 
 pytestmark = [
-    pytest.mark.skipif(not triton_stats.interpreted(), reason="TRITON_INTERPRET=1 was not set before triton was imported"),
-    pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"),  # numpy in the interpreter: inf/NaN lanes, as on a GPU
+    pytest.mark.skipif(
+        not triton_stats.interpreted(), reason="TRITON_INTERPRET=1 was not set before triton was imported"
+    ),
+    pytest.mark.filterwarnings(
+        "ignore:.*encountered in:RuntimeWarning"
+    ),  # numpy in the interpreter: inf/NaN lanes, as on a GPU
 ]
 
 ALL = ("moments", "range", "formats", "fp8")
@@ -72,7 +76,11 @@ def reference(x: Tensor) -> Dict[str, float]:
     xf = torch.where(torch.isfinite(a), a, torch.zeros_like(a))
     amax = xf.abs().max()
     for name, dtype in stats.FP8_DTYPES.items():
-        scale = float(torch.tensor(stats.FORMATS[name].max / float(amax), dtype=torch.float64).float()) if amax > 0 else F32_MAX
+        scale = (
+            float(torch.tensor(stats.FORMATS[name].max / float(amax), dtype=torch.float64).float())
+            if amax > 0
+            else F32_MAX
+        )
         scale = F32_MAX if math.isinf(scale) else scale
         q = (xf * scale).to(dtype).double()  # torch's cast
         err = (q - xf.double() * scale) / scale
@@ -109,13 +117,25 @@ def hard_tensors(draw: Callable) -> Tensor:
     scale = draw(st.sampled_from([1.0, 1e-3, 2.0**-140, 1e-42, 1e30, big / 4]))
     offset = draw(st.sampled_from([0.0, 1.0, 1e3])) * scale
     x = (torch.randn(n, generator=g, dtype=torch.float64) * scale + offset).clamp(-big, big).to(dtype)
-    specials = draw(st.lists(st.tuples(st.integers(0, n - 1), st.sampled_from([0.0, -0.0, math.nan, math.inf, -math.inf, 1e-45, big, -big, 1e-6])), max_size=6))
+    specials = draw(
+        st.lists(
+            st.tuples(
+                st.integers(0, n - 1),
+                st.sampled_from([0.0, -0.0, math.nan, math.inf, -math.inf, 1e-45, big, -big, 1e-6]),
+            ),
+            max_size=6,
+        )
+    )
     for i, v in specials:
         x[i] = v
     return x
 
 
-@given(hard_tensors(), st.sampled_from(["flat", "transposed", "slice", "strided", "3d"]), st.sampled_from([256, 1024, 65536]))
+@given(
+    hard_tensors(),
+    st.sampled_from(["flat", "transposed", "slice", "strided", "3d"]),
+    st.sampled_from([256, 1024, 65536]),
+)
 @settings(max_examples=40, deadline=None)
 def test_every_field_matches_float64(x: Tensor, layout: str, block: int) -> None:
     n = x.numel()
@@ -167,8 +187,10 @@ def test_fp8_ties_round_to_even_as_torch_casts() -> None:
     grid = grid[torch.isfinite(grid) & (grid >= 0)].unique()
     ties = (grid[1:] + grid[:-1]) / 2
     x = torch.cat([torch.tensor([448.0]), ties, -ties, grid / 3])
-    assert_record(fused(x, ("moments", "fp8")) | {k: math.nan for k in stats.GROUPS["formats"] + ("absmax",)},
-                  reference(x) | {k: math.nan for k in stats.GROUPS["formats"] + ("absmax",)})  # fmt: skip
+    assert_record(
+        fused(x, ("moments", "fp8")) | {k: math.nan for k in stats.GROUPS["formats"] + ("absmax",)},
+        reference(x) | {k: math.nan for k in stats.GROUPS["formats"] + ("absmax",)},
+    )
 
 
 @pytest.mark.parametrize("groups", [("moments",), ("moments", "range"), ("moments", "formats"), ("moments", "fp8")])
@@ -182,7 +204,11 @@ def test_groups_not_asked_for_are_nan(groups: tuple) -> None:
 def test_record_of_and_recorder_take_the_kernel_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(2)
     w = torch.randn(64, 96, generator=g, requires_grad=True)
-    xs = [torch.randn(40, 64, generator=g), torch.randn(3, generator=g), torch.randn(7, generator=g, dtype=torch.float64)]  # (float64: torch's kernels, rows of both kinds)
+    xs = [
+        torch.randn(40, 64, generator=g),
+        torch.randn(3, generator=g),
+        torch.randn(7, generator=g, dtype=torch.float64),
+    ]  # (float64: torch's kernels, rows of both kinds)
     records = {}
     for kernel in ("torch", "triton"):
         monkeypatch.setenv(kernels.ENV, kernel)
@@ -195,7 +221,10 @@ def test_record_of_and_recorder_take_the_kernel_when_asked(monkeypatch: pytest.M
         records[kernel] = rec.records()
         rows = [stats.assemble([stats.record_of(x, ALL, host_reads=False, kernel=kernel)]) for x in xs]
         records[kernel + "_record_of"] = torch.cat(rows)
-    for fused_rows, torch_rows in ((records["triton"], records["torch"]), (records["triton_record_of"], records["torch_record_of"])):
+    for fused_rows, torch_rows in (
+        (records["triton"], records["torch"]),
+        (records["triton_record_of"], records["torch_record_of"]),
+    ):
         for got, want in zip(fused_rows.reshape(-1, len(stats.FIELDS)), torch_rows.reshape(-1, len(stats.FIELDS))):
             assert_record(dict(zip(stats.FIELDS, got.tolist())), dict(zip(stats.FIELDS, want.tolist())))
 
@@ -237,7 +266,7 @@ def test_a_record_costs_a_few_aten_ops_and_no_full_size_one(monkeypatch: pytest.
         assert not counter.full, counter.full
 
 
-COMPILE = textwrap.dedent('''
+COMPILE = textwrap.dedent("""
     import os
     os.environ.pop("TRITON_INTERPRET", None)
     import torch, triton
@@ -265,13 +294,17 @@ COMPILE = textwrap.dedent('''
             done = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8, "enable_fp_fusion": False})
             assert done.asm["cubin"], (arch, fn)
     print("compiled")
-''')
+""")
 
 
 def test_kernels_compile_for_nvidia_gpus_and_cpu_needs_the_interpreter() -> None:
     """Triton's compiler (bundled ptxas) builds every kernel for sm_80 and sm_90 without
     a GPU; without the interpreter, ``triton`` on a CPU tensor is refused by name."""
-    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""), "TRITON_DEFAULT_FP_FUSION": "0"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "TRITON_DEFAULT_FP_FUSION": "0",
+    }
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
@@ -304,12 +337,21 @@ def _fit(root: str) -> None:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     data = DataLoader(TensorDataset(torch.randn(16, 8)), batch_size=8)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=2, callbacks=[ScaleMonitor(every_n_steps=1)], default_root_dir=root,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        callbacks=[ScaleMonitor(every_n_steps=1)],
+        default_root_dir=root,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Module(), data)
 
 
-def test_a_fit_logs_the_kernel_and_refuses_a_bad_value(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_fit_logs_the_kernel_and_refuses_a_bad_value(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setenv("LIGHTNING_SCALE_HOST_READS", "0")
     monkeypatch.setenv(kernels.ENV, "triton")
     with caplog.at_level("INFO"):

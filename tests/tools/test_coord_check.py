@@ -59,7 +59,9 @@ class MLP(pl.LightningModule):
 
 def _loader(n: int = 128, batch: int = 64) -> DataLoader:
     g = torch.Generator().manual_seed(1)
-    return DataLoader(TensorDataset(torch.randn(n, D_IN, generator=g), torch.randn(n, 1, generator=g)), batch_size=batch)
+    return DataLoader(
+        TensorDataset(torch.randn(n, D_IN, generator=g), torch.randn(n, 1, generator=g)), batch_size=batch
+    )
 
 
 def _std(t: Tensor) -> float:
@@ -125,7 +127,9 @@ def test_standard_grows_as_sqrt_width_unit_scaled_is_flat() -> None:
         return _loader(n=256, batch=256)
 
     standard = coord_check(lambda w: MLP(w), widths, steps=1, batches=loader)
-    unit = coord_check(lambda w: MLP(w, unit=True, data=_loader(n=256, batch=256)), widths, steps=1)  # the module's own loader
+    unit = coord_check(
+        lambda w: MLP(w, unit=True, data=_loader(n=256, batch=256)), widths, steps=1
+    )  # the module's own loader
     assert called == widths
     s, u = standard.slopes(step=0), unit.slopes(step=0)
     # fc1's fan-in is fixed: std(fc1) = sqrt(D_IN) (standard), 1 (unit), at every width.
@@ -150,7 +154,12 @@ def _synthetic() -> CoordCheck:
     """std = c * width**p per node, so slopes are p exactly."""
     rows = []
     for width in (8, 32, 128):
-        for node, c, p in (("a.w", 1.0, -0.5), ("l1/linear", 2.0, 0.5), ("l2/linear_1", 3.0, 0.0), ("l2/relu", 0.5, 0.25)):
+        for node, c, p in (
+            ("a.w", 1.0, -0.5),
+            ("l1/linear", 2.0, 0.5),
+            ("l2/linear_1", 3.0, 0.0),
+            ("l2/relu", 0.5, 0.25),
+        ):
             rows.append(CoordRow(node, "fwd", width, 0, c * width**p))
             rows.append(CoordRow(node, "bwd", width, 0, 0.0))  # zero std: no log2, left out
     return CoordCheck(tuple(rows), frozenset({"a.w"}))
@@ -158,23 +167,35 @@ def _synthetic() -> CoordCheck:
 
 def test_slopes_groups_and_csv_of_a_known_table() -> None:
     result = _synthetic()
-    assert result.slopes() == pytest.approx({("a.w", "fwd"): -0.5, ("l1/linear", "fwd"): 0.5, ("l2/linear_1", "fwd"): 0.0, ("l2/relu", "fwd"): 0.25})
-    assert result.slopes(group="op") == pytest.approx({("parameter", "fwd"): -0.5, ("linear", "fwd"): 0.25, ("relu", "fwd"): 0.25})
+    assert result.slopes() == pytest.approx(
+        {("a.w", "fwd"): -0.5, ("l1/linear", "fwd"): 0.5, ("l2/linear_1", "fwd"): 0.0, ("l2/relu", "fwd"): 0.25}
+    )
+    assert result.slopes(group="op") == pytest.approx(
+        {("parameter", "fwd"): -0.5, ("linear", "fwd"): 0.25, ("relu", "fwd"): 0.25}
+    )
     assert result.slopes(group=r"^(l\d)/") == pytest.approx({("l1", "fwd"): 0.5, ("l2", "fwd"): 0.125})
-    assert result.slopes(group=lambda n: "relu" if n.endswith("relu") else None) == pytest.approx({("relu", "fwd"): 0.25})
+    assert result.slopes(group=lambda n: "relu" if n.endswith("relu") else None) == pytest.approx(
+        {("relu", "fwd"): 0.25}
+    )
     curve = result.curves(group="op")["linear", "fwd"]
     assert curve[8] == pytest.approx((math.log2(2 * 8**0.5) + math.log2(3.0)) / 2)
     assert op_type("blocks.0/add_1") == "add" and op_type("w", ["w"]) == "parameter"
     text = result.to_csv()
     back = list(csv.DictReader(io.StringIO(text)))
-    assert [CoordRow(d["node"], d["direction"], int(d["width"]), int(d["step"]), float(d["std"])) for d in back] == list(result.rows)
+    assert [
+        CoordRow(d["node"], d["direction"], int(d["width"]), int(d["step"]), float(d["std"])) for d in back
+    ] == list(result.rows)
     assert result.to_dicts()[0] == {"node": "a.w", "direction": "fwd", "width": 8, "step": 0, "std": 8**-0.5}
 
 
 def test_plot_draws_one_line_per_group_and_names_the_extra(monkeypatch: Any) -> None:
     fig = _synthetic().plot(group="op")
     fwd, bwd = fig.axes
-    assert sorted(line.get_label() for line in fwd.get_lines()) == ["linear (+0.25)", "parameter (-0.50)", "relu (+0.25)"]
+    assert sorted(line.get_label() for line in fwd.get_lines()) == [
+        "linear (+0.25)",
+        "parameter (-0.50)",
+        "relu (+0.25)",
+    ]
     assert list(fwd.get_lines()[0].get_xdata()) == [8, 32, 128] and not bwd.get_lines()
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r'pip install "lightning-scale\[plot\]"'):
@@ -192,7 +213,11 @@ def test_plot_draws_one_line_per_group_and_names_the_extra(monkeypatch: Any) -> 
         (dict(steps=0), ValueError, "`steps` must be an integer >= 1, got 0"),
         (dict(steps=1.5), ValueError, "`steps`"),
         (dict(make_module=3), TypeError, "`make_module` must be a callable"),
-        (dict(make_module=lambda w: nn.Linear(w, w)), TypeError, "`make_module` must return a LightningModule, got Linear"),
+        (
+            dict(make_module=lambda w: nn.Linear(w, w)),
+            TypeError,
+            "`make_module` must return a LightningModule, got Linear",
+        ),
         (dict(batches=5), TypeError, "`batches` must be a DataLoader"),
         (dict(seed="0"), TypeError, "`seed`"),
         (dict(trainer_options={"logger": False}), ValueError, r"`trainer_options` must not set \['logger'\]"),
@@ -224,7 +249,10 @@ class Bypass(MLP):
 
 
 def test_a_width_that_records_nothing_raises() -> None:
-    with pytest.warns(UserWarning, match="nothing recorded"), pytest.raises(RuntimeError, match=r"at width 8 ScaleMonitor recorded steps \[\], expected 0..0"):
+    with (
+        pytest.warns(UserWarning, match="nothing recorded"),
+        pytest.raises(RuntimeError, match=r"at width 8 ScaleMonitor recorded steps \[\], expected 0..0"),
+    ):
         coord_check(lambda w: Bypass(w), [8, 16], steps=1, batches=_loader())
 
 
@@ -242,4 +270,8 @@ def test_unit_scaled_gpt_has_unit_scale_at_init(dim: int) -> None:
     assert float(model(idx).std()) == pytest.approx(1.0, rel=0.1)  # LayerNorm'd input, unit head
     emb = model.tok(idx) + model.pos(torch.arange(16))
     assert float(emb.std() * 2**-0.5) == pytest.approx(1.0, rel=0.1)
-    assert all(type(m) is torch.nn.Linear for m in GPT(GPTConfig(dim=dim, layers=1)).modules() if isinstance(m, torch.nn.Linear))
+    assert all(
+        type(m) is torch.nn.Linear
+        for m in GPT(GPTConfig(dim=dim, layers=1)).modules()
+        if isinstance(m, torch.nn.Linear)
+    )

@@ -34,7 +34,9 @@ def fresh(inputs: Sequence[Tensor]) -> List[Tensor]:
     return [t.detach().clone().requires_grad_() if t.is_floating_point() else t for t in inputs]
 
 
-def tracked_scales(cls: type, gm: fx.GraphModule, inputs: Sequence[Tensor], grad: Tensor, boxed: bool = False) -> "Dict[str, ScalePair]":
+def tracked_scales(
+    cls: type, gm: fx.GraphModule, inputs: Sequence[Tensor], grad: Tensor, boxed: bool = False
+) -> "Dict[str, ScalePair]":
     interp = cls(gm)
     args = fresh(inputs)
     out = interp.boxed_run(args) if boxed else interp.run(*args)
@@ -58,7 +60,10 @@ def _models() -> Dict[str, Callable[[], Any]]:
     return {
         "unit_scaling.MLP": lambda: (unit_scaling.MLP(16), torch.randn(32, 16)),
         "unit_scaling.MHSA": lambda: (unit_scaling.MHSA(16, 2, is_causal=True), torch.randn(4, 8, 16)),
-        "unit_scaling.TransformerDecoder": lambda: (unit_scaling.TransformerDecoder(16, 50, 2, 2), torch.randint(50, (3, 8))),
+        "unit_scaling.TransformerDecoder": lambda: (
+            unit_scaling.TransformerDecoder(16, 50, 2, 2),
+            torch.randint(50, (3, 8)),
+        ),
         "torch.nn": plain,
     }
 
@@ -318,7 +323,11 @@ def test_instrumented_code_records_what_the_interpreter_records() -> None:
 def test_docstring_example_runs() -> None:
     finder = doctest.DocTestFinder()
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    for test in finder.find(ScaleTrackingInterpreter, "ScaleTrackingInterpreter", globs={"torch": torch, "fx": fx, "ScaleTrackingInterpreter": ScaleTrackingInterpreter}):
+    for test in finder.find(
+        ScaleTrackingInterpreter,
+        "ScaleTrackingInterpreter",
+        globs={"torch": torch, "fx": fx, "ScaleTrackingInterpreter": ScaleTrackingInterpreter},
+    ):
         runner.run(test)
     assert runner.summarize(verbose=False).attempted > 0
     assert runner.summarize(verbose=False).failed == 0

@@ -28,7 +28,12 @@ from lightning_scale.dashboard.plugin import ScalesPlugin
 
 FP16_MIN, FP16_MAX = 2.0**-14, 65504.0
 # smallest normal and largest finite value, written out independently of the package
-EDGES = {"fp16": (2.0**-14, 65504.0), "bf16": (2.0**-126, 3.3895313892515355e38), "e4m3": (2.0**-6, 448.0), "e5m2": (2.0**-14, 57344.0)}
+EDGES = {
+    "fp16": (2.0**-14, 65504.0),
+    "bf16": (2.0**-126, 3.3895313892515355e38),
+    "e4m3": (2.0**-6, 448.0),
+    "e5m2": (2.0**-14, 57344.0),
+}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +49,9 @@ def plugin(run: Tuple[Path, Any, Any]) -> ScalesPlugin:
     mux = plugin_event_multiplexer.EventMultiplexer(size_guidance={"scalars": 0, "tensors": 0})
     mux.AddRunsFromDirectory(str(root))
     mux.Reload()
-    return ScalesPlugin(base_plugin.TBContext(data_provider=data_provider.MultiplexerDataProvider(mux, str(root)), logdir=str(root)))
+    return ScalesPlugin(
+        base_plugin.TBContext(data_provider=data_provider.MultiplexerDataProvider(mux, str(root)), logdir=str(root))
+    )
 
 
 def get(plugin: ScalesPlugin, route: str, status: int = 200, **params: Any) -> Any:
@@ -80,7 +87,9 @@ def test_log2_and_summary_scalars_match_the_logged_stds(run: Tuple[Path, Any, An
         for d in ("fwd", "bwd"):
             stds = {l: scalars[f"scale/{d}/{l}"][step] for l in labels if f"scale/{d}/{l}" in scalars}
             for label, std in stds.items():
-                assert scalars[f"scale_log2/{d}/{label}"][step] == pytest.approx(math.log2(std), abs=1e-5)  # both stored as float32
+                assert scalars[f"scale_log2/{d}/{label}"][step] == pytest.approx(
+                    math.log2(std), abs=1e-5
+                )  # both stored as float32
             below = sum(1 for s in stds.values() if s < FP16_MIN)
             above = sum(1 for l in stds if scalars[f"absmax/{d}/{l}"][step] > FP16_MAX)
             assert scalars[f"scale_summary/{d}/below_normal_fp16"][step] == below
@@ -117,9 +126,16 @@ def test_custom_scalar_layout_has_a_hard_limit_on_charts() -> None:
     layout = custom_scalar_layout("", labels, written, per_chart=2, max_charts=100)
     assert [t for t, _ in layout] == [f"scale_log2 · blocks.{b}" for b in range(3)]
     first = layout[0][1]  # block 0: 5 forward nodes in 3 charts of at most 2, 5 backward ones likewise
-    assert [c for c, _ in first] == [f"blocks.0 · forward ({k}/3)" for k in (1, 2, 3)] + [f"blocks.0 · backward ({k}/3)" for k in (1, 2, 3)]
+    assert [c for c, _ in first] == [f"blocks.0 · forward ({k}/3)" for k in (1, 2, 3)] + [
+        f"blocks.0 · backward ({k}/3)" for k in (1, 2, 3)
+    ]
     assert [len(tags) for _, tags in first] == [2, 2, 1, 2, 2, 1]
-    assert [c for c, _ in layout[1][1]] == ["blocks.1 · forward (1/3)", "blocks.1 · forward (2/3)", "blocks.1 · forward (3/3)", "blocks.1 · backward"]
+    assert [c for c, _ in layout[1][1]] == [
+        "blocks.1 · forward (1/3)",
+        "blocks.1 · forward (2/3)",
+        "blocks.1 · forward (3/3)",
+        "blocks.1 · backward",
+    ]
     charts = sum(len(c) for _, c in layout)
     assert custom_scalar_layout("", labels, written, per_chart=2, max_charts=charts) == layout
     assert custom_scalar_layout("", labels, written, per_chart=2, max_charts=charts - 1) == []
@@ -152,13 +168,17 @@ def test_records_hold_every_node_whatever_max_tags(tmp_path: Path) -> None:
     acc.Reload()
     assert {t.split("/", 2)[2] for t in acc.Tags()["scalars"] if t.startswith("scale/")} == set(labels[:10])  # the cap
     doc = metadata.decode(acc.Tensors(metadata.TAG)[-1].tensor_proto.string_val[0])
-    assert doc["labels"] == labels and doc["statistics"] == ["std", "absmax"] and doc["aliases"] == {labels[1]: labels[0]}
+    assert (
+        doc["labels"] == labels and doc["statistics"] == ["std", "absmax"] and doc["aliases"] == {labels[1]: labels[0]}
+    )
     chunks = sorted(t for t in acc.Tags()["tensors"] if t.startswith(metadata.RECORDS))
     assert chunks == [metadata.chunk_tag("", 0), metadata.chunk_tag("", 10)]  # at most CHUNK steps a tag
     assert [len(acc.Tensors(t)) for t in chunks] == [metadata.CHUNK, 2]
     for event in acc.Tensors(chunks[0]) + acc.Tensors(chunks[1]):
         got = tensor_util.make_ndarray(event.tensor_proto)
-        want = torch.stack([stats.statistic(written[event.step], "std"), stats.statistic(written[event.step], "absmax")], -1)
+        want = torch.stack(
+            [stats.statistic(written[event.step], "std"), stats.statistic(written[event.step], "absmax")], -1
+        )
         assert got.shape == (30, 2, 2)
         assert np.isnan(got[5, 1]).all() and not np.isnan(np.delete(got.reshape(60, 2), 11, 0)).any()
         ok = ~np.isnan(got)
@@ -174,21 +194,32 @@ def test_worst_table_text_lists_the_least_headroom_first(run: Tuple[Path, Any, A
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in lines if re.match(r"\| \d+ ", line)]
     label, d = re.findall(r"`([^`]+)`", rows[0][1])[0], rows[0][2]
     step = text.step
-    rooms = {(l, dd): headroom.headroom(scalars[f"scale/{dd}/{l}"][step], scalars[f"absmax/{dd}/{l}"][step], "fp16")["headroom"] for l in logged_labels(scalars) for dd in ("fwd", "bwd") if f"scale/{dd}/{l}" in scalars}
+    rooms = {
+        (l, dd): headroom.headroom(scalars[f"scale/{dd}/{l}"][step], scalars[f"absmax/{dd}/{l}"][step], "fp16")[
+            "headroom"
+        ]
+        for l in logged_labels(scalars)
+        for dd in ("fwd", "bwd")
+        if f"scale/{dd}/{l}" in scalars
+    }
     assert rooms[(label, d)] == pytest.approx(min(rooms.values()), abs=1e-9)
     # the same rows, names and signs as the Worst-nodes view (one row per tensor, aliases in it)
     view = get(plugin, "/worst", run=run_name(run), step=step)["rows"]
     for row, shown in zip(rows, view):
         assert re.findall(r"`([^`]+)`", row[1]) == [shown["label"], *shown["aliases"]] and row[2] == shown["dir"]
         numbers = [float(v) for v in row[3:]]
-        assert numbers == pytest.approx([shown[k] for k in ("log2_std", "log2_absmax", "under", "over", "headroom")], abs=0.006)
+        assert numbers == pytest.approx(
+            [shown[k] for k in ("log2_std", "log2_absmax", "under", "over", "headroom")], abs=0.006
+        )
 
 
 def test_headroom_closed_forms() -> None:
     room = headroom.headroom(2.0**-16, 2.0**-10, "fp16")
     assert room["under"] == pytest.approx(-2.0) and room["over"] == pytest.approx(math.log2(65504.0) + 10)
     assert room["headroom"] == pytest.approx(-2.0)
-    assert headroom.headroom(1.0, None, "e4m3") == pytest.approx({"under": 6.0, "over": math.log2(448.0), "headroom": 6.0})  # std stands in for absmax
+    assert headroom.headroom(1.0, None, "e4m3") == pytest.approx(
+        {"under": 6.0, "over": math.log2(448.0), "headroom": 6.0}
+    )  # std stands in for absmax
     with pytest.raises(ValueError, match="`fmt` must be one of"):
         headroom.headroom(1.0, 1.0, "fp8")
 
@@ -201,7 +232,12 @@ def test_writer_rejects_a_bad_top_k() -> None:
 
 
 def test_module_groups() -> None:
-    assert [module_group(l) for l in ["x", "model.blocks.3.attn/view", "head.weight", "head/linear"]] == ["(top)", "model.blocks.3", "head", "head"]
+    assert [module_group(l) for l in ["x", "model.blocks.3.attn/view", "head.weight", "head/linear"]] == [
+        "(top)",
+        "model.blocks.3",
+        "head",
+        "head",
+    ]
     # a module's output is its own module: grouped with the ops inside it, not with its parent
     assert module_group("model.blocks.0", False) == "model.blocks.0" and module_group("model.tok", False) == "model.tok"
     assert module_group("model.blocks.0.attn", False) == "model.blocks.0"
@@ -217,7 +253,9 @@ def test_runs_route_lists_training_and_validation(run: Tuple[Path, Any, Any], pl
     assert plugin.is_active()
 
 
-def test_profile_route_returns_the_logged_values_in_execution_order(run: Tuple[Path, Any, Any], plugin: ScalesPlugin) -> None:
+def test_profile_route_returns_the_logged_values_in_execution_order(
+    run: Tuple[Path, Any, Any], plugin: ScalesPlugin
+) -> None:
     _, acc, scalars = run
     doc = metadata.decode(acc.Tensors(metadata.TAG)[-1].tensor_proto.string_val[0])
     body = get(plugin, "/profile", run=run_name(run), step=2)
@@ -228,7 +266,10 @@ def test_profile_route_returns_the_logged_values_in_execution_order(run: Tuple[P
             for stat, tag in (("std", "scale"), ("absmax", "absmax"), ("below_normal_fp16", "below_normal_fp16")):
                 want = scalars.get(f"{tag}/{d}/{node['label']}", {}).get(2)
                 assert node[d].get(stat) == (pytest.approx(want) if want is not None else None)
-            std, absmax = scalars.get(f"scale/{d}/{node['label']}", {}).get(2), scalars.get(f"absmax/{d}/{node['label']}", {}).get(2)
+            std, absmax = (
+                scalars.get(f"scale/{d}/{node['label']}", {}).get(2),
+                scalars.get(f"absmax/{d}/{node['label']}", {}).get(2),
+            )
             want_out = [] if std is None else [f for f, (lo, hi) in EDGES.items() if std < lo or absmax > hi]
             assert node[f"{d}_out"] == want_out, node
     assert body["ratios"] == {"blocks.0.0.weight": pytest.approx(scalars["update_ratio/blocks.0.0.weight"][2])}
@@ -243,7 +284,9 @@ def test_heatmap_and_series(run: Tuple[Path, Any, Any], plugin: ScalesPlugin) ->
     i = 3
     label = body["labels"][i]
     for j, step in enumerate(body["steps"]):
-        assert body["fwd"][i][j] == pytest.approx(math.log2(scalars[f"scale/fwd/{label}"][step]), abs=1e-4)  # rounded to 4 decimals
+        assert body["fwd"][i][j] == pytest.approx(
+            math.log2(scalars[f"scale/fwd/{label}"][step]), abs=1e-4
+        )  # rounded to 4 decimals
     assert body["groups"] == [module_group(l, l in body["params"]) for l in body["labels"]]
     series = get(plugin, "/series", run=run_name(run), label=label)
     assert series["series"]["std/fwd"] == pytest.approx([scalars[f"scale/fwd/{label}"][s] for s in range(STEPS)])
@@ -253,7 +296,9 @@ ALIASES = capture(Blocks(), "auto").aliases  # label -> label of the same tensor
 PARAMS = {n for n, _ in Blocks().named_parameters()}
 
 
-def _independent_ranking(order: List[str], scalars: Dict[str, Dict[int, float]], step: int, pattern: str) -> List[Tuple[str, str]]:
+def _independent_ranking(
+    order: List[str], scalars: Dict[str, Dict[int, float]], step: int, pattern: str
+) -> List[Tuple[str, str]]:
     rows = []
     for label in order:  # ties keep execution order; one row per tensor
         if ALIASES.get(label) in order:
@@ -272,14 +317,26 @@ def test_worst_route_ranks_by_headroom_and_drift(run: Tuple[Path, Any, Any], plu
     body = get(plugin, "/worst", run=run_name(run), step=3, by="fp16", regex=r"blocks\.1")
     assert [(r["label"], r["dir"]) for r in body["rows"]] == _independent_ranking(order, scalars, 3, r"blocks\.1")
     drift = get(plugin, "/worst", run=run_name(run), step=3, by="drift")["rows"]
-    want = [abs(math.log2(scalars[f"scale/{r['dir']}/{r['label']}"][3] / scalars[f"scale/{r['dir']}/{r['label']}"][0])) for r in drift]
+    want = [
+        abs(math.log2(scalars[f"scale/{r['dir']}/{r['label']}"][3] / scalars[f"scale/{r['dir']}/{r['label']}"][0]))
+        for r in drift
+    ]
     assert [r["abs_drift"] for r in drift] == pytest.approx(want) and want == sorted(want, reverse=True)
     assert "`regex` is not a valid" in get(plugin, "/worst", 400, run=run_name(run), regex="(")["error"]
     # since when: the first tracked step out of the FP16 range and how many of them, from the scalars
     for row in get(plugin, "/worst", run=run_name(run), step=3, by="fp16")["rows"]:
         tag = f"{row['dir']}/{row['label']}"
-        out = [s for s in range(STEPS) if min(math.log2(scalars[f"scale/{tag}"][s] / FP16_MIN), math.log2(FP16_MAX / scalars[f"absmax/{tag}"][s])) < 0]
-        assert row["first_out"] == (out[0] if out else None) and row["out_steps"] == len(out) and row["tracked_steps"] == STEPS
+        out = [
+            s
+            for s in range(STEPS)
+            if min(math.log2(scalars[f"scale/{tag}"][s] / FP16_MIN), math.log2(FP16_MAX / scalars[f"absmax/{tag}"][s]))
+            < 0
+        ]
+        assert (
+            row["first_out"] == (out[0] if out else None)
+            and row["out_steps"] == len(out)
+            and row["tracked_steps"] == STEPS
+        )
     assert any(r["first_out"] is not None for r in get(plugin, "/worst", run=run_name(run), step=3)["rows"])
     # the run logged below_normal_fp16 only: that column; for bf16 none, and what to log instead
     assert get(plugin, "/worst", run=run_name(run), by="fp16")["fractions"] == ["below_normal"]
@@ -316,15 +373,29 @@ def test_logs_without_records_are_read_from_their_scalars(tmp_path: Path) -> Non
     mux = plugin_event_multiplexer.EventMultiplexer(size_guidance={"scalars": 0, "tensors": 0})
     mux.AddRunsFromDirectory(str(tmp_path))
     mux.Reload()
-    plugin = ScalesPlugin(base_plugin.TBContext(data_provider=data_provider.MultiplexerDataProvider(mux, str(tmp_path)), logdir=str(tmp_path)))
+    plugin = ScalesPlugin(
+        base_plugin.TBContext(
+            data_provider=data_provider.MultiplexerDataProvider(mux, str(tmp_path)), logdir=str(tmp_path)
+        )
+    )
     assert get(plugin, "/runs") == {"old": [""]}
     body = get(plugin, "/profile", run="old", step=10)
     nodes = {n["label"]: n for n in body["nodes"]}
     assert body["steps"] == [0, 10] and set(nodes) == {"blocks.0.fc/linear", "blocks.0.fc.weight"}
-    assert nodes["blocks.0.fc/linear"]["fwd"]["std"] == pytest.approx(11 * 2.0**-16) and nodes["blocks.0.fc.weight"]["param"]
-    assert nodes["blocks.0.fc/linear"]["bwd_out"] == ["fp16", "e4m3", "e5m2"] and "absmax" not in nodes["blocks.0.fc/linear"]["bwd"]
+    assert (
+        nodes["blocks.0.fc/linear"]["fwd"]["std"] == pytest.approx(11 * 2.0**-16)
+        and nodes["blocks.0.fc.weight"]["param"]
+    )
+    assert (
+        nodes["blocks.0.fc/linear"]["bwd_out"] == ["fp16", "e4m3", "e5m2"]
+        and "absmax" not in nodes["blocks.0.fc/linear"]["bwd"]
+    )
     worst = get(plugin, "/worst", run="old", step=10)["rows"]
-    assert (worst[0]["label"], worst[0]["dir"]) == ("blocks.0.fc/linear", "bwd") and worst[0]["first_out"] == 0 and worst[0]["out_steps"] == 2
+    assert (
+        (worst[0]["label"], worst[0]["dir"]) == ("blocks.0.fc/linear", "bwd")
+        and worst[0]["first_out"] == 0
+        and worst[0]["out_steps"] == 2
+    )
 
 
 def test_a_trainer_run_capped_by_max_tags_shows_every_node(tmp_path: Path) -> None:
@@ -336,9 +407,14 @@ def test_a_trainer_run_capped_by_max_tags_shows_every_node(tmp_path: Path) -> No
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(32, 8), torch.randn(32, 2))
     trainer = pl.Trainer(
-        max_steps=2, accelerator="cpu", logger=pl.loggers.TensorBoardLogger(str(tmp_path), name="cap"), enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[ScaleMonitor(every_n_steps=1, max_tags=4, figure=False)],
-    )  # fmt: skip
+        max_steps=2,
+        accelerator="cpu",
+        logger=pl.loggers.TensorBoardLogger(str(tmp_path), name="cap"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ScaleMonitor(every_n_steps=1, max_tags=4, figure=False)],
+    )
     with pytest.warns(UserWarning, match=r"writing the first 4 .* as scalars; the SCALES dashboard shows all \d+"):
         trainer.fit(Blocks(), DataLoader(data, batch_size=16))
     acc, scalars = logged(Path(trainer.logger.log_dir))
@@ -347,8 +423,14 @@ def test_a_trainer_run_capped_by_max_tags_shows_every_node(tmp_path: Path) -> No
     mux = plugin_event_multiplexer.EventMultiplexer(size_guidance={"scalars": 0, "tensors": 0})
     mux.AddRunsFromDirectory(str(tmp_path))
     mux.Reload()
-    plugin = ScalesPlugin(base_plugin.TBContext(data_provider=data_provider.MultiplexerDataProvider(mux, str(tmp_path)), logdir=str(tmp_path)))
+    plugin = ScalesPlugin(
+        base_plugin.TBContext(
+            data_provider=data_provider.MultiplexerDataProvider(mux, str(tmp_path)), logdir=str(tmp_path)
+        )
+    )
     nodes = get(plugin, "/profile", run="cap/version_0", step=1)["nodes"]
-    assert [n["label"] for n in nodes] == doc["labels"] and all(n["fwd"].get("std") for n in nodes)  # every node has its value
+    assert [n["label"] for n in nodes] == doc["labels"] and all(
+        n["fwd"].get("std") for n in nodes
+    )  # every node has its value
     for node in nodes[:4]:  # where both exist, the records and the scalars agree
         assert node["fwd"]["std"] == pytest.approx(scalars[f"scale/fwd/{node['label']}"][1])

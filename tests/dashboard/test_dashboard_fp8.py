@@ -33,11 +33,18 @@ def write_fp8_logs(root: Path) -> Path:
     """``Blocks`` for ``STEPS`` steps, every step tracked with std, absmax and the FP8 what-if."""
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(48, 8), torch.randn(48, 2))
-    monitor = ScaleMonitor(every_n_steps=1, statistics=["std", "absmax", *FP8_STATS], figure=False, histograms=False, code=False)
+    monitor = ScaleMonitor(
+        every_n_steps=1, statistics=["std", "absmax", *FP8_STATS], figure=False, histograms=False, code=False
+    )
     trainer = pl.Trainer(
-        max_steps=STEPS, accelerator="cpu", logger=pl.loggers.TensorBoardLogger(str(root), name="fp8"), callbacks=[monitor],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        max_steps=STEPS,
+        accelerator="cpu",
+        logger=pl.loggers.TensorBoardLogger(str(root), name="fp8"),
+        callbacks=[monitor],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Blocks(), DataLoader(data, batch_size=16))
     return Path(trainer.logger.log_dir)
 
@@ -51,7 +58,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Tuple[str, List[str], Scala
     mux = plugin_event_multiplexer.EventMultiplexer(size_guidance={"scalars": 0, "tensors": 0})
     mux.AddRunsFromDirectory(str(root))
     mux.Reload()
-    plugin = ScalesPlugin(base_plugin.TBContext(data_provider=data_provider.MultiplexerDataProvider(mux, str(root)), logdir=str(root)))
+    plugin = ScalesPlugin(
+        base_plugin.TBContext(data_provider=data_provider.MultiplexerDataProvider(mux, str(root)), logdir=str(root))
+    )
     return str(log_dir.relative_to(root)), order, scalars, plugin
 
 
@@ -73,12 +82,17 @@ def test_heatmap_draws_any_logged_statistic(run: Tuple[str, List[str], Scalars, 
         assert body["stat"] == stat and body["log2"] is False and set(FP8_STATS) <= set(body["stats"])
         for d in ("fwd", "bwd"):
             for i, label in enumerate(body["labels"]):
-                want = [shown(scalars[f"{stat}/{d}/{label}"][s]) if f"{stat}/{d}/{label}" in scalars else None for s in body["steps"]]
+                want = [
+                    shown(scalars[f"{stat}/{d}/{label}"][s]) if f"{stat}/{d}/{label}" in scalars else None
+                    for s in body["steps"]
+                ]
                 assert body[d][i] == pytest.approx(want), (stat, d, label)
     assert sum(v is not None for row in body["fwd"] for v in row) > 10  # not all missing
     absmax = get(plugin, "/heatmap", run=name, stat="absmax")
     label = absmax["labels"][2]
-    assert absmax["log2"] is True and absmax["fwd"][2][0] == pytest.approx(math.log2(scalars[f"absmax/fwd/{label}"][0]), abs=1e-4)  # log2: 4 decimals
+    assert absmax["log2"] is True and absmax["fwd"][2][0] == pytest.approx(
+        math.log2(scalars[f"absmax/fwd/{label}"][0]), abs=1e-4
+    )  # log2: 4 decimals
     error = get(plugin, "/heatmap", 400, run=name, stat="fp8_e4m3_snr")["error"]
     assert "`stat` must be one of the logged statistics" in error and "fp8_e4m3_snr_db" in error
 
@@ -103,7 +117,12 @@ def test_worst_ranks_by_fp8_snr_forward_e4m3_backward_e5m2(run: Tuple[str, List[
     body = get(plugin, "/worst", run=name, step=2, by="fp8")
     recipe = (("fwd", "e4m3"), ("bwd", "e5m2"))
     aliases = capture(Blocks(), "auto").aliases  # one row per tensor: an alias is listed in its source's row
-    rows = [(scalars[f"fp8_{fmt}_snr_db/{d}/{label}"][2], label, d) for label in order for d, fmt in recipe if f"scale/{d}/{label}" in scalars and aliases.get(label) not in order]
+    rows = [
+        (scalars[f"fp8_{fmt}_snr_db/{d}/{label}"][2], label, d)
+        for label in order
+        for d, fmt in recipe
+        if f"scale/{d}/{label}" in scalars and aliases.get(label) not in order
+    ]
     want = [(label, d) for _, label, d in sorted(rows, key=lambda r: r[0])]  # stable: ties in execution order
     assert [(r["label"], r["dir"]) for r in body["rows"]] == want
     for r in body["rows"]:

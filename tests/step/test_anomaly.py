@@ -95,7 +95,10 @@ def test_a_reset_drops_losses_in_flight() -> None:
 def test_judge_names_every_reason_and_ignores_non_positive_medians() -> None:
     assert judge(5.0, False, False, None, 10) is None
     assert judge(-1.0, False, False, -0.5, 10) is None  # 2 x a negative median is no spike
-    assert judge(math.nan, True, True, 1.0, 10) == "non-finite loss; GradScaler skipped the optimizer step (non-finite gradients)"
+    assert (
+        judge(math.nan, True, True, 1.0, 10)
+        == "non-finite loss; GradScaler skipped the optimizer step (non-finite gradients)"
+    )
     assert judge(11.0, False, False, 1.0, 10) == "loss spike: 11 > 10 x running median 1"
 
 
@@ -130,7 +133,7 @@ def test_a_detector_needs_positive_steps_and_a_valid_history() -> None:
 # ---- two ranks over gloo -------------------------------------------------------------
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
@@ -144,7 +147,16 @@ def test_ranks_with_different_losses_decide_the_same(tmp_path: Path) -> None:
     # Lightning): the ranks start in seconds; what is tested is the detector's reduction.
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     script = str(ROOT / "tests" / "dist_scripts" / "run_detector.py")
-    procs = [subprocess.Popen([sys.executable, script, str(tmp_path), str(r)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(tmp_path), str(r)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     try:
         outputs = [p.communicate(timeout=120)[0] for p in procs]
     except subprocess.TimeoutExpired:
@@ -203,7 +215,9 @@ class Spiky(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def _fit(tmp_path: Path, module: pl.LightningModule, steps: int, monitor: Optional[ScaleMonitor], **kwargs: object) -> Path:
+def _fit(
+    tmp_path: Path, module: pl.LightningModule, steps: int, monitor: Optional[ScaleMonitor], **kwargs: object
+) -> Path:
     torch.manual_seed(1)
     data = TensorDataset(torch.randn(4 * steps * 2, 6), torch.randn(4 * steps * 2, 3))
     trainer = pl.Trainer(

@@ -23,7 +23,9 @@ class Blocks(pl.LightningModule):
 
     def __init__(self, dim: int = 8) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)) for _ in range(2))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)) for _ in range(2)
+        )
         self.head = nn.Linear(dim, 2)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -48,7 +50,9 @@ class UpdateRatios(pl.Callback):
     dashboard's side panel has something to show (value: the step number, recognisable)."""
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        trainer.logger.experiment.add_scalar("update_ratio/blocks.0.0.weight", 0.001 * (trainer.global_step), trainer.global_step - 1)
+        trainer.logger.experiment.add_scalar(
+            "update_ratio/blocks.0.0.weight", 0.001 * (trainer.global_step), trainer.global_step - 1
+        )
 
 
 def write_logs(root: Path) -> Path:
@@ -56,7 +60,9 @@ def write_logs(root: Path) -> Path:
     torch.manual_seed(0)
     x = torch.randn(64, 8)
     data = TensorDataset(x, torch.randn(64, 2))
-    monitor = ScaleMonitor(every_n_steps=1, statistics=["std", "absmax", "below_normal_fp16"], figure=False, track_validation=True)
+    monitor = ScaleMonitor(
+        every_n_steps=1, statistics=["std", "absmax", "below_normal_fp16"], figure=False, track_validation=True
+    )
     trainer = pl.Trainer(
         max_steps=STEPS,
         accelerator="cpu",
@@ -85,9 +91,15 @@ def write_gpt_logs(root: Path, layers: int = 56) -> Path:
     torch.manual_seed(0)
     train, _ = token_loaders(n=64, seq=8, vocab=32, batch=4)
     trainer = pl.Trainer(
-        max_steps=GPT_STEPS, accelerator="cpu", logger=pl.loggers.TensorBoardLogger(str(root), name="gpt"), callbacks=[ScaleMonitor(every_n_steps=1)],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
-    )  # fmt: skip
+        max_steps=GPT_STEPS,
+        accelerator="cpu",
+        logger=pl.loggers.TensorBoardLogger(str(root), name="gpt"),
+        callbacks=[ScaleMonitor(every_n_steps=1)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+    )
     trainer.fit(GPTModule(vocab=32, seq=8, layers=layers, dim=8, heads=2), train)
     return Path(trainer.logger.log_dir)
 

@@ -137,7 +137,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from lightning_scale import ScaleMonitor  # noqa: E402
 
 TB_REL = 1e-6  # TensorBoard stores scalars as float32
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class MLP(pl.LightningModule):
@@ -166,7 +166,9 @@ class Reference(pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.steps.append({"before": {n: p.detach().double().clone() for n, p in pl_module.named_parameters()}})
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self.steps and len(self.steps) == trainer.global_step and "after" not in self.steps[-1]:
             self.steps[-1]["after"] = {n: p.detach().double().clone() for n, p in pl_module.named_parameters()}
             self.steps[-1]["grad"] = {n: p.grad.detach().double().clone() for n, p in pl_module.named_parameters()}
@@ -201,7 +203,9 @@ def _fit(tmp_path: Path, steps: int, tracked: List[int], **kwargs: Any) -> Tuple
     accumulate = int(kwargs.get("accumulate_grad_batches", 1))
     data = TensorDataset(torch.randn(4 * steps * accumulate, 6), torch.randn(4 * steps * accumulate, 3))
     reference = Reference()
-    monitor = ScaleMonitor(every_n_steps=None, steps=tracked, histograms=False, figure=False, code=False, update_ratios=True)
+    monitor = ScaleMonitor(
+        every_n_steps=None, steps=tracked, histograms=False, figure=False, code=False, update_ratios=True
+    )
     trainer = pl.Trainer(
         max_steps=steps,
         logger=TensorBoardLogger(str(tmp_path), name="logs", version=0),
@@ -247,12 +251,27 @@ def test_a_validation_run_inside_a_waiting_tracked_step_leaves_it_whole(tmp_path
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(16, 6), torch.randn(16, 3))
     reference = Reference()
-    monitor = ScaleMonitor(every_n_steps=None, steps=[0], histograms=False, figure=False, code=False, update_ratios=True, track_validation=True)
+    monitor = ScaleMonitor(
+        every_n_steps=None,
+        steps=[0],
+        histograms=False,
+        figure=False,
+        code=False,
+        update_ratios=True,
+        track_validation=True,
+    )
     trainer = pl.Trainer(
-        max_steps=2, accumulate_grad_batches=2, val_check_interval=1, limit_val_batches=1, num_sanity_val_steps=0,
-        logger=TensorBoardLogger(str(tmp_path), name="logs", version=0), callbacks=[monitor, reference],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        max_steps=2,
+        accumulate_grad_batches=2,
+        val_check_interval=1,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        logger=TensorBoardLogger(str(tmp_path), name="logs", version=0),
+        callbacks=[monitor, reference],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(MLPWithValidation(), DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
     logdir = tmp_path / "logs" / "version_0"
     logged = _logged(logdir)
@@ -277,7 +296,9 @@ def _run_two_ranks(tmp_path: Path, *args: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     cmd = [sys.executable, str(ROOT / "tests" / "dist_scripts" / "run_updates.py"), str(tmp_path), *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:

@@ -29,7 +29,9 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
 
 
-def tracked_step(cap: Capture, *args: Any, grad_of: Callable[[Any], Tensor] = lambda out: out.sum(), **kwargs: Any) -> Tuple[Any, Tensor]:
+def tracked_step(
+    cap: Capture, *args: Any, grad_of: Callable[[Any], Tensor] = lambda out: out.sum(), **kwargs: Any
+) -> Tuple[Any, Tensor]:
     """One tracked forward and backward, as the callback runs it: (output, records)."""
     fn = cap.tracked()
     rec = Recorder(groups=GROUPS)
@@ -87,14 +89,37 @@ def test_deep_tracer_recurses_into_every_submodule() -> None:
     x = torch.randn(3, 4)
     assert torch.equal(gm(x), model(x))
     assert capture(model, "fx").node_labels == [
-        "x", "inner.fc.weight", "inner.fc.bias", "inner.fc/linear", "inner/tanh", "inner.offset",
-        "inner/add", "head.0.weight", "head.0.bias", "head.0/linear", "head.1/gelu",
-    ]  # fmt: skip
+        "x",
+        "inner.fc.weight",
+        "inner.fc.bias",
+        "inner.fc/linear",
+        "inner/tanh",
+        "inner.offset",
+        "inner/add",
+        "head.0.weight",
+        "head.0.bias",
+        "head.0/linear",
+        "head.1/gelu",
+    ]
     # Module outputs follow their last node: aliases, never computed twice.
     assert capture(model, "fx").tags == [
-        "x", "inner.fc.weight", "inner.fc.bias", "inner.fc/linear", "inner.fc", "inner/tanh", "inner.offset",
-        "inner/add", "inner", "head.0.weight", "head.0.bias", "head.0/linear", "head.0", "head.1/gelu", "head", "head.1",
-    ]  # fmt: skip
+        "x",
+        "inner.fc.weight",
+        "inner.fc.bias",
+        "inner.fc/linear",
+        "inner.fc",
+        "inner/tanh",
+        "inner.offset",
+        "inner/add",
+        "inner",
+        "head.0.weight",
+        "head.0.bias",
+        "head.0/linear",
+        "head.0",
+        "head.1/gelu",
+        "head",
+        "head.1",
+    ]
 
 
 def test_graph_module_shares_parameters_and_buffers() -> None:
@@ -300,7 +325,9 @@ def test_dynamo_labels_are_stable_across_captures_and_steps() -> None:
 def test_tiny_hugging_face_gpt2_is_captured_with_readable_labels() -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(2)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
     model = transformers.GPT2LMHeadModel(config).train()
     eager = copy.deepcopy(model)
     cap = capture(model, "auto")
@@ -346,7 +373,15 @@ def test_gpt_labels_are_readable_unique_and_stable() -> None:
     assert cap.mode == "fx"
     labels = cap.node_labels
     assert len(set(labels)) == len(labels)
-    for label in ("idx", "tok.weight", "blocks.0.mlp.fc1/linear", "blocks.0.mlp.fc1.weight", "blocks.1.attn/scaled_dot_product_attention", "blocks.1.ln2/layer_norm", "head/linear"):
+    for label in (
+        "idx",
+        "tok.weight",
+        "blocks.0.mlp.fc1/linear",
+        "blocks.0.mlp.fc1.weight",
+        "blocks.1.attn/scaled_dot_product_attention",
+        "blocks.1.ln2/layer_norm",
+        "head/linear",
+    ):
         assert label in labels, label
     assert capture(model, "fx").node_labels == labels
     assert capture(small_gpt(), "fx").node_labels == labels  # another instance, same shape
@@ -387,7 +422,9 @@ def test_capture_records_equal_the_interpreter_on_every_node() -> None:
             got_std, want_std = stats.statistic(records[i, d], "std"), stats.statistic(want[d], "std")
             assert records[i, d, 0] == want[d, 0], (label, d)
             assert float(got_std) == pytest.approx(float(want_std), rel=1e-6, abs=1e-12), (label, d)
-            assert float(stats.statistic(records[i, d], "absmax")) == pytest.approx(float(stats.statistic(want[d], "absmax")), rel=0, nan_ok=True), (label, d)
+            assert float(stats.statistic(records[i, d], "absmax")) == pytest.approx(
+                float(stats.statistic(want[d], "absmax")), rel=0, nan_ok=True
+            ), (label, d)
 
 
 def test_dynamo_tracks_every_input_shape_under_one_set_of_labels() -> None:
@@ -457,7 +494,9 @@ def test_separately_compiled_blocks_keep_full_unique_labels() -> None:
     for i, h in enumerate((h0, h1)):
         count = records[labels.index(f"blocks.{i}.fc/linear"), FORWARD, 0]  # (tags: module outputs too)
         assert int(count) == h.numel()  # not two blocks merged into one record
-        assert std_of(records, labels, f"blocks.{i}.fc/linear")[0] == pytest.approx(float(h.detach().double().std()), rel=1e-6)
+        assert std_of(records, labels, f"blocks.{i}.fc/linear")[0] == pytest.approx(
+            float(h.detach().double().std()), rel=1e-6
+        )
         assert int(records[labels.index(f"blocks.{i}.fc.weight"), FORWARD, 0]) == 64
     # A changed cached attribute recompiles: every tensor keeps its tag.
     model.scale = 3.0
@@ -488,18 +527,25 @@ def test_low_coverage_is_reported_with_the_largest_unrecorded_module() -> None:
     assert report.elements == 20 + 320 and report.covered_elements == 20
     assert report.parameter_fraction == pytest.approx(20 / 340)
     # floored, never rounded up; the miss counted in elements
-    assert "coverage: 5% of parameter elements (320 of 340 unrecorded), 50% of module calls (1/2) recorded" == report.line()
+    assert (
+        "coverage: 5% of parameter elements (320 of 340 unrecorded), 50% of module calls (1/2) recorded"
+        == report.line()
+    )
     warning = report.warning()
     assert warning is not None and "coverage" in warning and "`big` (320 parameter elements" in warning
     calls_only = cap.coverage(recorded + ["big/linear"])  # the call, but not its weights
-    assert calls_only.module_fraction == 1.0 and "`big` (320 parameter elements: its parameters have no records" in str(calls_only.warning())
+    assert calls_only.module_fraction == 1.0 and "`big` (320 parameter elements: its parameters have no records" in str(
+        calls_only.warning()
+    )
     assert cap.coverage(recorded + ["big/linear", "big.weight", "big.bias"]).warning() is None
 
 
 def test_fx_failure_names_what_where_and_the_source_line() -> None:
     from lightning.pytorch.demos import Transformer
 
-    with pytest.raises(CaptureError, match=r"TypeError: ones\(\) takes .* at .*demos/transformer.py:\d+ \(mask = torch.triu"):
+    with pytest.raises(
+        CaptureError, match=r"TypeError: ones\(\) takes .* at .*demos/transformer.py:\d+ \(mask = torch.triu"
+    ):
         capture(Transformer(vocab_size=10, ninp=8, nhead=2, nhid=8, nlayers=1), "fx")
 
 
@@ -564,7 +610,9 @@ def test_identity_output_is_an_alias_of_its_input_under_its_path() -> None:
         cap.tracked()(torch.randn(8, 4)).sum().backward()
     rows = rec.records(cap.tags, cap.aliases)
     # the same tensor, forward and backward: the same record
-    assert torch.allclose(rows[cap.tags.index("0.drop_path")], rows[cap.tags.index("0.fc/linear")], rtol=0, atol=0, equal_nan=True)
+    assert torch.allclose(
+        rows[cap.tags.index("0.drop_path")], rows[cap.tags.index("0.fc/linear")], rtol=0, atol=0, equal_nan=True
+    )
     recorded = [t for t, row in zip(cap.tags, rows) if bool((row[:, 0] > 0).any())]
     report = cap.coverage(recorded)
     assert (report.covered_modules, report.modules) == (6, 6)
@@ -574,8 +622,13 @@ def test_an_unrecorded_identity_is_not_a_miss_and_a_small_miss_is_not_100_percen
     model = nn.Sequential(nn.Linear(100, 100), nn.Identity(), nn.LayerNorm(100))
     report = capture(model, "fx").coverage(["0.weight", "0.bias", "0/linear", "0", "2/layer_norm", "2"])
     # LayerNorm's 200 of 10,300 parameter elements have no records: 98%, never rounded up
-    assert report.line() == "coverage: 98% of parameter elements (200 of 10,300 unrecorded), 100% of module calls (2/2) recorded"
-    tiny = capture(nn.Sequential(nn.Linear(1000, 28), nn.LayerNorm(28)), "fx").coverage(["0.weight", "0.bias", "0", "1"])
+    assert (
+        report.line()
+        == "coverage: 98% of parameter elements (200 of 10,300 unrecorded), 100% of module calls (2/2) recorded"
+    )
+    tiny = capture(nn.Sequential(nn.Linear(1000, 28), nn.LayerNorm(28)), "fx").coverage(
+        ["0.weight", "0.bias", "0", "1"]
+    )
     assert tiny.line().startswith("coverage: 99.8% of parameter elements (56 of 28,084 unrecorded)")
 
 
@@ -622,7 +675,10 @@ class DrawsWhileTracing(nn.Module):
         return self.fc(x + noise)
 
 
-@pytest.mark.parametrize(("source", "generator"), [("numpy", "numpy's generator"), ("random", "Python's `random`"), ("torch", "torch's CPU generator")])
+@pytest.mark.parametrize(
+    ("source", "generator"),
+    [("numpy", "numpy's generator"), ("random", "Python's `random`"), ("torch", "torch's CPU generator")],
+)
 def test_fx_refuses_a_trace_that_draws_random_numbers(source: str, generator: str) -> None:
     """A draw on concrete values runs once while tracing: the graph would repeat it forever."""
     import random
@@ -633,5 +689,9 @@ def test_fx_refuses_a_trace_that_draws_random_numbers(source: str, generator: st
     before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
     with pytest.raises(CaptureError, match=f"forward draws from {re.escape(generator)} outside the traced ops"):
         capture(model, "fx")
-    assert torch.equal(before[0], torch.get_rng_state()) and (before[1] == np.random.get_state()[1]).all() and before[2] == random.getstate()
+    assert (
+        torch.equal(before[0], torch.get_rng_state())
+        and (before[1] == np.random.get_state()[1]).all()
+        and before[2] == random.getstate()
+    )
     assert capture(model, "auto").mode == "dynamo"

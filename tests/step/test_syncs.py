@@ -52,14 +52,23 @@ from lightning_scale import ScaleMonitor
 from lightning_scale.record import stats
 from lightning_scale.report.worker import Worker
 
-pytestmark = pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning", "ignore:.*LeafSpec.*:FutureWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::lightning.fabric.utilities.warnings.PossibleUserWarning", "ignore:.*LeafSpec.*:FutureWarning"
+)
 
 aten = torch.ops.aten
 _DATA_DEPENDENT = {
-    aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default, aten._unique2.default,
-    aten.unique_dim.default, aten.unique_consecutive.default, aten.bincount.default, aten.equal.default,
-    aten.is_nonzero.default, aten.repeat_interleave.Tensor,
-}  # fmt: skip
+    aten._local_scalar_dense.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.bincount.default,
+    aten.equal.default,
+    aten.is_nonzero.default,
+    aten.repeat_interleave.Tensor,
+}
 _READS = {Tensor.cpu, Tensor.tolist, Tensor.numpy}
 _FROM_PYTHON = {torch.tensor, torch.as_tensor}
 _HOST = "_sync_counter_host"  # attribute that marks host data
@@ -107,7 +116,9 @@ class SyncCounter:
                 written = {id(a) for a in inputs if isinstance(a, Tensor) and not _is_host(a)}
                 out = func(*args, **kwargs)
                 if read and isinstance(out, Tensor) and any(out is a for a in inputs):
-                    out = out.clone()  # on CPU a read may return its input; on a device it is a copy, and the input stays device data
+                    out = (
+                        out.clone()
+                    )  # on CPU a read may return its input; on a device it is a copy, and the input stays device data
                 # A host copy, what is computed from one, and tensors made from Python data
                 # are host data; a host tensor moved "to a device" is device data again. A
                 # device tensor written in place from host data (the GradScaler's scale,
@@ -116,7 +127,11 @@ class SyncCounter:
                     for t in tree_flatten(out)[0]:
                         if _is_host(t):
                             delattr(t, _HOST)
-                if read or (host and not moves) or (func in _FROM_PYTHON and not any(isinstance(a, Tensor) for a in inputs)):
+                if (
+                    read
+                    or (host and not moves)
+                    or (func in _FROM_PYTHON and not any(isinstance(a, Tensor) for a in inputs))
+                ):
                     for t in tree_flatten(out)[0]:
                         if isinstance(t, Tensor) and (read or id(t) not in written):
                             setattr(t, _HOST, True)
@@ -205,7 +220,15 @@ def _fit(root: Path, monitor: bool, steps: int, nan_step: int, anomaly: bool = F
     if monitor:
         extra: Dict[str, Any] = {"anomaly_steps": 2, "update_ratios": True} if anomaly else {}
         callbacks.append(
-            ScaleMonitor(every_n_steps=2, statistics=sorted(stats.STATISTICS), rank_spread=True, value_histograms=r"fc1|fc2/linear", unscale_gradients=True, figure=True, **extra)
+            ScaleMonitor(
+                every_n_steps=2,
+                statistics=sorted(stats.STATISTICS),
+                rank_spread=True,
+                value_histograms=r"fc1|fc2/linear",
+                unscale_gradients=True,
+                figure=True,
+                **extra,
+            )
         )
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 8, generator=g), torch.randn(64, 4, generator=g)
@@ -215,9 +238,16 @@ def _fit(root: Path, monitor: bool, steps: int, nan_step: int, anomaly: bool = F
         setattr(t, _HOST, True)
     data = DataLoader(TensorDataset(x, y), batch_size=8)
     trainer = pl.Trainer(
-        accelerator="cpu", max_steps=steps, callbacks=callbacks, plugins=[MixedPrecision("16-mixed", "cpu")], logger=TensorBoardLogger(str(root), name="", version=""),
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
-    )  # fmt: skip
+        accelerator="cpu",
+        max_steps=steps,
+        callbacks=callbacks,
+        plugins=[MixedPrecision("16-mixed", "cpu")],
+        logger=TensorBoardLogger(str(root), name="", version=""),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+    )
     with counter:
         trainer.fit(model, data)
     return counter, model
@@ -249,7 +279,15 @@ def _triton_interpreted() -> bool:
 
 @pytest.mark.parametrize(
     "anomaly,kernel",
-    [(False, "torch"), (True, "torch"), pytest.param(False, "triton", marks=pytest.mark.skipif(not _triton_interpreted(), reason="needs triton with TRITON_INTERPRET=1"))],
+    [
+        (False, "torch"),
+        (True, "torch"),
+        pytest.param(
+            False,
+            "triton",
+            marks=pytest.mark.skipif(not _triton_interpreted(), reason="needs triton with TRITON_INTERPRET=1"),
+        ),
+    ],
     ids=["schedule", "anomaly", "schedule-triton"],
 )
 def test_one_transfer_per_tracked_step_and_none_untracked(
@@ -268,20 +306,38 @@ def test_one_transfer_per_tracked_step_and_none_untracked(
     with pytest.warns(UserWarning, match=rf"ScaleMonitor: NaN in the forward pass at step {nan_step}, first at `x`"):
         tracked, model = _fit(tmp_path / "tracked", True, steps, nan_step, anomaly)
     assert len(model.losses) == steps and bool(model.losses[nan_step].isnan())
-    torch.testing.assert_close(torch.stack(model.losses), torch.stack(plain_model.losses), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(
+        torch.stack(model.losses), torch.stack(plain_model.losses), rtol=0, atol=0, equal_nan=True
+    )
     assert plain.counts[nan_step] > 0  # the counter sees the user's reads (GradScaler, logging)
     lagged = {s: int(anomaly and s > 0) for s in range(steps)}  # the detector's copy of step s - 1's loss
     probe = {s: int(s == 0) for s in range(steps)}  # the fidelity probe's verdict, read once at the first tracked step
     ours = {step: tracked.counts[step] - plain.counts[step] for step in range(steps)}
-    assert ours == {s: int(s in expected) + lagged[s] + probe[s] for s in range(steps)}, (ours, tracked.ops.get(0), plain.ops.get(0))
+    assert ours == {s: int(s in expected) + lagged[s] + probe[s] for s in range(steps)}, (
+        ours,
+        tracked.ops.get(0),
+        plain.ops.get(0),
+    )
     for step in range(steps):  # the one blocking read is the pooled copy; the other the lagged one
-        ours_ops = ["cpu"] * (step in expected) + ["to(non_blocking)"] * lagged[step] + ["aten._local_scalar_dense.default"] * probe[step]
+        ours_ops = (
+            ["cpu"] * (step in expected)
+            + ["to(non_blocking)"] * lagged[step]
+            + ["aten._local_scalar_dense.default"] * probe[step]
+        )
         assert sorted(tracked.ops.get(step, [])) == sorted(plain.ops.get(step, []) + ours_ops), step
     assert tracked.counts["worker"] == 0, tracked.ops.get("worker")
     # and everything was written: every statistic group, spread, histograms, figure
-    acc = EventAccumulator(str(tmp_path / "tracked"), size_guidance={"scalars": 0, "histograms": 0, "images": 0, "tensors": 0})
+    acc = EventAccumulator(
+        str(tmp_path / "tracked"), size_guidance={"scalars": 0, "histograms": 0, "images": 0, "tensors": 0}
+    )
     acc.Reload()
-    for tag in ("scale/fwd/fc1/linear", "underflow_e4m3/bwd/fc2/linear", "scale_rank_max/fwd/fc1.weight", "nan/fwd/x", "scale_loss/loss_scale"):
+    for tag in (
+        "scale/fwd/fc1/linear",
+        "underflow_e4m3/bwd/fc2/linear",
+        "scale_rank_max/fwd/fc1.weight",
+        "nan/fwd/x",
+        "scale_loss/loss_scale",
+    ):
         assert [e.step for e in acc.Scalars(tag)] == expected, tag
     assert [e.step for e in acc.Histograms("values_log2/bwd/fc1/linear")] == expected
     assert [e.step for e in acc.Images("scale_plot")] == [0]

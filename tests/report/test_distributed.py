@@ -30,15 +30,18 @@ from lightning_scale.report import pool
 from lightning_scale.record import stats
 from lightning_scale.record.recorder import BACKWARD, FORWARD
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = Path(__file__).resolve().parent / "dist_scripts"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "tests" / "dist_scripts"
 SCRIPT = SCRIPTS / "run_dist.py"
 REL = 1e-5  # TensorBoard stores scalars as float32
 STRATEGIES = ["ddp", "ddp_spawn", "fsdp2"]
 ACTIVATIONS = ["model.layers.0.fc/linear", "model.layers.0.act/relu", "model.layers.1.fc/linear"]
 PARAMETERS = [f"model.layers.{i}.fc.{p}" for i in (0, 1) for p in ("weight", "bias")]
 #: (strategy, callback, world, capture) of every training run; the first ones start together.
-FIRST = [(s, cb, 2, "fx") for s in STRATEGIES for cb in ("on", "off")] + [("ddp", "fail", 2, "fx"), ("ddp", "on", 2, "dynamo")]
+FIRST = [(s, cb, 2, "fx") for s in STRATEGIES for cb in ("on", "off")] + [
+    ("ddp", "fail", 2, "fx"),
+    ("ddp", "on", 2, "dynamo"),
+]
 LATER = [("ddp", "on", 4, "fx"), ("fsdp2", "on", 4, "dynamo")]
 LAST = [("ddp", "on", 8, "fx")]  # bytes per rank only
 POOLED = [(s, 2, "fx") for s in STRATEGIES] + [("ddp", 2, "dynamo"), ("ddp", 4, "fx"), ("fsdp2", 4, "dynamo")]
@@ -56,7 +59,9 @@ def _start(out: Path, key: Key, port: int) -> "subprocess.Popen[str]":
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # distinct ports for runs started together
     strategy, callback, world, capture = key
     cmd = [sys.executable, str(SCRIPT), str(out), strategy, callback, str(world), capture]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def _wait(proc: "subprocess.Popen[str]", timeout: float) -> str:
@@ -166,7 +171,9 @@ def _expected(ref: Dict[str, Tuple[List[Tensor], List[Optional[Tensor]]]]) -> Di
 
 
 @pytest.mark.parametrize("strategy, world, capture", POOLED)
-def test_pooled_scales_equal_the_reference_of_every_ranks_tensors(strategy: str, world: int, capture: str, trained: Callable[..., Run]) -> None:
+def test_pooled_scales_equal_the_reference_of_every_ranks_tensors(
+    strategy: str, world: int, capture: str, trained: Callable[..., Run]
+) -> None:
     on, _ = trained(strategy, "on", world, capture)
     logged = _scalars(on)
     ref = _reference(on, world)
@@ -222,7 +229,9 @@ def test_a_failure_on_one_rank_skips_the_step_on_every_rank(trained: Callable[..
     failed, off = trained("ddp", "fail")
     assert not [tag for tag in _scalars(failed) if tag.startswith("scale")]
     output = (failed / "output.txt").read_text()
-    assert re.search(r"ScaleMonitor: statistics failed on rank\(s\) \[1\] at step 0; nothing logged for it", output), output[-3000:]
+    assert re.search(r"ScaleMonitor: statistics failed on rank\(s\) \[1\] at step 0; nothing logged for it", output), (
+        output[-3000:]
+    )
     with_failure, without = torch.load(failed / "params.pt"), torch.load(off / "params.pt")
     assert all(torch.equal(with_failure[k], without[k]) for k in without)
 
@@ -232,7 +241,11 @@ def test_fsdp2_records_ops_inside_each_unit(trained: Callable[..., Run]) -> None
     logged, ref = _scalars(on), _reference(on)
     for label in ACTIVATIONS + PARAMETERS:  # inside the units, not only their outputs
         assert f"scale/fwd/{label}" in logged and f"scale/bwd/{label}" in logged, label
-    units = {"model.layers.0/block": ACTIVATIONS[1], "model.layers.1/block": ACTIVATIONS[2], "model/mlp": ACTIVATIONS[2]}
+    units = {
+        "model.layers.0/block": ACTIVATIONS[1],
+        "model.layers.1/block": ACTIVATIONS[2],
+        "model/mlp": ACTIVATIONS[2],
+    }
     for unit_output, inner in units.items():  # outputs of units named by the user's class
         for d in ("fwd", "bwd"):
             assert logged[f"scale/{d}/{unit_output}"] == pytest.approx(logged[f"scale/{d}/{inner}"], rel=REL)
@@ -241,8 +254,6 @@ def test_fsdp2_records_ops_inside_each_unit(trained: Callable[..., Run]) -> None
         assert logged[f"scale/fwd/{label}"] == pytest.approx(float(full.std()), rel=REL)
         shard = full.flatten()[: full.numel() // 2]
         assert logged[f"scale/fwd/{label}"] != pytest.approx(float(shard.std()), rel=1e-3)
-
-
 
 
 # ---- bytes per rank ---------------------------------------------------------------------
@@ -261,7 +272,12 @@ def test_bytes_per_rank_per_tracked_step_do_not_grow_with_the_world(trained: Cal
         assert all(r == ranks[0] for r in ranks), f"ranks differ at world {world}"
         steps = {c[3] for c in ranks[0]}
         assert len(steps) == 1, "collectives only on the tracked step"
-        assert [(name, op) for name, op, _, _ in ranks[0]] == [("all_reduce", "MAX"), ("all_reduce", "MAX"), ("all_reduce", "SUM"), ("reduce", "SUM")]
+        assert [(name, op) for name, op, _, _ in ranks[0]] == [
+            ("all_reduce", "MAX"),
+            ("all_reduce", "MAX"),
+            ("all_reduce", "SUM"),
+            ("reduce", "SUM"),
+        ]
     assert calls[2][0] == calls[4][0] == calls[8][0]
     assert calls[2][0][0][2] == 64  # the header
 
@@ -285,7 +301,13 @@ def _run_pool(out: Path, world: int) -> List[Dict[str, Any]]:
     env["MALLOC_MMAP_THRESHOLD_"] = "131072"  # large buffers come from mmap: the peak RSS sees them
     env["OMP_NUM_THREADS"] = "1"
     procs = [
-        subprocess.Popen([sys.executable, str(POOL_SCRIPT), str(out), str(r), str(world), str(NODES)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, str(POOL_SCRIPT), str(out), str(r), str(world), str(NODES)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for r in range(world)
     ]
     try:
@@ -325,7 +347,9 @@ def _expected_pool(world: int, ranks: List[Dict[str, Any]]) -> Tuple[Tensor, Ten
     fp8 = [stats.FIELDS.index(f) for f in stats.FIELDS if f.startswith("fp8_")]
     want[..., fp8] = torch.where((own[..., :1] > 0), own[..., fp8], 0.0).sum(0)
     params = torch.tensor([i for i in range(NODES) if script.is_parameter(i)]).unsqueeze(1)
-    want[params, FORWARD, torch.tensor(fp8)] = own[0, params, FORWARD, torch.tensor(fp8)]  # a parameter: rank 0's tensor
+    want[params, FORWARD, torch.tensor(fp8)] = own[
+        0, params, FORWARD, torch.tensor(fp8)
+    ]  # a parameter: rank 0's tensor
     std = stats.statistic(own, "std")
     nan = std.isnan().any(0)
     spread = {
@@ -337,7 +361,9 @@ def _expected_pool(world: int, ranks: List[Dict[str, Any]]) -> Tuple[Tensor, Ten
 
 
 @pytest.mark.parametrize("world", [2, 16])
-def test_pool_step_is_the_record_of_every_ranks_tensors_together(world: int, pools: Dict[int, List[Dict[str, Any]]]) -> None:
+def test_pool_step_is_the_record_of_every_ranks_tensors_together(
+    world: int, pools: Dict[int, List[Dict[str, Any]]]
+) -> None:
     got = pools[world][0]["result"]
     want, hists, spread = _expected_pool(world, pools[world])
     count = want[..., 0]
@@ -354,7 +380,9 @@ def test_pool_step_is_the_record_of_every_ranks_tensors_together(world: int, poo
     torch.testing.assert_close(g[:, 2], w[:, 2], rtol=1e-12, atol=0, equal_nan=True)  # m2
     fp8 = [stats.FIELDS.index(f) for f in stats.FIELDS if f.startswith("fp8_")]
     torch.testing.assert_close(g[:, fp8], w[:, fp8], rtol=1e-12, atol=0, equal_nan=True)  # per-tensor sums
-    assert bool(got.records[..., 4].sum() > 0) and bool(got.records[..., 5].sum() > 0), "NaN and Inf nodes are in the test"
+    assert bool(got.records[..., 4].sum() > 0) and bool(got.records[..., 5].sum() > 0), (
+        "NaN and Inf nodes are in the test"
+    )
     assert torch.equal(got.histograms, hists)
     assert torch.equal(got.spread.present, spread["present"])
     p = spread["present"]
@@ -386,16 +414,23 @@ def test_pool_step_counts_a_replicated_tensor_once(pools: Dict[int, List[Dict[st
     for i in range(0, NODES, 10):  # parameters: the value once, the 16 gradients merged
         value, _ = script.tensors(i, 0)
         assert got.records[i, FORWARD, 0] == value.numel()
-        assert float(stats.statistic(got.records[i, FORWARD], "std")) == pytest.approx(float(value.double().std()), rel=1e-12)
+        assert float(stats.statistic(got.records[i, FORWARD], "std")) == pytest.approx(
+            float(value.double().std()), rel=1e-12
+        )
         assert got.records[i, BACKWARD, 0] == sum(script.tensors(i, r)[1].numel() for r in range(16))
 
 
 @pytest.mark.parametrize("world", [2, 16])
-def test_pool_step_gives_every_rank_the_same_errors_and_the_result_only_to_its_destination(world: int, pools: Dict[int, List[Dict[str, Any]]]) -> None:
+def test_pool_step_gives_every_rank_the_same_errors_and_the_result_only_to_its_destination(
+    world: int, pools: Dict[int, List[Dict[str, Any]]]
+) -> None:
     ranks = pools[world]
     for r, saved in enumerate(ranks):
         out = saved["outcomes"]
-        assert isinstance(out["failed"], pool.RankFailedError) and str(out["failed"]) == f"statistics failed on rank(s) [{world - 1}]"
+        assert (
+            isinstance(out["failed"], pool.RankFailedError)
+            and str(out["failed"]) == f"statistics failed on rank(s) [{world - 1}]"
+        )
         for case in ("names", "count"):
             assert isinstance(out[case], pool.RankMismatchError), (r, case)
             assert str(out[case]).startswith("Ranks captured different graphs ("), out[case]
@@ -404,7 +439,9 @@ def test_pool_step_gives_every_rank_the_same_errors_and_the_result_only_to_its_d
         if r:
             assert saved["result_is_none"]
         torch.testing.assert_close(saved["small"].records, ranks[0]["small"].records, rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(ranks[0]["small"].records, ranks[0]["result"].records[:20], rtol=1e-12, atol=1e-300, equal_nan=True)
+    torch.testing.assert_close(
+        ranks[0]["small"].records, ranks[0]["result"].records[:20], rtol=1e-12, atol=1e-300, equal_nan=True
+    )
 
 
 def test_pool_step_bytes_per_rank_are_the_same_at_2_and_16_ranks(pools: Dict[int, List[Dict[str, Any]]]) -> None:
@@ -414,7 +451,14 @@ def test_pool_step_bytes_per_rank_are_the_same_at_2_and_16_ranks(pools: Dict[int
         assert len(ranks[0]) == 4 and not any(name.startswith("all_gather") for name, _, _ in ranks[0])
     assert calls[2][0] == calls[16][0]
     script = _pool_script()
-    expected = pool.collective_bytes(NODES, histograms=len(script.histogram_nodes(NODES)), replicated=len([i for i in range(NODES) if script.is_parameter(i)]), spread=True, sums=6, first=6)
+    expected = pool.collective_bytes(
+        NODES,
+        histograms=len(script.histogram_nodes(NODES)),
+        replicated=len([i for i in range(NODES) if script.is_parameter(i)]),
+        spread=True,
+        sums=6,
+        first=6,
+    )
     assert [size for _, _, size in calls[16][0]] == list(expected.values())
 
 
@@ -422,12 +466,21 @@ def test_pool_step_in_one_process() -> None:
     gen = torch.Generator().manual_seed(0)
     parts = [torch.randn(4, generator=gen), torch.randn(3, generator=gen)]
     records = stats.assemble([stats.record_of(t, ("moments", "range")) for t in parts for _ in (0, 1)]).view(2, 2, -1)
-    out = pool.pool_step(records, ["a", "b"], replicated={"a"}, spread=True, sums=torch.ones(2, dtype=torch.float64), first=torch.zeros(1, dtype=torch.float64))
+    out = pool.pool_step(
+        records,
+        ["a", "b"],
+        replicated={"a"},
+        spread=True,
+        sums=torch.ones(2, dtype=torch.float64),
+        first=torch.zeros(1, dtype=torch.float64),
+    )
     assert out is not None
     torch.testing.assert_close(out.records, records, rtol=0, atol=0, equal_nan=True)
     std = stats.statistic(records, "std")
     assert torch.equal(out.spread.low, std) and torch.equal(out.spread.high, std) and bool(out.spread.present.all())
-    assert torch.equal(out.sums, torch.ones(2, dtype=torch.float64)) and torch.equal(out.first, torch.zeros(1, dtype=torch.float64))
+    assert torch.equal(out.sums, torch.ones(2, dtype=torch.float64)) and torch.equal(
+        out.first, torch.zeros(1, dtype=torch.float64)
+    )
     with pytest.raises(pool.RankFailedError, match=r"statistics failed on rank\(s\) \[0\]"):
         pool.pool(records, ["a", "b"], failed=True)
 
@@ -438,7 +491,12 @@ def test_merging_by_sums_and_maxes_equals_the_record_of_the_concatenation() -> N
     gen = torch.Generator().manual_seed(3)
     groups = ("moments", "range", "formats")
     cases = [
-        [torch.randn(5, generator=gen, dtype=torch.float64), torch.zeros(0, dtype=torch.float64), torch.randn(7, generator=gen, dtype=torch.float64) * 3 + 2, torch.tensor([5.0], dtype=torch.float64)],
+        [
+            torch.randn(5, generator=gen, dtype=torch.float64),
+            torch.zeros(0, dtype=torch.float64),
+            torch.randn(7, generator=gen, dtype=torch.float64) * 3 + 2,
+            torch.tensor([5.0], dtype=torch.float64),
+        ],
         [torch.tensor([1.0, math.nan]), torch.tensor([2.0, 3.0])],
         [torch.tensor([1.0, math.inf]), torch.tensor([0.0, -2.0, 1e-30])],
     ]
