@@ -104,7 +104,8 @@ def main(rounds: int, steps: int, skip: int = 5) -> None:
     cost = measure(rounds, steps, skip)
     plain = statistics.median(cost.periods["plain"].cpu)
     print(
-        f"model {MAIN.name}; {cost.rounds} rounds x {steps} steps, first {skip} of each fit dropped; A/A noise CPU {cost.noise():.3f}"
+        f"model {MAIN.name}; {cost.rounds} rounds x {steps} steps, first {skip} of each fit dropped; A/A noise CPU "
+        f"{cost.noise():.3f}"
     )
     print(f"plain step (median, CPU): {plain * 1e3:.2f} ms")
     for name in MONITORS:
@@ -135,7 +136,8 @@ def direct(plain_steps: int = 30, detector_steps: int = 5000) -> None:
     per_step = (time.process_time() - t0) / detector_steps
     median = statistics.median(plain)
     print(
-        f"direct, CPU clock: plain step {median * 1e3:.2f} ms (median of {plain_steps}); detector {per_step * 1e6:.1f} us/step -> {1 + per_step / median:.4f}x"
+        f"direct, CPU clock: plain step {median * 1e3:.2f} ms (median of {plain_steps}); detector "
+        f"{per_step * 1e6:.1f} us/step -> {1 + per_step / median:.4f}x"
     )
 
 

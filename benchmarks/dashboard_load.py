@@ -143,7 +143,8 @@ def time_views(url: str, browser: Any, shots: Optional[Path] = None, suffix: str
                 "performance.getEntriesByType('resource').filter((e) => e.name.includes('/heatmap?')).length"
             )
             out["heatmap_bytes"] = frame.evaluate(
-                "Math.max(0, ...performance.getEntriesByType('resource').filter((e) => e.name.includes('/heatmap?')).map((e) => e.decodedBodySize))"
+                "Math.max(0, ...performance.getEntriesByType('resource').filter((e) => "
+                "e.name.includes('/heatmap?')).map((e) => e.decodedBodySize))"
             )
         if view == "heatmap" and shots:
             canvas = frame.locator("canvas.hm-canvas[data-dir=bwd]").first
@@ -184,7 +185,8 @@ def _shot(page: Any, folder: Optional[Path], view: str, suffix: str) -> None:
 
 
 def write_gpt_logs(layers: int, root: Path) -> Path:
-    """The demo GPT with ``layers`` narrow layers, 3 steps, every step tracked (``tests/dashboard/_dashboard_logs.py``)."""
+    """The demo GPT with ``layers`` narrow layers, 3 steps, every step tracked
+    (``tests/dashboard/_dashboard_logs.py``)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from _dashboard_logs import write_gpt_logs as write
 
@@ -222,9 +224,11 @@ def main() -> None:
             proc.wait(timeout=20)
         first = "not within the timeout" if custom["first_chart"] is None else f"{custom['first_chart']:.2f} s"
         print(
-            f"{logdir}: {views['nodes']} nodes; profile {views['profile']:.2f} s after navigation; heatmap {views['heatmap']:.2f} s, "
+            f"{logdir}: {views['nodes']} nodes; profile {views['profile']:.2f} s after navigation; heatmap "
+            f"{views['heatmap']:.2f} s, "
             f"worst {views['worst']:.2f} s, code {views['code']:.2f} s; heatmap: {views['heatmap_elements']} elements, "
-            f"{views['heatmap_fetches']} fetch of {views['heatmap_bytes'] / 1e6:.2f} MB; CUSTOM SCALARS {custom['charts']} charts in {custom['categories']} "
+            f"{views['heatmap_fetches']} fetch of {views['heatmap_bytes'] / 1e6:.2f} MB; CUSTOM SCALARS "
+            f"{custom['charts']} charts in {custom['categories']} "
             f"categories ({custom['open']} open), first chart {first}; page errors: {views['errors'] or 'none'}",
             flush=True,
         )

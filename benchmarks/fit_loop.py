@@ -319,7 +319,8 @@ PROFILE_PARTS = (
         "lightning_scale/record/recorder.py",
     ),
     (
-        "of which the statistics one tensor at a time, native kernel's short path (`stats.fast_host_record`), both directions",
+        "of which the statistics one tensor at a time, native kernel's short path (`stats.fast_host_record`), both "
+        "directions",
         "record",
         "lightning_scale/record/stats/host.py",
     ),

@@ -202,7 +202,8 @@ def table(size: Size, device: str, rows: List[Dict[str, Any]]) -> str:
         f"GPU benchmark on {name}, torch {torch.__version__}: GPT {size.name}, {size.heads} heads, vocab {size.vocab}, "
         f"batch {size.batch} x {size.seq}, {'bf16 autocast' if device == 'cuda' else 'float32'}",
         "",
-        "| statistics | kernel | records / step | plain ms | tracked ms | x plain (target) | peak memory x plain | CUDA kernels / record | host sync in the tracked fwd+bwd |",
+        "| statistics | kernel | records / step | plain ms | tracked ms | x plain (target) | peak memory x plain | "
+        "CUDA kernels / record | host sync in the tracked fwd+bwd |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -143,20 +143,26 @@ def render(rows: List[ProbeCost]) -> List[str]:
     lines = [
         "## The fidelity probe at a capture's first tracked step",
         "",
-        "`ScaleMonitor(verify_capture=True)`, the default, runs once per capture the model's eager forward and backward and the "
+        "`ScaleMonitor(verify_capture=True)`, the default, runs once per capture the model's eager forward and "
+        "backward and the "
         "captured ones from the same saved state and compares outputs, buffers and gradients bit for bit. Wall clock "
-        "(`benchmarks/probe_cost.py`, also alone: `python benchmarks/probe_cost.py`); each repeat starts from `torch._dynamo.reset()` (so dynamo compiles in each); "
-        "the with/without runs alternate. *One-off cost* is the median with the probe minus the median without: the compile "
+        "(`benchmarks/probe_cost.py`, also alone: `python benchmarks/probe_cost.py`); each repeat starts from "
+        "`torch._dynamo.reset()` (so dynamo compiles in each); "
+        "the with/without runs alternate. *One-off cost* is the median with the probe minus the median without: the "
+        "compile "
         "moves into the probe, it is not paid twice.",
         "",
-        "| model | capture | parameters | plain forward + backward | capture + first tracked step, without probe | with probe | the probe alone | one-off cost |",
+        "| model | capture | parameters | plain forward + backward | capture + first tracked step, without probe | "
+        "with probe | the probe alone | one-off cost |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         fmt = ", ".join
         lines.append(
-            f"| {r.name} | {r.mode} | {r.params / 1e6:.1f}M | {r.plain_s:.3f} s | {statistics.median(r.without):.2f} s ({fmt(f'{t:.2f}' for t in r.without)}) "
-            f"| {statistics.median(r.with_probe):.2f} s ({fmt(f'{t:.2f}' for t in r.with_probe)}) | {statistics.median(r.probe):.2f} s "
+            f"| {r.name} | {r.mode} | {r.params / 1e6:.1f}M | {r.plain_s:.3f} s | {statistics.median(r.without):.2f} "
+            f"s ({fmt(f'{t:.2f}' for t in r.without)}) "
+            f"| {statistics.median(r.with_probe):.2f} s ({fmt(f'{t:.2f}' for t in r.with_probe)}) | "
+            f"{statistics.median(r.probe):.2f} s "
             f"| {r.one_off_s:.2f} s ({r.one_off_s / r.plain_s:.1f} plain steps) |"
         )
     return lines + [""]

@@ -144,11 +144,13 @@ def targets(res: Results) -> List[str]:
                 else ""
             )
             rows.append(
-                f"| issue 10: tracked step in a Trainer fit <= {limit}x a plain fit step ({what}, all the callback does) | "
+                f"| issue 10: tracked step in a Trainer fit <= {limit}x a plain fit step ({what}, all the callback "
+                f"does) | "
                 f"CPU {c:.3f}x, wall {w:.3f}x{edge} | {_verdict(c <= limit, f'{c:.2f}x')} |"
             )
         after = ", ".join(
-            f"{what}: CPU {tracked_ratio(res.tracked, kind):.3f}x, wall {tracked_ratio(res.tracked, kind, clock='wall'):.3f}x"
+            f"{what}: CPU {tracked_ratio(res.tracked, kind):.3f}x, wall "
+            f"{tracked_ratio(res.tracked, kind, clock='wall'):.3f}x"
             for kind, what in (
                 ("after_tracked", "after std"),
                 ("after_all", "after every group"),
@@ -156,38 +158,48 @@ def targets(res: Results) -> List[str]:
             )
         )
         rows.append(
-            f"| issue 10: the untracked step right after a tracked one (it pays the writer thread), reported (no number set) | {after} | n/a |"
+            f"| issue 10: the untracked step right after a tracked one (it pays the writer thread), reported (no "
+            f"number set) | {after} | n/a |"
         )
         c, w = tracked_ratio(res.tracked, "tracked_fp8"), tracked_ratio(res.tracked, "tracked_fp8", clock="wall")
         rows.append(
-            f"| issue 10: tracked step with std and the opt-in `fp8` what-if group, reported apart (no goal) | CPU {c:.3f}x, wall {w:.3f}x | n/a |"
+            f"| issue 10: tracked step with std and the opt-in `fp8` what-if group, reported apart (no goal) | CPU "
+            f"{c:.3f}x, wall {w:.3f}x | n/a |"
         )
         c, w = tracked_ratio(res.tracked, "tracked_torch"), tracked_ratio(res.tracked, "tracked_torch", clock="wall")
         rows.append(
-            f"| issue 10: tracked step with std, torch's kernels instead of the native one-read kernel (no compiler, or `LIGHTNING_SCALE_NATIVE=0`), reported beside the goal | CPU {c:.3f}x, wall {w:.3f}x | {'within' if c <= TRAINER_STD_MAX else 'above'} {TRAINER_STD_MAX}x |"
+            f"| issue 10: tracked step with std, torch's kernels instead of the native one-read kernel (no compiler, "
+            f"or `LIGHTNING_SCALE_NATIVE=0`), reported beside the goal | CPU {c:.3f}x, wall {w:.3f}x | "
+            f"{'within' if c <= TRAINER_STD_MAX else 'above'} {TRAINER_STD_MAX}x |"
         )
     else:
         rows.append(
-            f"| issue 10: tracked steps in a Trainer fit <= {TRAINER_STD_MAX}x (std), <= {TRAINER_ALL_MAX}x (every group) | not measured: {res.tracked_missing} | n/a |"
+            f"| issue 10: tracked steps in a Trainer fit <= {TRAINER_STD_MAX}x (std), <= {TRAINER_ALL_MAX}x (every "
+            f"group) | not measured: {res.tracked_missing} | n/a |"
         )
     if res.format_bytes is not None:
         b = res.format_bytes
         rows.append(
             f"| issue 10: format counts on the device path <= {FORMAT_BYTES_MAX:.0f} bytes/element | "
-            f"{b:.1f} bytes/element allocated on CPU (`benchmarks/format_bytes.py`, as `tests/record/test_stats_property.py`; "
-            f"on a GPU `histc` adds a 4-byte float32 copy of the bucket indices: {b + 4:.0f}, judged) | {_verdict(b + 4 <= FORMAT_BYTES_MAX, f'{b + 4:.0f}')} |"
+            f"{b:.1f} bytes/element allocated on CPU (`benchmarks/format_bytes.py`, as "
+            f"`tests/record/test_stats_property.py`; "
+            f"on a GPU `histc` adds a 4-byte float32 copy of the bucket indices: {b + 4:.0f}, judged) | "
+            f"{_verdict(b + 4 <= FORMAT_BYTES_MAX, f'{b + 4:.0f}')} |"
         )
     if res.fit is not None:
         u, w = fit_ratio(res), fit_ratio(res, "wall")
         h = 1 + res.fit_hooks / res.fit["wall"]["fit"].median
         rows.append(
             f"| issue 10: untracked step with the callback <= {UNTRACKED_MAX}x plain (Trainer fit, {MAIN.name}) | "
-            f"CPU {u:.3f}x, wall {w:.3f}x step to step (A/A noise floor CPU {res.fit_noise.get(JUDGE, float('nan')):.3f}); "
-            f"the callback's hooks alone: {res.fit_hooks * 1e6:.0f} us/step = {h:.4f}x | {_untracked_verdict(res, u, h)} |"
+            f"CPU {u:.3f}x, wall {w:.3f}x step to step (A/A noise floor CPU "
+            f"{res.fit_noise.get(JUDGE, float('nan')):.3f}); "
+            f"the callback's hooks alone: {res.fit_hooks * 1e6:.0f} us/step = {h:.4f}x | "
+            f"{_untracked_verdict(res, u, h)} |"
         )
     else:
         rows.append(
-            f"| untracked step with the callback <= {UNTRACKED_MAX}x plain | TODO, not measured: {res.fit_missing} | n/a |"
+            f"| untracked step with the callback <= {UNTRACKED_MAX}x plain | TODO, not measured: {res.fit_missing} | "
+            f"n/a |"
         )
     rows.append(_anomaly_target(res))
     if MAIN in res.memory:
@@ -196,7 +208,8 @@ def targets(res: Results) -> List[str]:
         rows.append(
             f"| peak memory of tracked steps <= {MEMORY_MAX}x plain ({MAIN.name}) | "
             f"{s:.3f}x of the steps' memory, {p:.3f}x of the whole process; with the capture's fixed {cap:.1f} MB "
-            f"(graphs and generated code, built once at fit start, none on an accelerator) counted as training memory: {t:.3f}x "
+            f"(graphs and generated code, built once at fit start, none on an accelerator) counted as training "
+            f"memory: {t:.3f}x "
             f"| {_yes(max(s, p) <= MEMORY_MAX)} |"
         )
     if res.capture is not None:
@@ -218,13 +231,17 @@ def _untracked_verdict(res: Results, ratio: float, hooks: float, noise: Optional
 
 
 def _anomaly_target(res: Results) -> str:
-    what = f"issue 12: untracked step with `anomaly_steps=8, update_ratios=True` <= {UNTRACKED_MAX}x plain (Trainer fit, {MAIN.name})"
+    what = (
+        f"issue 12: untracked step with `anomaly_steps=8, update_ratios=True` <= {UNTRACKED_MAX}x plain "
+        f"(Trainer fit, {MAIN.name})"
+    )
     a = res.anomaly
     if a is None:
         return f"| {what} | not measured: {res.anomaly_missing} | n/a |"
     u, w, h, n = a.ratio("on"), a.ratio("on", "wall"), a.hook_ratio("on"), a.noise()
     return (
-        f"| {what} | CPU {u:.3f}x, wall {w:.3f}x step to step (A/A noise floor CPU {n:.3f}); the callback's hooks alone: "
+        f"| {what} | CPU {u:.3f}x, wall {w:.3f}x step to step (A/A noise floor CPU {n:.3f}); the callback's hooks "
+        f"alone: "
         f"{statistics.median(a.hooks['on']) * 1e6:.0f} us/step = {h:.4f}x | {_untracked_verdict(res, u, h, n)} |"
     )
 
@@ -236,13 +253,17 @@ def anomaly_table(res: Results) -> List[str]:
     if a is None:
         return rows + [f"**Not measured**: {res.anomaly_missing}.", ""]
     rows += [
-        f"`lightning.Trainer` on CPU, {MAIN.name} (`benchmarks/anomaly_cost.py`): {a.rounds} rounds of three {a.steps}-step fits "
+        f"`lightning.Trainer` on CPU, {MAIN.name} (`benchmarks/anomaly_cost.py`): {a.rounds} rounds of three "
+        f"{a.steps}-step fits "
         "(the order rotates): plain, `ScaleMonitor(every_n_steps=10**9)` with both features off, and with "
-        f"`{', '.join(f'{k}={v}' for k, v in MONITORS['on'].items())}`. Step 0 is tracked, so every timed step is untracked "
-        f"(no anomaly fired: checked); the first {a.skip} steps of each fit are dropped. The hooks column is the wall time "
+        f"`{', '.join(f'{k}={v}' for k, v in MONITORS['on'].items())}`. Step 0 is tracked, so every timed step is "
+        f"untracked "
+        f"(no anomaly fired: checked); the first {a.skip} steps of each fit are dropped. The hooks column is the "
+        f"wall time "
         "inside `ScaleMonitor`'s hooks per step (the detector's payload at batch end, its lagged read at batch start).",
         "",
-        "| fit | CPU median ms | x plain | wall median ms | x plain | hooks, us/step | 1 + hooks / plain step | steps |",
+        "| fit | CPU median ms | x plain | wall median ms | x plain | hooks, us/step | 1 + hooks / plain step | "
+        "steps |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, label in (
@@ -255,7 +276,8 @@ def anomaly_table(res: Results) -> List[str]:
             f"{statistics.median(a.hooks[name]) * 1e6:.0f} | {a.hook_ratio(name):.4f}x" if name in a.hooks else "- | -"
         )
         rows.append(
-            f"| {label} | {_ms(c)} | {a.ratio(name):.3f}x | {_ms(w)} | {a.ratio(name, 'wall'):.3f}x | {hooks} | {len(a.periods[name].cpu)} |"
+            f"| {label} | {_ms(c)} | {a.ratio(name):.3f}x | {_ms(w)} | {a.ratio(name, 'wall'):.3f}x | {hooks} | "
+            f"{len(a.periods[name].cpu)} |"
         )
     return rows + [
         "",
@@ -303,7 +325,8 @@ def step_notes(res: Results) -> List[str]:
         "ratios closer to 1 than this are not resolved by this run."
     )
     rows.append(
-        f"- The untracked row comes from a real Trainer fit loop at {MAIN.name} (see 'Untracked steps in a Trainer fit loop'), "
+        f"- The untracked row comes from a real Trainer fit loop at {MAIN.name} (see 'Untracked steps in a Trainer "
+        f"fit loop'), "
         "so its ratio is to a plain Trainer fit step, not to the plain step above; "
         "so are the two rows of tracked steps in a Trainer fit (see 'Tracked steps in a Trainer fit loop'), "
         "which include everything `ScaleMonitor` does at the end of a tracked step."
@@ -316,7 +339,8 @@ def _tracked_fit_row(res: Results, sizes: Sequence[Size], clock: str, variant: s
     if res.tracked is None:
         return f"| {label} | " + " | ".join("not measured" for _ in sizes) + " |"
     kind = TRACKED_FIT[variant]
-    main = f"{_ms(_kind(res.tracked, kind, clock).median)} ms, {tracked_ratio(res.tracked, kind, clock=clock):.2f}x of a plain Trainer fit step"
+    ms, ratio = _ms(_kind(res.tracked, kind, clock).median), tracked_ratio(res.tracked, kind, clock=clock)
+    main = f"{ms} ms, {ratio:.2f}x of a plain Trainer fit step"
     return f"| {label} | " + " | ".join(main if s == MAIN else "-" for s in sizes) + " |"
 
 
@@ -370,7 +394,8 @@ def fit_table(res: Results) -> List[str]:
         f"`lightning.Trainer` on CPU, {MAIN.name}, with and without `ScaleMonitor(every_n_steps=10**9)` "
         "(it tracks step 0 only, so every timed step is untracked). A step is the period between "
         "consecutive `on_train_batch_start` calls (all hooks, data loading, Lightning's loop); "
-        f"{res.fit_rounds} rounds of a plain and a monitored fit (which goes first alternates); the first 5 steps of each fit are dropped.",
+        f"{res.fit_rounds} rounds of a plain and a monitored fit (which goes first alternates); the first 5 steps of "
+        f"each fit are dropped.",
         "",
         "| fit | CPU median ms | p25 | p75 | x plain fit | wall median ms | x plain fit | steps |",
         "|---|---|---|---|---|---|---|---|",
@@ -379,12 +404,15 @@ def fit_table(res: Results) -> List[str]:
         c, w = res.fit["cpu"][name], res.fit["wall"][name]
         rc, rw = c.median / res.fit["cpu"]["fit"].median, w.median / res.fit["wall"]["fit"].median
         rows.append(
-            f"| {label} | {_ms(c.median)} | {_ms(c.p25)} | {_ms(c.p75)} | {rc:.3f}x | {_ms(w.median)} | {rw:.3f}x | {c.n} |"
+            f"| {label} | {_ms(c.median)} | {_ms(c.p25)} | {_ms(c.p75)} | {rc:.3f}x | {_ms(w.median)} | {rw:.3f}x | "
+            f"{c.n} |"
         )
     return rows + [
         "",
-        f"A/A noise floor, between fits: |1 - median of the plain fits of odd rounds / median of those of even rounds| = "
-        f"CPU {res.fit_noise.get('cpu', float('nan')):.3f}, wall {res.fit_noise.get('wall', float('nan')):.3f}. Wall time inside `ScaleMonitor`'s hooks "
+        f"A/A noise floor, between fits: |1 - median of the plain fits of odd rounds / median of those of even "
+        f"rounds| = "
+        f"CPU {res.fit_noise.get('cpu', float('nan')):.3f}, wall {res.fit_noise.get('wall', float('nan')):.3f}. Wall "
+        f"time inside `ScaleMonitor`'s hooks "
         f"(every hook it overrides, wrapped with a timer): median {res.fit_hooks * 1e6:.1f} us per untracked step.",
         "",
     ]
@@ -412,19 +440,28 @@ def tracked_table(res: Results) -> List[str]:
     if t is None:
         return rows + [f"**Not measured**: {res.tracked_missing}.", ""]
     rows += [
-        f"`lightning.Trainer` on CPU, {MAIN.name}, fits with `ScaleMonitor(every_n_steps={t.every_n_steps})`: std without the figure; "
-        f"std with the figure drawn on the first tracked step and on every {_ordinal(t.figure_every)} after it (only those steps "
-        "and the steps after them are kept: the drawing on the writer thread spills into the next steps); every statistic group "
+        f"`lightning.Trainer` on CPU, {MAIN.name}, fits with `ScaleMonitor(every_n_steps={t.every_n_steps})`: std "
+        f"without the figure; "
+        f"std with the figure drawn on the first tracked step and on every {_ordinal(t.figure_every)} after it (only "
+        f"those steps "
+        "and the steps after them are kept: the drawing on the writer thread spills into the next steps); every "
+        "statistic group "
         "(moments, range, formats); std and the opt-in `fp8` what-if; std again with torch's kernels instead of the "
-        "native one-read kernel (what a machine without a C compiler gets). A tracked step's period (as above: from one "
+        "native one-read kernel (what a machine without a C compiler gets). A tracked step's period (as above: from "
+        "one "
         "`on_train_batch_start` to the next) holds the tracked forward and backward and everything the callback does "
-        "at the end of the step: pooling the records, the TensorBoard scalars, histograms and annotated code text, and, "
+        "at the end of the step: pooling the records, the TensorBoard scalars, histograms and annotated code text, "
+        "and, "
         "on a figure step, the matplotlib figure. "
-        f"{t.rounds} rounds; each runs a {t.steps}-step fit with each monitor, a plain {t.whole_steps}-step fit, which the "
-        f"ratios are to, and the {t.whole_steps}-step fit with `ScaleMonitor()` of the next section (the order rotates). "
-        f"Steps 0-{t.skip - 1} of each fit are dropped (warm-up; step 0 is also the first tracked step, with matplotlib's import).",
+        f"{t.rounds} rounds; each runs a {t.steps}-step fit with each monitor, a plain {t.whole_steps}-step fit, "
+        f"which the "
+        f"ratios are to, and the {t.whole_steps}-step fit with `ScaleMonitor()` of the next section (the order "
+        f"rotates). "
+        f"Steps 0-{t.skip - 1} of each fit are dropped (warm-up; step 0 is also the first tracked step, with "
+        f"matplotlib's import).",
         "",
-        "| step | CPU median ms | p25 | p75 | x plain fit step | x untracked step | wall median ms | x plain fit step | in `ScaleMonitor`'s hooks, wall ms | steps |",
+        "| step | CPU median ms | p25 | p75 | x plain fit step | x untracked step | wall median ms | x plain fit "
+        "step | in `ScaleMonitor`'s hooks, wall ms | steps |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind, label in TRACKED_ROWS:
@@ -432,7 +469,8 @@ def tracked_table(res: Results) -> List[str]:
         hooks = f"{statistics.median(t.hooks[kind]) * 1e3:.2f}" if kind in t.hooks else "-"
         rows.append(
             f"| {label} | {_ms(c.median)} | {_ms(c.p25)} | {_ms(c.p75)} | {tracked_ratio(t, kind):.2f}x | "
-            f"{tracked_ratio(t, kind, 'untracked'):.2f}x | {_ms(w.median)} | {tracked_ratio(t, kind, clock='wall'):.2f}x | {hooks} | {c.n} |"
+            f"{tracked_ratio(t, kind, 'untracked'):.2f}x | {_ms(w.median)} | "
+            f"{tracked_ratio(t, kind, clock='wall'):.2f}x | {hooks} | {c.n} |"
         )
     plain = _kind(t, "plain").median
     extra = {k: _kind(t, k).median - plain for k in ("tracked", "after_tracked", "tracked_figure", "after_figure")}
@@ -479,18 +517,27 @@ def profile_table(res: Results) -> List[str]:
         + [
             "",
             f"Where the remaining time goes: a tracked step at {MAIN.name} computes {records} records over "
-            f"{elements / 1e6:.1f}M elements (forward values and gradients; a tensor shared by several nodes, such as a "
-            "residual stream's gradient, once). Recording, forward and backward, is most of a tracked step's extra time, and "
+            f"{elements / 1e6:.1f}M elements (forward values and gradients; a tensor shared by several nodes, such "
+            f"as a "
+            "residual stream's gradient, once). Recording, forward and backward, is most of a tracked step's extra "
+            "time, and "
             "most of that is the statistics themselves: memory passes over each recorded tensor. std reads each tensor "
-            "once with the native kernel (`lightning_scale.record.native`: sum and sum of squares in one read; twice with torch's "
-            "kernels, a sum and norms of 512-element rows, see the torch-kernels row above), which is the floor of this "
+            "once with the native kernel (`lightning_scale.record.native`: sum and sum of squares in one read; twice "
+            "with torch's "
+            "kernels, a sum and norms of 512-element rows, see the torch-kernels row above), which is the floor of "
+            "this "
             "design; every group adds |x|, its "
-            "extremes and one compare-and-count per format threshold in range (about four more passes). Tensors of up to "
-            "4096 elements (biases, norm weights, their gradients) are copied and computed all at once at the end of the "
+            "extremes and one compare-and-count per format threshold in range (about four more passes). Tensors of "
+            "up to "
+            "4096 elements (biases, norm weights, their gradients) are copied and computed all at once at the end of "
+            "the "
             "step (`ShortRecords.flush`), since one at a time their call overhead outweighed their data. The rest of "
-            "recording is per tensor Python: the `observe` call after each node and a gradient hook per tensor. At the end "
-            "of the step the training thread assembles the records, pools them (one transfer) and queues the writing; the "
-            "writer's own CPU time (scalars, histograms, annotated code, TensorBoard's event records) is counted in the "
+            "recording is per tensor Python: the `observe` call after each node and a gradient hook per tensor. At "
+            "the end "
+            "of the step the training thread assembles the records, pools them (one transfer) and queues the "
+            "writing; the "
+            "writer's own CPU time (scalars, histograms, annotated code, TensorBoard's event records) is counted in "
+            "the "
             "process CPU time of whichever step it overlaps, mostly the step after.",
             "",
         ]
@@ -509,8 +556,10 @@ def breakdown_table(res: Results) -> List[str]:
     heads = " | ".join("std" if len(b.statistics) < 3 else "every group" for b in res.breakdowns)
     rows = [
         f"Without a profiler: each part's own thread CPU time (`time.thread_time`), median ms per tracked step of a "
-        f"{MAIN.name} Trainer fit tracking every step (`benchmarks/breakdown.py`), beside a tracked step's extra process "
-        "CPU time over a plain fit step from 'Tracked steps in a Trainer fit loop' (the writer's job mostly runs during the "
+        f"{MAIN.name} Trainer fit tracking every step (`benchmarks/breakdown.py`), beside a tracked step's extra "
+        f"process "
+        "CPU time over a plain fit step from 'Tracked steps in a Trainer fit loop' (the writer's job mostly runs "
+        "during the "
         "step after, whose extra time is shown too).",
         "",
         f"| part, CPU ms per tracked step | {heads} |",
@@ -543,11 +592,16 @@ def whole_table(res: Results) -> List[str]:
     n = t.whole_steps
     tracked = list(range(0, n, 50))
     rows += [
-        f"`trainer.fit()` of {n} steps ({MAIN.name}, CPU), timed whole (Lightning's setup and teardown, the capture at fit "
+        f"`trainer.fit()` of {n} steps ({MAIN.name}, CPU), timed whole (Lightning's setup and teardown, the capture "
+        f"at fit "
         f"start, every step), plain and with `ScaleMonitor()`: every 50th step tracked (here steps "
-        f"{', '.join(map(str, tracked))}), the figure on the first tracked step and every 10th after it (here step 0 only). "
-        f"{t.rounds} rounds, each with one fit of each (the order rotates, as above). {n} steps and at most 3 rounds keep "
-        f"this section and the previous one, which share the rounds, to about three minutes of `make bench` ({t.seconds:.0f} s in this run); a longer fit dilutes the first figure and the capture (see the estimate below).",
+        f"{', '.join(map(str, tracked))}), the figure on the first tracked step and every 10th after it (here step 0 "
+        f"only). "
+        f"{t.rounds} rounds, each with one fit of each (the order rotates, as above). {n} steps and at most 3 rounds "
+        f"keep "
+        f"this section and the previous one, which share the rounds, to about three minutes of `make bench` "
+        f"({t.seconds:.0f} s in this run); a longer fit dilutes the first figure and the capture (see the estimate "
+        f"below).",
         "",
         "| fit | CPU s, median | each round, CPU s | x plain fit | wall s, median | x plain fit |",
         "|---|---|---|---|---|---|",
@@ -557,7 +611,8 @@ def whole_table(res: Results) -> List[str]:
         rc = statistics.median(c) / statistics.median(t.totals["fit"].cpu)
         rw = statistics.median(w) / statistics.median(t.totals["fit"].wall)
         rows.append(
-            f"| {label} | {statistics.median(c):.2f} | {', '.join(f'{x:.2f}' for x in c)} | {rc:.3f}x | {statistics.median(w):.2f} | {rw:.3f}x |"
+            f"| {label} | {statistics.median(c):.2f} | {', '.join(f'{x:.2f}' for x in c)} | {rc:.3f}x | "
+            f"{statistics.median(w):.2f} | {rw:.3f}x |"
         )
     paired = [m / p for m, p in zip(t.totals["fit_default"].cpu, t.totals["fit"].cpu)]
     plain = _kind(t, "plain").median
@@ -567,8 +622,10 @@ def whole_table(res: Results) -> List[str]:
     return rows + [
         "",
         f"Ratio of the two fits within each round, CPU: {', '.join(f'{x:.3f}x' for x in paired)}. "
-        f"Estimate for a long fit at the defaults (not measured: from the previous section's medians), where 10 tracked "
-        f"steps, one with the figure, come in every 500 steps: 9 x {_ms(extra['tracked'] + extra['after_tracked'])} ms + "
+        f"Estimate for a long fit at the defaults (not measured: from the previous section's medians), where 10 "
+        f"tracked "
+        f"steps, one with the figure, come in every 500 steps: 9 x {_ms(extra['tracked'] + extra['after_tracked'])} "
+        f"ms + "
         f"{_ms(extra['tracked_figure'] + extra['after_figure'])} ms over 500 plain steps of {_ms(plain)} ms = "
         f"**{long_run:.3f}x**, before the capture at fit start.",
         "",
@@ -592,7 +649,8 @@ def memory_table(res: Results) -> List[str]:
         "*Process*: the whole process's peak resident set during the steps. *ru_maxrss*: the children's life-time "
         "peak, imports included.",
         "",
-        "| size | steps, plain MB | steps, tracked MB | ratio | capture MB | training, plain MB | training, tracked MB | ratio | process ratio | ru_maxrss ratio |",
+        "| size | steps, plain MB | steps, tracked MB | ratio | capture MB | training, plain MB | training, tracked "
+        "MB | ratio | process ratio | ru_maxrss ratio |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size, runs in res.memory.items():

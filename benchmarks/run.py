@@ -1,10 +1,11 @@
 """The CPU benchmark suite: ``make bench`` (``python benchmarks/run.py --out docs/benchmarks.md``).
 
 Step time of every variant at three GPT sizes (interleaved rounds), untracked and tracked
-steps in a real Trainer fit loop, whole fits with ``ScaleMonitor()``'s defaults, peak memory in fresh processes, and capture time of a 12-layer
-GPT, and the accelerator path's cost of one record per statistic group and kernel (Triton's fused kernel
-or torch's; ``kernel_ops``). Prints a markdown page and writes it to ``--out``. ``--quick`` runs a few rounds
-of everything, to check the suite itself (minutes matter on a 2-core machine).
+steps in a real Trainer fit loop, whole fits with ``ScaleMonitor()``'s defaults, peak memory
+in fresh processes, and capture time of a 12-layer GPT, and the accelerator path's cost of
+one record per statistic group and kernel (Triton's fused kernel or torch's;
+``kernel_ops``). Prints a markdown page and writes it to ``--out``. ``--quick`` runs a few
+rounds of everything, to check the suite itself (minutes matter on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -128,12 +129,17 @@ def tracked_fit_times(res: render.Results, quick: bool) -> None:
         return
     t = res.tracked
     _log(
-        f"tracked fit steps: std {render.tracked_ratio(t, 'tracked'):.2f}x CPU {render.tracked_ratio(t, 'tracked', clock='wall'):.2f}x wall, "
-        f"every group {render.tracked_ratio(t, 'tracked_all'):.2f}x CPU {render.tracked_ratio(t, 'tracked_all', clock='wall'):.2f}x wall, "
-        f"after it {render.tracked_ratio(t, 'after_all'):.2f}x CPU, after std {render.tracked_ratio(t, 'after_tracked'):.2f}x CPU, "
-        f"fp8 {render.tracked_ratio(t, 'tracked_fp8'):.2f}x CPU, torch kernels {render.tracked_ratio(t, 'tracked_torch'):.2f}x CPU, "
+        f"tracked fit steps: std {render.tracked_ratio(t, 'tracked'):.2f}x CPU "
+        f"{render.tracked_ratio(t, 'tracked', clock='wall'):.2f}x wall, "
+        f"every group {render.tracked_ratio(t, 'tracked_all'):.2f}x CPU "
+        f"{render.tracked_ratio(t, 'tracked_all', clock='wall'):.2f}x wall, "
+        f"after it {render.tracked_ratio(t, 'after_all'):.2f}x CPU, after std "
+        f"{render.tracked_ratio(t, 'after_tracked'):.2f}x CPU, "
+        f"fp8 {render.tracked_ratio(t, 'tracked_fp8'):.2f}x CPU, torch kernels "
+        f"{render.tracked_ratio(t, 'tracked_torch'):.2f}x CPU, "
         f"with the figure {render.tracked_ratio(t, 'tracked_figure'):.2f}x; "
-        f"whole {t.whole_steps}-step fit with ScaleMonitor(): {render.whole_ratio(t):.3f}x CPU ({t.rounds} rounds, {t.seconds:.0f} s)"
+        f"whole {t.whole_steps}-step fit with ScaleMonitor(): {render.whole_ratio(t):.3f}x CPU ({t.rounds} rounds, "
+        f"{t.seconds:.0f} s)"
     )
 
 
@@ -170,7 +176,8 @@ def anomaly_times(res: render.Results, quick: bool) -> None:
         return
     a = res.anomaly
     _log(
-        f"untracked with anomaly_steps and update_ratios: {a.ratio('on'):.3f}x CPU, hooks {a.hook_ratio('on'):.4f}x ({a.rounds} rounds)"
+        f"untracked with anomaly_steps and update_ratios: {a.ratio('on'):.3f}x CPU, hooks {a.hook_ratio('on'):.4f}x "
+        f"({a.rounds} rounds)"
     )
 
 
@@ -184,7 +191,8 @@ def memory_peaks(res: render.Results, quick: bool) -> None:
             v: [p for job, p in zip(jobs, peaks) if job == (size.dim, size.layers, v)] for v in ("plain", "tracked")
         }
         _log(
-            f"memory {size.name}: steps {render.memory_ratio(res, size, 'steps_kb'):.3f}x, training with the capture {render.memory_ratio(res, size, 'training_kb'):.3f}x"
+            f"memory {size.name}: steps {render.memory_ratio(res, size, 'steps_kb'):.3f}x, training with the capture "
+            f"{render.memory_ratio(res, size, 'training_kb'):.3f}x"
         )
 
 
@@ -193,10 +201,12 @@ def accelerator_costs() -> str:
     try:
         res = kernel_ops.measure()
     except Exception as err:  # noqa: BLE001 - e.g. triton not installed: say so, keep the suite
-        return f"## Accelerator path: cost of one record, per kernel\n\nNot measured: {type(err).__name__}: {str(err)[:300]}"
+        title = "## Accelerator path: cost of one record, per kernel"
+        return f"{title}\n\nNot measured: {type(err).__name__}: {str(err)[:300]}"
     for key, r in res.items():
         _log(
-            f"record on the accelerator path, {key}: {r['ops']} aten ops, {r['full']} full-size, {r['launches']} Triton launches, {r['bytes']:.2f} B/element"
+            f"record on the accelerator path, {key}: {r['ops']} aten ops, {r['full']} full-size, {r['launches']} "
+            f"Triton launches, {r['bytes']:.2f} B/element"
         )
     return kernel_ops.section(res)
 
@@ -211,7 +221,10 @@ def row_labels() -> Dict[str, str]:
         "fit_tracked_all": "tracked step in a Trainer fit, every statistic group (moments, range, formats), no figure",
         "fit_tracked_fp8": "tracked step in a Trainer fit, std and the `fp8` what-if, no figure",
         "fit_tracked_figure": "tracked step in a Trainer fit, `ScaleMonitor(every_n_steps=5)`, drawing the figure",
-        "fit_tracked_torch": "tracked step in a Trainer fit, `ScaleMonitor(every_n_steps=5)`, no figure, torch's kernels (native kernel off)",
+        "fit_tracked_torch": (
+            "tracked step in a Trainer fit, `ScaleMonitor(every_n_steps=5)`, no figure, "
+            "torch's kernels (native kernel off)"
+        ),
         render.UNTRACKED: "untracked step, `ScaleMonitor(every_n_steps=10**9)` installed",
     }
     return {k: labels[k] for k in order}

@@ -691,7 +691,8 @@ def test_forced_fx_on_untraceable_model_trains_untracked(tmp_path: Path) -> None
     model = Branchy()
     with pytest.warns(
         UserWarning,
-        match=r"ScaleMonitor: could not capture Branchy \(CaptureError: torch.fx could not trace Branchy.*training continues untracked",
+        match=r"ScaleMonitor: could not capture Branchy \(CaptureError: torch.fx could not trace Branchy"
+        r".*training continues untracked",
     ):
         trainer = fit(model, tmp_path, [ScaleMonitor(every_n_steps=1, capture="fx")])
     assert trainer.global_step == 3 and len(model.losses) == 3
@@ -835,5 +836,6 @@ def test_anomaly_rules_on_pooled_records() -> None:
     ]
     assert watch.check(cap, labels, records(softmax=(1, inf, 1), mul=(0, inf, 1)), 3) == []  # both seen before
     assert watch.check(cap, labels, records(masked_fill=(0, inf, 2), softmax=(0, nan, 3)), 4, "val_") == [
-        "ScaleMonitor: Inf in the forward pass at step 4 (validation), first at `masked_fill`; also new at 1 more node(s)"
+        "ScaleMonitor: Inf in the forward pass at step 4 (validation), first at `masked_fill`; also new at 1 more "
+        "node(s)"
     ]  # a consumer turned NaN: the mask is no longer benign

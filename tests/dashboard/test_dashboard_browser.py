@@ -32,7 +32,8 @@ FP16_MIN, FP16_MAX = 2.0**-14, 65504.0
 
 if not os.path.exists(CHROMIUM):
     pytest.skip(
-        f"no Chromium at {CHROMIUM} (`apt-get install -y chromium` as root; `make venv` and .ci/run do it where they can)",
+        f"no Chromium at {CHROMIUM} (`apt-get install -y chromium` as root; `make venv` and .ci/run do it where they "
+        f"can)",
         allow_module_level=True,
     )
 sync_api = pytest.importorskip("playwright.sync_api", reason='playwright is not installed (pip install -e ".[test]")')
@@ -187,7 +188,8 @@ def test_plugin_listed_labels_in_order_and_slider(server: Tuple[str, Path], page
     _check_profile(rows, scalars, STEPS - 1)
     frame.eval_on_selector("#step", "s => { s.value = 0; s.dispatchEvent(new Event('input')); }")
     frame.wait_for_function(
-        "document.querySelector('#step-value').textContent === '0' && document.querySelector('.legend').textContent.includes('step 0')"
+        "document.querySelector('#step-value').textContent === '0' && "
+        "document.querySelector('.legend').textContent.includes('step 0')"
     )
     changed = _profile(frame)
     assert changed != rows
@@ -275,7 +277,9 @@ def visible_texts(frame: Any, selector: str) -> List[str]:
     """Texts of the elements matching `selector` that are really on screen (in the viewport, not hidden)."""
     return frame.eval_on_selector_all(
         selector,
-        """els => els.filter((e) => { const r = e.getBoundingClientRect(); return e.checkVisibility() && r.height >= 8 && r.bottom > 0 && r.top < innerHeight && r.right > 0 && r.left < innerWidth; })
+        """els => els.filter((e) => { const r = e.getBoundingClientRect();
+                    return e.checkVisibility() && r.height >= 8 && r.bottom > 0 && r.top < innerHeight
+                      && r.right > 0 && r.left < innerWidth; })
                   .map((e) => e.textContent)""",
     )
 
@@ -284,10 +288,13 @@ def crossings(frame: Any, svg: str) -> List[str]:
     """Texts of `svg` that a line of it crosses, or that stick out of it."""
     return frame.eval_on_selector(
         svg,
-        """(svg) => { const lines = [...svg.querySelectorAll('line')].map((l) => l.getBBox()); const w = svg.width.baseVal.value; const out = [];
+        """(svg) => { const lines = [...svg.querySelectorAll('line')].map((l) => l.getBBox());
+             const w = svg.width.baseVal.value; const out = [];
              for (const t of svg.querySelectorAll('text')) { const b = t.getBBox();
                if (b.x < -0.5 || b.x + b.width > w + 0.5) out.push('outside: ' + t.textContent);
-               if (lines.some((l) => l.x > b.x + 0.5 && l.x < b.x + b.width - 0.5 && l.y < b.y + b.height - 1 && l.y + l.height > b.y + 1)) out.push('crossed: ' + t.textContent); }
+               if (lines.some((l) => l.x > b.x + 0.5 && l.x < b.x + b.width - 0.5
+                                && l.y < b.y + b.height - 1 && l.y + l.height > b.y + 1)) {
+                 out.push('crossed: ' + t.textContent); } }
              return out; }""",
     )
 
@@ -337,7 +344,8 @@ def test_heatmap_series_panel_opens_in_view_with_axes(
     frame.wait_for_selector(".series-box polyline", state="attached")
     box = frame.eval_on_selector(
         ".series-box",
-        "b => { const r = b.getBoundingClientRect(); return [r.top, r.bottom, r.left, r.right, innerHeight, innerWidth]; }",
+        "b => { const r = b.getBoundingClientRect(); return [r.top, r.bottom, r.left, r.right, innerHeight, "
+        "innerWidth]; }",
     )
     assert 0 <= box[0] and box[1] <= box[4] and 0 <= box[2] and box[3] <= box[5]  # in view, wherever the row was
     assert doc["labels"][row] in frame.inner_text(".series-box h4")
@@ -438,7 +446,8 @@ def test_code_and_validation_views(server: Tuple[str, Path], page: Tuple[Any, An
     frame.select_option("#prefix", "val_")
     frame.click("button[data-view=profile]")
     frame.wait_for_function(
-        "document.querySelector('#prefix').value === 'val_' && document.querySelectorAll('svg.profile g.node').length > 0"
+        "document.querySelector('#prefix').value === 'val_' && document.querySelectorAll('svg.profile "
+        "g.node').length > 0"
     )
     frame.wait_for_function(
         f"document.querySelectorAll('svg.profile g.node').length === {len(logged_labels(scalars, 'val_'))}"
