@@ -1,0 +1,195 @@
+"""Block-scaled what-ifs: MXFP8, MXFP4 and NVFP4 casts of a tensor, and the error they make.
+
+The casts are emulated exactly, element for element as torchao 0.18's emulated casts
+(``MXTensor.to_mx(x, dtype, 32).dequantize(torch.float32)``, ``NVFP4Tensor.to_nvfp4(x)
+.dequantize(torch.float32)``), in float32, with blocks along the last dimension (a last
+dimension that is not a multiple of the block is zero-padded; zeros change no block max):
+
+* MX (OCP MX v1.0, 32 elements a block): an E8M0 scale ``2^e``, ``e = floor(log2(block
+  amax)) - emax`` (emax 8 for E4M3, 15 for E5M2, 2 for E2M1; torchao's default FLOOR
+  mode), clamped to E8M0's ``[-127, 127]``, 255 (NaN) for a block with a NaN. Elements are
+  ``x / 2^e`` in float32 (a block whose scale would be 2^-127 is divided by 2^-126, as
+  torchao does, and multiplied back by 2^-127), saturated to the element format's largest
+  value and rounded to nearest-even (E2M1: 0, 0.5, 1, 1.5, 2, 3, 4, 6). So the block's
+  largest elements may saturate (FLOOR keeps amax / 2^e in [2^emax, 2^(emax+1))).
+* NVFP4 (16 elements a block, no per-tensor scale): the scale ``s = e4m3(clamp(amax / 6,
+  2^-6, 448))``, elements ``e2m1(clamp(x * (1 / s), -6, 6))``, dequantized ``q * s``.
+
+A NaN anywhere in a block makes the whole dequantized block NaN; an Inf makes the
+block's scale huge (its other elements flush) and itself Inf or the largest value.
+
+The record sums (``BLOCK_FIELDS``), per format ``<fmt>_sq_err``, ``<fmt>_sq``,
+``<fmt>_flushed``, are defined as the per-tensor ``fp8_*`` ones: non-finite elements are
+zeroed before the cast (so that one NaN does not poison its block: the ``nan``/``inf``
+counts report them) and left out of the sums (zero error, zero square, not flushed);
+``sq`` is the sum of ``x^2``, ``sq_err`` of ``(q(x) - x)^2`` against ``x`` itself (in
+float64; float64 tensors are cast from float32, their values beyond float32's range taken
+as its largest), and ``flushed`` counts the elements nonzero in ``x`` and zero in
+``q(x)``. They add over tensors, so they merge exactly by sums across micro-batches and
+ranks; ``<fmt>_snr_db`` is ``10 log10(sq / sq_err)`` (+inf without error) and
+``<fmt>_flushed`` is ``flushed / count``.
+
+Temporaries are bounded: the tensor is read ``CHUNK`` elements (whole rows) at a time,
+about ``40 * CHUNK`` bytes (64 MB) of temporaries at most, whatever the tensor's size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """A block-scaled format: elements, block size and how the block scale is chosen."""
+
+    block: int
+    #: the largest element value
+    max: float
+    #: MX: the exponent of the element's largest power of two (its scale is amax's less this);
+    #: None for NVFP4's E4M3 scale
+    emax: Optional[int]
+    #: the element dtype torch casts to; None for E2M1 (rounded here)
+    dtype: Optional[torch.dtype]
+
+
+#: The block formats of the ``blocks`` what-if group, by statistic prefix.
+BLOCK_FORMATS: Dict[str, BlockFormat] = {
+    "mxfp8_e4m3": BlockFormat(32, 448.0, 8, torch.float8_e4m3fn),
+    "mxfp8_e5m2": BlockFormat(32, 57344.0, 15, torch.float8_e5m2),
+    "mxfp4": BlockFormat(32, 6.0, 2, None),
+    "nvfp4": BlockFormat(16, 6.0, None, None),
+}
+
+#: The record sums of the group, in order: per format its squared error, squares, flushed count.
+BLOCK_FIELDS: Tuple[str, ...] = tuple(f"{fmt}_{kind}" for fmt in BLOCK_FORMATS for kind in ("sq_err", "sq", "flushed"))
+
+#: Elements read at a time (whole rows, at least one): about 40 bytes of temporaries each.
+CHUNK = 1 << 20
+
+_F32_MAX = torch.finfo(torch.float32).max
+_E4M3_TINY = 2.0**-6  # NVFP4's least block scale (E4M3's least normal, as torchao clamps)
+
+
+def dequantized(x: Tensor, fmt: str) -> Tensor:
+    """``x`` cast to the block format ``fmt`` and back, in float32, in ``x``'s shape.
+
+    Args:
+        x: a floating-point tensor with at least one dimension (half types and float32 as
+            they are; float64 rounded to float32 first, beyond its range saturated).
+        fmt: one of ``BLOCK_FORMATS``.
+
+    Raises:
+        ValueError: for an unknown ``fmt`` or a 0-dim ``x``.
+
+    Example:
+        >>> dequantized(torch.tensor([1.0, 3.3, -0.2, 0.0]), "mxfp4").tolist()
+        [1.0, 3.0, -0.0, 0.0]
+    """
+    if fmt not in BLOCK_FORMATS:
+        raise ValueError(f"`fmt` must be one of {sorted(BLOCK_FORMATS)}, got {fmt!r}")
+    if x.dim() == 0:
+        raise ValueError("`x` must have at least one dimension (blocks run along the last), got a 0-dim tensor")
+    spec = BLOCK_FORMATS[fmt]
+    k = x.shape[-1]
+    blocks = _padded_blocks(_as_float32(x.detach().reshape(-1, k)), spec.block)
+    return _cast_blocks(blocks, spec).view(-1, blocks.shape[1] * spec.block)[:, :k].reshape(x.shape)
+
+
+def block_fields(x: Tensor, chunk: int = CHUNK) -> List[Tensor]:
+    """``BLOCK_FIELDS`` of ``x`` as float64 0-dim tensors on ``x``'s device (nothing read back).
+
+    ``chunk``: elements read at a time (whole rows of the last dimension, at least one).
+    0-dim tensors count as one row of one element.
+    """
+    x = x.detach()
+    k = x.shape[-1] if x.dim() else 1
+    sums = torch.zeros(len(BLOCK_FIELDS), dtype=torch.float64, device=x.device)
+    if x.numel() == 0:
+        return list(sums.unbind())
+    for part in _row_chunks(x.reshape(-1, k), chunk):
+        sums += _chunk_sums(part)
+    return list(sums.unbind())
+
+
+def _row_chunks(x2: Tensor, chunk: int) -> Iterator[Tensor]:
+    rows = max(1, chunk // max(1, x2.shape[1]))
+    yield from x2.split(rows)
+
+
+def _chunk_sums(part: Tensor) -> Tensor:
+    """``BLOCK_FIELDS`` of rows ``part`` ``(r, k)``: the finite values' casts, summed in float64."""
+    finite = torch.nan_to_num(part.double() if part.dtype == torch.float64 else part.float(), 0.0, 0.0, 0.0)
+    x64 = finite.double()
+    nonzero = torch.count_nonzero(x64)
+    sq = x64.square().sum()
+    x32 = _as_float32(finite)
+    out: List[Tensor] = []
+    for spec in BLOCK_FORMATS.values():
+        blocks = _padded_blocks(x32, spec.block)
+        q = _cast_blocks(blocks, spec).view(x32.shape[0], -1)[:, : x32.shape[1]]
+        err = q.double().sub_(x64).square_().sum()
+        out += [err, sq, (nonzero - torch.count_nonzero(q)).double()]
+    return torch.stack(out)
+
+
+def _as_float32(x: Tensor) -> Tensor:
+    if x.dtype == torch.float64:  # (finite values beyond float32's range saturate, not turn Inf)
+        return torch.where(x.isfinite(), x.clamp(-_F32_MAX, _F32_MAX), x).float()
+    return x.float()
+
+
+def _padded_blocks(x2: Tensor, block: int) -> Tensor:
+    """``(r, k)`` float32 rows as ``(r, ceil(k / block), block)`` blocks, the last zero-padded."""
+    r, k = x2.shape
+    pad = -k % block
+    if pad:
+        x2 = torch.nn.functional.pad(x2, (0, pad))
+    return x2.reshape(r, (k + pad) // block, block)
+
+
+def _cast_blocks(blocks: Tensor, spec: BlockFormat) -> Tensor:
+    """The dequantized float32 blocks ``(r, nb, block)`` of ``spec``'s cast."""
+    amax = blocks.abs().amax(-1, keepdim=True)  # (r, nb, 1); NaN with a NaN
+    if spec.emax is None:
+        return _nvfp4_blocks(blocks, amax)
+    return _mx_blocks(blocks, amax, spec)
+
+
+def _mx_blocks(blocks: Tensor, amax: Tensor, spec: BlockFormat) -> Tensor:
+    """MX: E8M0 scales from amax's float32 exponent (FLOOR), elements cast, scaled back."""
+    exponent = ((amax.view(torch.int32) >> 23) & 0xFF) - 127  # floor(log2 amax); -127 for 0 or subnormal
+    biased = (exponent - spec.emax).clamp(-127, 128) + 127
+    biased = torch.where(amax.isnan(), 255, biased)  # E8M0's NaN
+    divisor = (biased << 23).view(torch.float32).clamp(min=2.0**-126)  # (255: Inf; 0: torchao's 2^-126)
+    scaled = blocks / divisor
+    if spec.dtype is None:
+        elements = _round_e2m1(scaled)
+    else:
+        elements = scaled.clamp(-spec.max, spec.max).to(spec.dtype).float()
+    tiny = torch.full_like(amax, 2.0**-127)  # E8M0 0 decodes to 2^-127 (a float32 subnormal)
+    scale = torch.where(biased == 0, tiny, (biased << 23).view(torch.float32))
+    scale = torch.where(biased == 255, torch.full_like(amax, float("nan")), scale)
+    return elements * scale
+
+
+def _nvfp4_blocks(blocks: Tensor, amax: Tensor) -> Tensor:
+    """NVFP4 without a per-tensor scale: E4M3 block scales, E2M1 elements."""
+    scale = (amax / 6.0).clamp(_E4M3_TINY, 448.0).to(torch.float8_e4m3fn).float()
+    elements = _round_e2m1((blocks * (1.0 / scale)).clamp(-6.0, 6.0))  # (a reciprocal, as torchao)
+    return elements * scale
+
+
+def _round_e2m1(y: Tensor) -> Tensor:
+    """float32 ``y`` rounded to nearest-even E2M1 (0, 0.5, 1, 1.5, 2, 3, 4, 6), saturated at 6.
+
+    Between two powers of two E2M1 values are evenly spaced (step 0.5 below 2, 1 in [2, 4),
+    2 in [4, 6]), so rounding ``|y| / step`` half to even rounds to the even code; the
+    divisions by powers of two are exact.
+    """
+    a = y.abs()
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    return torch.copysign(torch.minimum(torch.round(a / step) * step, torch.full_like(a, 6.0)), y)
