@@ -1,0 +1,215 @@
+"""Outlier statistics: kurtosis, and how far a tensor's worst channel sticks out.
+
+**Kurtosis.** ``kurtosis = E[(x - mean)^4] / var^2`` (population moments: 3 for a
+Gaussian, 1.8 for a uniform), of the finite elements (the ``nan``/``inf`` counts report
+the others). Kept per node: a moments row ``MOMENT_FIELDS`` = (count, mean, m2, m3, m4),
+``m_k`` the sum of ``(x - mean)^k``. Rows merge exactly (the central-moment merge of
+Chan et al. / Pébay 2008): ``merge_moments`` does it on stacked rows; across ranks it is
+three reductions as the record's mean and m2 are pooled: a sum of ``count`` and
+``count x (mean - c)`` (``c`` any common shift, e.g. the midpoint of the least and
+largest mean), then a sum of ``moment_deviations(rows, merged mean)``. Each row is
+computed about its chunk's own mean in float64, so a mean far above the spread loses
+nothing to cancellation. The kurtosis of a row is ``count * m4 / m2^2``: NaN where
+``m2`` is 0 (constant or empty).
+
+**Channels.** A tensor's channels are the entries of its last dimension (features,
+the same on every data-parallel rank); a channel's maximum is its max |x| over every
+other dimension (finite elements only). ``channel_max_ratio`` is the largest channel
+maximum over the median one (the mean of the two middle ones for an even count; +inf
+where the median is 0 and the maximum not, NaN where both are 0); ``outlier_channels``
+is the fraction of channels whose maximum exceeds ``OUTLIER`` (6, LLM.int8's threshold).
+Kept per node, a ``CHANNEL_WIDTH`` row in two parts:
+
+* merged by a max (``CHANNEL_MAX_WIDTH`` entries): the channel count, the largest
+  channel maximum, and the maxima of up to ``CHANNEL_CAP`` channels one by one (``-inf``
+  in unused slots). Up to the cap the merge is exact: a max over micro-batches and ranks
+  is each channel's maximum over the whole step's tensor.
+* merged by a sum: the count of channel maxima above ``OUTLIER`` and a histogram of the
+  channel maxima in ``HIST_BINS_PER_OCTAVE`` bins an octave over ``[2^HIST_LO,
+  2^HIST_HI)`` (lower maxima, 0 included, in the first bin, higher ones in the last).
+  Both are zero up to the cap. Above it (more than ``CHANNEL_CAP`` channels) only this
+  part and the largest maximum are kept: the median and the outlier fraction are then
+  those of the channel maxima of each micro-batch and rank pooled (not of their maximum
+  over micro-batches and ranks), the median read from the histogram as the geometric
+  centre of the bin that holds it (the lower middle one for an even count): within a
+  factor ``2^(1 / (2 * HIST_BINS_PER_OCTAVE))`` (4.4%) of it inside the histogram's range.
+
+A row is ``CHANNEL_WIDTH`` (5,123) float64 numbers: 40 KB a node and direction.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Tuple
+
+import torch
+from torch import Tensor
+
+#: Fields of a moments row.
+MOMENT_FIELDS: Tuple[str, ...] = ("count", "mean", "m2", "m3", "m4")
+#: Elements read at a time: a few float64 temporaries of this size (8 MB each).
+CHUNK = 1 << 20
+
+#: A channel maximum above this is an outlier (LLM.int8).
+OUTLIER = 6.0
+#: Up to this many channels, their maxima are kept one by one.
+CHANNEL_CAP = 4096
+HIST_LO, HIST_HI, HIST_BINS_PER_OCTAVE = -64, 64, 8
+_BINS = (HIST_HI - HIST_LO) * HIST_BINS_PER_OCTAVE
+#: Entries of a channel row merged by a max (count, largest, the slots), then by a sum.
+CHANNEL_MAX_WIDTH = 2 + CHANNEL_CAP
+CHANNEL_WIDTH = CHANNEL_MAX_WIDTH + 1 + _BINS
+
+
+# ---------------------------------------------------------------------------------------
+# Kurtosis: moments rows.
+
+
+def moments_row(x: Tensor, chunk: int = CHUNK) -> Tensor:
+    """The float64 moments row ``MOMENT_FIELDS`` of ``x``'s finite elements, on its device.
+
+    Example:
+        >>> float(kurtosis(moments_row(torch.tensor([1.0, 2.0, 3.0, 4.0]))))
+        1.64
+    """
+    flat = x.detach().reshape(-1)
+    if flat.numel() == 0:
+        return torch.zeros(len(MOMENT_FIELDS), dtype=torch.float64, device=x.device)
+    rows = torch.stack([_chunk_moments(part) for part in flat.split(max(1, chunk))])
+    return merge_moments(rows)
+
+
+def _chunk_moments(part: Tensor) -> Tensor:
+    """The moments row of one chunk: sums of powers about the chunk's mean ``c``, then
+    moved to the exact mean ``c + r`` (``r`` the mean of ``x - c``, rounding only)."""
+    f = part.double()
+    finite = f.isfinite()
+    n = finite.sum().double()
+    f = torch.where(finite, f, 0.0)
+    c = f.sum() / n.clamp(min=1)
+    d = torch.where(finite, f - c, 0.0)
+    d2 = d * d
+    s1, s2, s3, s4 = d.sum(), d2.sum(), (d2 * d).sum(), (d2 * d2).sum()
+    r = s1 / n.clamp(min=1)
+    m2 = s2 - n * r * r
+    m3 = s3 - 3 * r * s2 + 2 * n * r**3
+    m4 = s4 - 4 * r * s3 + 6 * r * r * s2 - 3 * n * r**4
+    return torch.stack([n, c + r, m2, m3, m4])
+
+
+def moment_deviations(rows: Tensor, mean: Tensor) -> Tensor:
+    """``[..., 3]``: each row's (m2, m3, m4) about ``mean`` (broadcast against ``rows[..., 0]``);
+    summed over rows, the merged central moments. Empty rows give zeros."""
+    n, m2, m3, m4 = rows[..., 0], rows[..., 2], rows[..., 3], rows[..., 4]
+    d = rows[..., 1] - mean
+    out = torch.stack(
+        [
+            m2 + n * d * d,
+            m3 + 3 * d * m2 + n * d**3,
+            m4 + 4 * d * m3 + 6 * d * d * m2 + n * d**4,
+        ],
+        -1,
+    )
+    return torch.where((n > 0).unsqueeze(-1), out, 0.0)
+
+
+def merge_moments(rows: Tensor) -> Tensor:
+    """Merge moments rows ``[k, 5]`` (or ``[..., k, 5]``) into one, as if their elements were concatenated."""
+    n = rows[..., 0]
+    has = n > 0
+    total = n.sum(-1)
+    first = torch.where(has, rows[..., 1], 0.0).gather(-1, has.double().argmax(-1, keepdim=True))  # a shift
+    shifted = torch.where(has, n * (rows[..., 1] - first), 0.0).sum(-1, keepdim=True)
+    mean = first + shifted / total.clamp(min=1).unsqueeze(-1)
+    central = moment_deviations(rows, mean).sum(-2)
+    return torch.cat([total.unsqueeze(-1), torch.where(total > 0, mean.squeeze(-1), 0.0).unsqueeze(-1), central], -1)
+
+
+def kurtosis(rows: Tensor) -> Tensor:
+    """``count * m4 / m2^2`` of moments rows ``[..., 5]``: NaN where m2 is 0."""
+    n, m2, m4 = rows[..., 0], rows[..., 2], rows[..., 4]
+    return torch.where(m2 > 0, n * m4 / (m2 * m2), math.nan)
+
+
+# ---------------------------------------------------------------------------------------
+# Channels: per-channel maxima, kept one by one up to the cap, else as a histogram.
+
+
+def channel_maxima(x: Tensor, chunk: int = CHUNK) -> Tensor:
+    """float64 ``[C]``: each last-dimension channel's max |x| over the finite elements (0 where none)."""
+    x = x.detach()
+    c = x.shape[-1] if x.dim() else 1
+    out = torch.zeros(c, dtype=torch.float64, device=x.device)
+    if x.numel() == 0:
+        return out
+    for part in _row_chunks(x.reshape(-1, c), chunk):
+        a = torch.nan_to_num(part.abs(), nan=0.0, posinf=0.0)
+        out = torch.maximum(out, a.amax(0).double())
+    return out
+
+
+def _row_chunks(x2: Tensor, chunk: int) -> Iterator[Tensor]:
+    return iter(x2.split(max(1, chunk // max(1, x2.shape[1]))))
+
+
+def channel_row(x: Tensor, chunk: int = CHUNK) -> Tensor:
+    """The float64 ``CHANNEL_WIDTH`` row of ``x`` (see the module docstring), on its device."""
+    maxima = channel_maxima(x, chunk)
+    c = maxima.numel()
+    row = torch.zeros(CHANNEL_WIDTH, dtype=torch.float64, device=maxima.device)
+    row[0] = c
+    row[1] = maxima.max() if c else 0.0
+    row[2:CHANNEL_MAX_WIDTH] = -math.inf
+    if c <= CHANNEL_CAP:
+        row[2 : 2 + c] = maxima
+        return row
+    row[CHANNEL_MAX_WIDTH] = (maxima > OUTLIER).sum()
+    row[CHANNEL_MAX_WIDTH + 1 :] = torch.bincount(_bin(maxima), minlength=_BINS).double()
+    return row
+
+
+def _bin(maxima: Tensor) -> Tensor:
+    safe = maxima.clamp(min=2.0**HIST_LO)  # (0 in the first bin)
+    i = torch.floor((torch.log2(safe) - HIST_LO) * HIST_BINS_PER_OCTAVE)
+    return i.clamp(0, _BINS - 1).long()
+
+
+def merge_channel_rows(rows: Tensor) -> Tensor:
+    """Merge channel rows ``[k, CHANNEL_WIDTH]`` into one: the first part by a max, the rest by a sum."""
+    return torch.cat([rows[:, :CHANNEL_MAX_WIDTH].amax(0), rows[:, CHANNEL_MAX_WIDTH:].sum(0)])
+
+
+def channel_max_ratio(rows: Tensor) -> Tensor:
+    """Largest channel maximum over the median one, of channel rows ``[..., CHANNEL_WIDTH]``."""
+    top = rows[..., 1]
+    median = torch.where(rows[..., 0] <= CHANNEL_CAP, _slot_median(rows), _histogram_median(rows))
+    ratio = torch.where(median > 0, top / median, torch.where(top > 0, math.inf, math.nan))
+    return torch.where(rows[..., 0] >= 1, ratio, math.nan)  # (no channel, or not computed: NaN)
+
+
+def outlier_channels(rows: Tensor) -> Tensor:
+    """The fraction of channels whose maximum exceeds ``OUTLIER``, of channel rows ``[..., CHANNEL_WIDTH]``."""
+    slots = rows[..., 2:CHANNEL_MAX_WIDTH]
+    kept = (slots > OUTLIER).sum(-1).double() / rows[..., 0].clamp(min=1)
+    hist = rows[..., CHANNEL_MAX_WIDTH + 1 :].sum(-1)
+    pooled = rows[..., CHANNEL_MAX_WIDTH] / hist.clamp(min=1)
+    return torch.where(rows[..., 0] >= 1, torch.where(rows[..., 0] <= CHANNEL_CAP, kept, pooled), math.nan)
+
+
+def _slot_median(rows: Tensor) -> Tensor:
+    """The median of the kept slots (the mean of the two middle ones for an even count)."""
+    s = rows[..., 2:CHANNEL_MAX_WIDTH].sort(-1).values  # unused (-inf) first
+    c = torch.nan_to_num(rows[..., 0], nan=1.0).clamp(1, CHANNEL_CAP).long()
+    start = CHANNEL_CAP - c
+    lo = s.gather(-1, (start + (c - 1) // 2).unsqueeze(-1)).squeeze(-1)
+    hi = s.gather(-1, (start + c // 2).unsqueeze(-1)).squeeze(-1)
+    return lo / 2 + hi / 2
+
+
+def _histogram_median(rows: Tensor) -> Tensor:
+    """The geometric centre of the histogram bin that holds the (lower) middle maximum."""
+    hist = torch.nan_to_num(rows[..., CHANNEL_MAX_WIDTH + 1 :])
+    cum = hist.cumsum(-1)
+    half = (cum[..., -1:] / 2).clamp(min=0.5)
+    i = torch.searchsorted(cum.contiguous(), half.contiguous()).clamp(max=_BINS - 1).squeeze(-1)
+    return torch.exp2(HIST_LO + (i.double() + 0.5) / HIST_BINS_PER_OCTAVE)
