@@ -85,9 +85,9 @@ def dequantized(x: Tensor, fmt: str) -> Tensor:
     Raises:
         ValueError: for an unknown ``fmt`` or a 0-dim ``x``.
 
-    Example:
-        >>> dequantized(torch.tensor([1.0, 3.3, -0.2, 0.0]), "mxfp4").tolist()
-        [1.0, 3.0, -0.0, 0.0]
+    Example (amax 7.9: scale 2^(2 - 2), so 7.9 saturates at E2M1's 6):
+        >>> dequantized(torch.tensor([1.0, 3.3, -0.2, 7.9]), "mxfp4").tolist()
+        [1.0, 3.0, -0.0, 6.0]
     """
     if fmt not in BLOCK_FORMATS:
         raise ValueError(f"`fmt` must be one of {sorted(BLOCK_FORMATS)}, got {fmt!r}")

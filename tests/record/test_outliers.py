@@ -1,0 +1,202 @@
+"""Kurtosis and channel outliers (record/stats/outliers.py) against float64 computations of the same
+tensors, and their per-node rows merged across micro-batches and ranks against the whole."""
+
+from __future__ import annotations
+
+import math
+from typing import List, Tuple
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_scale.record.stats.outliers import (
+    CHANNEL_CAP,
+    CHANNEL_MAX_WIDTH,
+    CHANNEL_WIDTH,
+    HIST_BINS_PER_OCTAVE,
+    OUTLIER,
+    channel_max_ratio,
+    channel_maxima,
+    channel_row,
+    kurtosis,
+    merge_channel_rows,
+    merge_moments,
+    moment_deviations,
+    moments_row,
+    outlier_channels,
+)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def reference_moments(x: Tensor) -> Tuple[float, float, float, float, float]:
+    """(count, mean, m2, m3, m4) of the finite elements in float64, two passes with fsum."""
+    v = x.double().flatten()
+    v = v[v.isfinite()].tolist()
+    n = len(v)
+    mean = math.fsum(v) / n
+    d = [e - mean for e in v]
+    return float(n), mean, math.fsum(e**2 for e in d), math.fsum(e**3 for e in d), math.fsum(e**4 for e in d)
+
+
+def reference_kurtosis(x: Tensor) -> float:
+    n, _, m2, _, m4 = reference_moments(x)
+    return n * m4 / (m2 * m2)
+
+
+TENSORS = {
+    "gaussian": lambda: torch.randn(64, 300, generator=_gen(0)),  # kurtosis 3
+    "uniform": lambda: torch.rand(1000, generator=_gen(1)),  # 1.8
+    "student_t": lambda: torch.distributions.StudentT(torch.tensor(5.0)).sample((50, 80)),  # heavy: 9
+    "lognormal": lambda: torch.exp(torch.randn(4000, generator=_gen(2))),
+    "half": lambda: torch.randn(16, 64, generator=_gen(3)).half(),
+    "double": lambda: torch.randn(16, 64, generator=_gen(4), dtype=torch.float64) ** 3,
+}
+
+
+@pytest.mark.parametrize("name", list(TENSORS))
+def test_kurtosis_equals_float64(name: str) -> None:
+    x = TENSORS[name]()
+    row = moments_row(x)
+    want = reference_moments(x)
+    for got, ref in zip(row.tolist(), want):
+        assert got == pytest.approx(ref, rel=1e-10, abs=1e-12 * abs(want[2])), name
+    assert float(kurtosis(row)) == pytest.approx(reference_kurtosis(x), rel=1e-10)
+
+
+def test_kurtosis_closed_forms() -> None:
+    assert float(kurtosis(moments_row(torch.randn(1 << 20, generator=_gen(5))))) == pytest.approx(3.0, abs=0.02)
+    assert float(kurtosis(moments_row(torch.rand(1 << 20, generator=_gen(6))))) == pytest.approx(1.8, abs=0.01)
+    assert float(kurtosis(moments_row(torch.tensor([-1.0, 1.0] * 50)))) == pytest.approx(1.0, rel=1e-14)
+    assert math.isnan(float(kurtosis(moments_row(torch.full((10,), 3.0)))))  # no spread: undefined
+    assert math.isnan(float(kurtosis(moments_row(torch.empty(0)))))
+
+
+@pytest.mark.parametrize("mean", [1e4, 1e6, -3e7])
+def test_a_mean_far_above_the_spread_stays_within_1e_4_of_float64(mean: float) -> None:
+    x = (torch.randn(1 << 16, generator=_gen(7), dtype=torch.float64) + mean).float()  # float32 values
+    got = float(kurtosis(moments_row(x)))
+    assert got == pytest.approx(reference_kurtosis(x), rel=1e-4)
+    parts = torch.stack([moments_row(p) for p in x.split(1000)])  # and merged from 66 micro-batches
+    assert float(kurtosis(merge_moments(parts))) == pytest.approx(reference_kurtosis(x), rel=1e-4)
+
+
+def _splits(x: Tensor) -> List[Tensor]:
+    return list(x.flatten().split([1, 999, 5000, 3000, 10000 - 9000 + x.numel() - 10000]))
+
+
+def test_merged_rows_equal_the_whole() -> None:
+    x = torch.distributions.StudentT(torch.tensor(3.0)).sample((10000,)) * 2 + 5
+    x = torch.cat([x[:1000] + 100, x[1000:]])  # parts with different means
+    rows = torch.stack([moments_row(p) for p in _splits(x)] + [moments_row(torch.empty(0))])
+    merged = merge_moments(rows)
+    whole = moments_row(x)
+    assert torch.allclose(merged, whole, rtol=1e-11, atol=0)
+    assert merged.tolist() == pytest.approx(list(reference_moments(x)), rel=1e-10)
+
+
+def test_merge_by_reductions_as_ranks_pool() -> None:
+    """Across ranks: a sum of counts and count x (mean - c), then a sum of the deviations about
+    the merged mean; equal to merging the rows directly."""
+    x = torch.randn(4, 2500, generator=_gen(8)) * torch.tensor([[1.0], [3.0], [0.5], [10.0]]) + 7
+    rows = torch.stack([moments_row(r) for r in x])  # one row per rank
+    c = (rows[:, 1].max() + rows[:, 1].min()) / 2
+    n = rows[:, 0].sum()
+    mean = c + (rows[:, 0] * (rows[:, 1] - c)).sum() / n
+    central = moment_deviations(rows, mean).sum(0)
+    pooled = torch.cat([torch.stack([n, mean]), central])
+    assert torch.allclose(pooled, merge_moments(rows), rtol=1e-12, atol=0)
+    assert pooled.tolist() == pytest.approx(list(reference_moments(x)), rel=1e-10)
+
+
+def test_chunks_and_non_finite_values() -> None:
+    x = torch.randn(3000, generator=_gen(9)) ** 3
+    assert torch.allclose(moments_row(x, chunk=7), moments_row(x), rtol=1e-11, atol=0)
+    y = x.clone()
+    y[[3, 70, 2999]] = torch.tensor([math.nan, math.inf, -math.inf])
+    keep = torch.ones(3000, dtype=torch.bool)
+    keep[[3, 70, 2999]] = False
+    assert torch.allclose(moments_row(y), moments_row(x[keep]), rtol=1e-12, atol=0)
+    assert moments_row(torch.full((4,), math.nan)).tolist() == [0.0] * 5
+
+
+def test_batched_merge() -> None:
+    x = torch.randn(3, 4, 100, generator=_gen(10))
+    rows = torch.stack([torch.stack([moments_row(p) for p in node]) for node in x])  # (nodes, parts, 5)
+    assert torch.allclose(merge_moments(rows), torch.stack([moments_row(node) for node in x]), rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------
+# Channels
+
+
+def reference_channels(x: Tensor) -> Tuple[float, float]:
+    """(max / median of the channel maxima, fraction above 6), in float64 with numpy."""
+    a = np.nan_to_num(np.abs(x.double().numpy()), nan=0.0, posinf=0.0).reshape(-1, x.shape[-1])
+    m = a.max(0)
+    return float(m.max() / np.median(m)), float((m > OUTLIER).mean())
+
+
+def spiky(rows: int, channels: int, seed: int) -> Tensor:
+    """Gaussian activations with a few outlier channels (as LLM hidden states have)."""
+    x = torch.randn(rows, channels, generator=_gen(seed))
+    x[:, 5] *= 40
+    x[rows // 2, 7] = -25.0
+    return x
+
+
+@pytest.mark.parametrize("shape", [(64, 100), (2, 16, 33), (7,), (1, 4096)])
+def test_channel_statistics_equal_a_direct_computation(shape: tuple) -> None:
+    x = torch.randn(shape, generator=_gen(11)) * 3
+    x.view(-1)[0] = 50.0
+    row = channel_row(x)
+    assert row.shape == (CHANNEL_WIDTH,)
+    ratio, outliers = reference_channels(x)
+    assert float(channel_max_ratio(row)) == pytest.approx(ratio, rel=1e-14)
+    assert float(outlier_channels(row)) == pytest.approx(outliers, abs=0)
+
+
+def test_channels_merge_across_ranks_exactly_up_to_the_cap() -> None:
+    x = spiky(96, 512, 12)
+    ranks = torch.stack([channel_row(p) for p in x.split([10, 50, 36])])
+    merged = merge_channel_rows(ranks)
+    assert torch.equal(merged, channel_row(x))
+    ratio, outliers = reference_channels(x)
+    assert float(channel_max_ratio(merged)) == pytest.approx(ratio, rel=1e-14)
+    assert float(outlier_channels(merged)) == outliers == 2 / 512
+
+
+def test_above_the_cap_a_histogram_of_the_pooled_maxima() -> None:
+    """5000 channels: the largest maximum is exact, the outlier fraction that of the ranks' own
+    channel maxima pooled, the median read from the histogram within half a bin."""
+    x = spiky(40, CHANNEL_CAP + 904, 13)
+    parts = x.split([15, 25])
+    merged = merge_channel_rows(torch.stack([channel_row(p) for p in parts]))
+    assert merged[0] == CHANNEL_CAP + 904 and merged[1] == float(x.abs().max())
+    assert torch.all(merged[2:CHANNEL_MAX_WIDTH] == -math.inf)  # no slot kept
+    pooled = torch.cat([channel_maxima(p) for p in parts])
+    assert float(outlier_channels(merged)) == pytest.approx(float((pooled > OUTLIER).double().mean()), abs=1e-15)
+    median = float(pooled.median())  # (the lower middle one)
+    got = float(x.abs().max()) / float(channel_max_ratio(merged))
+    assert abs(math.log2(got / median)) <= 1 / (2 * HIST_BINS_PER_OCTAVE)
+
+
+def test_non_finite_values_and_uncomputed_rows() -> None:
+    x = torch.randn(8, 10, generator=_gen(14))
+    y = x.clone()
+    y[2, 3], y[4, 4] = math.nan, math.inf
+    z = x.clone()
+    z[2, 3], z[4, 4] = 0.0, 0.0
+    assert torch.equal(channel_row(y), channel_row(z))
+    nan_rows = torch.full((2, CHANNEL_WIDTH), math.nan)  # (a group not computed: NaN fields)
+    assert channel_max_ratio(nan_rows).isnan().all() and outlier_channels(nan_rows).isnan().all()
+    zeros = channel_row(torch.zeros(3, 4))
+    assert math.isnan(float(channel_max_ratio(zeros))) and float(outlier_channels(zeros)) == 0.0
+    one_spike = torch.zeros(3, 4)
+    one_spike[0, 0] = 1.0
+    assert float(channel_max_ratio(channel_row(one_spike))) == math.inf  # median 0, max not
+    assert channel_row(torch.empty(0, 5))[0] == 5 and math.isnan(float(channel_max_ratio(channel_row(torch.empty(0)))))
