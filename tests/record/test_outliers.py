@@ -43,6 +43,21 @@ def reference_moments(x: Tensor) -> Tuple[float, float, float, float, float]:
     return float(n), mean, math.fsum(e**2 for e in d), math.fsum(e**3 for e in d), math.fsum(e**4 for e in d)
 
 
+def assert_moments_close(got: Tensor, want: Tuple[float, ...], rel: float) -> None:
+    """Rows equal up to ``rel`` of each moment's scale (``|m_k| + n sigma^k``; the mean's: |mean| + sigma)."""
+    n, mean, m2, m3, m4 = want
+    sigma = math.sqrt(m2 / n)
+    g = got.tolist()
+    assert g[0] == n
+    assert g[1] == pytest.approx(mean, rel=0, abs=rel * (abs(mean) + sigma))
+    for k, (a, b) in enumerate(zip(g[2:], (m2, m3, m4)), 2):
+        assert a == pytest.approx(b, rel=0, abs=rel * (abs(b) + n * sigma**k)), k
+
+
+#: Rounding of the float32 path (float32 row sums, float64 across rows), far under the 1e-4 asked.
+F32 = 1e-6
+
+
 def reference_kurtosis(x: Tensor) -> float:
     n, _, m2, _, m4 = reference_moments(x)
     return n * m4 / (m2 * m2)
@@ -55,6 +70,9 @@ TENSORS = {
     "lognormal": lambda: torch.exp(torch.randn(4000, generator=_gen(2))),
     "half": lambda: torch.randn(16, 64, generator=_gen(3)).half(),
     "double": lambda: torch.randn(16, 64, generator=_gen(4), dtype=torch.float64) ** 3,
+    # fourth powers beyond float32's range either way: scaled by a power of two first
+    "tiny": lambda: torch.distributions.StudentT(torch.tensor(6.0)).sample((9000,)) * 1e-30,
+    "huge": lambda: torch.distributions.StudentT(torch.tensor(6.0)).sample((9000,)) * 1e30,
 }
 
 
@@ -62,10 +80,9 @@ TENSORS = {
 def test_kurtosis_equals_float64(name: str) -> None:
     x = TENSORS[name]()
     row = moments_row(x)
-    want = reference_moments(x)
-    for got, ref in zip(row.tolist(), want):
-        assert got == pytest.approx(ref, rel=1e-10, abs=1e-12 * abs(want[2])), name
-    assert float(kurtosis(row)) == pytest.approx(reference_kurtosis(x), rel=1e-10)
+    rel = 1e-12 if x.dtype == torch.float64 else F32
+    assert_moments_close(row, reference_moments(x), rel)
+    assert float(kurtosis(row)) == pytest.approx(reference_kurtosis(x), rel=rel)
 
 
 def test_kurtosis_closed_forms() -> None:
@@ -94,9 +111,12 @@ def test_merged_rows_equal_the_whole() -> None:
     x = torch.cat([x[:1000] + 100, x[1000:]])  # parts with different means
     rows = torch.stack([moments_row(p) for p in _splits(x)] + [moments_row(torch.empty(0))])
     merged = merge_moments(rows)
-    whole = moments_row(x)
-    assert torch.allclose(merged, whole, rtol=1e-11, atol=0)
-    assert merged.tolist() == pytest.approx(list(reference_moments(x)), rel=1e-10)
+    assert_moments_close(merged, reference_moments(x), F32)
+    assert_moments_close(moments_row(x), reference_moments(x), F32)
+    whole64 = moments_row(x.double())  # in float64 the merge is exact up to float64 rounding
+    merged64 = merge_moments(torch.stack([moments_row(p.double()) for p in _splits(x)]))
+    assert_moments_close(merged64, tuple(whole64.tolist()), 1e-13)
+    assert_moments_close(whole64, reference_moments(x), 1e-13)
 
 
 def test_merge_by_reductions_as_ranks_pool() -> None:
@@ -109,25 +129,26 @@ def test_merge_by_reductions_as_ranks_pool() -> None:
     mean = c + (rows[:, 0] * (rows[:, 1] - c)).sum() / n
     central = moment_deviations(rows, mean).sum(0)
     pooled = torch.cat([torch.stack([n, mean]), central])
-    assert torch.allclose(pooled, merge_moments(rows), rtol=1e-12, atol=0)
-    assert pooled.tolist() == pytest.approx(list(reference_moments(x)), rel=1e-10)
+    assert_moments_close(pooled, tuple(merge_moments(rows).tolist()), 1e-13)
+    assert_moments_close(pooled, reference_moments(x), F32)
 
 
 def test_chunks_and_non_finite_values() -> None:
     x = torch.randn(3000, generator=_gen(9)) ** 3
-    assert torch.allclose(moments_row(x, chunk=7), moments_row(x), rtol=1e-11, atol=0)
+    assert_moments_close(moments_row(x, chunk=7), reference_moments(x), F32)
     y = x.clone()
     y[[3, 70, 2999]] = torch.tensor([math.nan, math.inf, -math.inf])
     keep = torch.ones(3000, dtype=torch.bool)
     keep[[3, 70, 2999]] = False
-    assert torch.allclose(moments_row(y), moments_row(x[keep]), rtol=1e-12, atol=0)
+    assert_moments_close(moments_row(y), reference_moments(x[keep]), F32)
     assert moments_row(torch.full((4,), math.nan)).tolist() == [0.0] * 5
 
 
 def test_batched_merge() -> None:
     x = torch.randn(3, 4, 100, generator=_gen(10))
     rows = torch.stack([torch.stack([moments_row(p) for p in node]) for node in x])  # (nodes, parts, 5)
-    assert torch.allclose(merge_moments(rows), torch.stack([moments_row(node) for node in x]), rtol=1e-12)
+    for merged, node in zip(merge_moments(rows), x):
+        assert_moments_close(merged, reference_moments(node), F32)
 
 
 # ---------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from torch import Tensor
 
 #: Fields of a moments row.
 MOMENT_FIELDS: Tuple[str, ...] = ("count", "mean", "m2", "m3", "m4")
-#: Elements read at a time: a few float64 temporaries of this size (8 MB each).
+#: Elements read at a time: a few temporaries of this size (4 MB each in float32).
 CHUNK = 1 << 20
 
 #: A channel maximum above this is an outlier (LLM.int8).
@@ -68,6 +68,9 @@ CHANNEL_WIDTH = CHANNEL_MAX_WIDTH + 1 + _BINS
 def moments_row(x: Tensor, chunk: int = CHUNK) -> Tensor:
     """The float64 moments row ``MOMENT_FIELDS`` of ``x``'s finite elements, on its device.
 
+    ``x`` is read ``chunk`` elements at a time, each in rows of ``_ROW`` (float32; float64
+    for float64 ``x``) whose moments are merged in float64 (``merge_moments``).
+
     Example:
         >>> float(kurtosis(moments_row(torch.tensor([1.0, 2.0, 3.0, 4.0]))))
         1.64
@@ -75,26 +78,53 @@ def moments_row(x: Tensor, chunk: int = CHUNK) -> Tensor:
     flat = x.detach().reshape(-1)
     if flat.numel() == 0:
         return torch.zeros(len(MOMENT_FIELDS), dtype=torch.float64, device=x.device)
-    rows = torch.stack([_chunk_moments(part) for part in flat.split(max(1, chunk))])
+    rows = torch.cat([_chunk_moments(part) for part in flat.split(max(1, chunk))])
     return merge_moments(rows)
 
 
+_ROW = 4096  # elements a row: float32 row sums (pairwise) exact to ~1e-7, merged in float64
+
+
 def _chunk_moments(part: Tensor) -> Tensor:
-    """The moments row of one chunk: sums of powers about the chunk's mean ``c``, then
-    moved to the exact mean ``c + r`` (``r`` the mean of ``x - c``, rounding only)."""
-    f = part.double()
-    finite = f.isfinite()
-    n = finite.sum().double()
-    f = torch.where(finite, f, 0.0)
-    c = f.sum() / n.clamp(min=1)
-    d = torch.where(finite, f - c, 0.0)
+    """Moments rows ``[r, 5]`` of one chunk, a row per ``_ROW`` elements (the tail its own).
+
+    Each row's sums of powers are taken about its own mean ``c`` of the values scaled by a
+    power of two ``s`` that brings the chunk's max |x| to [1, 2) (so that fourth powers
+    neither overflow nor lose precision to subnormals), then moved to the exact mean
+    ``c + r`` (``r`` the mean of ``x s - c``: rounding only) and scaled back in float64.
+    Non-finite elements enter as 0 and their share is taken out again.
+    """
+    acc = torch.float64 if part.dtype == torch.float64 else torch.float32
+    finite = part.isfinite()
+    y = torch.nan_to_num(part.to(acc), 0.0, 0.0, 0.0)
+    top = y.abs().amax()
+    s = torch.where(top > 0, torch.exp2(-torch.floor(torch.log2(top.clamp(min=torch.finfo(acc).tiny)))), 1.0)
+    y.mul_(s)
+    m = y.numel() // _ROW * _ROW
+    pieces = [(y[:m].view(-1, _ROW), finite[:m].view(-1, _ROW))] if m else []
+    if m < y.numel():
+        pieces.append((y[m:].view(1, -1), finite[m:].view(1, -1)))
+    rows = torch.cat([_row_moments(v, f) for v, f in pieces])
+    s64 = s.double()
+    return rows / torch.stack([s64**0, s64, s64**2, s64**3, s64**4])
+
+
+def _row_moments(y: Tensor, finite: Tensor) -> Tensor:
+    """Moments rows ``[r, 5]`` of the rows of ``y`` (scaled; non-finite entries 0, ``finite`` False)."""
+    n = finite.sum(1).double()
+    zeros = y.shape[1] - n  # (the non-finite entries, 0 in y)
+    c = (y.sum(1).double() / n.clamp(min=1)).to(y.dtype)
+    d = y - c[:, None]
     d2 = d * d
-    s1, s2, s3, s4 = d.sum(), d2.sum(), (d2 * d).sum(), (d2 * d2).sum()
+    sums = [d.sum(1), d2.sum(1), (d2 * d).sum(1), (d2 * d2).sum(1)]
+    c64 = c.double()
+    s1, s2, s3, s4 = (v.double() - zeros * (-c64) ** k for k, v in enumerate(sums, 1))
     r = s1 / n.clamp(min=1)
     m2 = s2 - n * r * r
     m3 = s3 - 3 * r * s2 + 2 * n * r**3
     m4 = s4 - 4 * r * s3 + 6 * r * r * s2 - 3 * n * r**4
-    return torch.stack([n, c + r, m2, m3, m4])
+    mean = torch.where(n > 0, c64 + r, 0.0)
+    return torch.stack([n, mean, m2, m3, m4], -1)
 
 
 def moment_deviations(rows: Tensor, mean: Tensor) -> Tensor:
