@@ -20,6 +20,8 @@ with warnings.catch_warnings():  # (torchao warns that its CUDA extensions do no
 
 MX_DTYPES = {"mxfp8_e4m3": torch.float8_e4m3fn, "mxfp8_e5m2": torch.float8_e5m2, "mxfp4": torch.float4_e2m1fn_x2}
 FORMATS = list(BLOCK_FORMATS)
+#: Rounding of float32 sums of squares (exact errors, summed pairwise): SNRs good to ~4e-6 dB.
+F32 = 1e-6
 
 
 def torchao_dequantized(x: Tensor, fmt: str) -> Tensor:
@@ -134,8 +136,8 @@ def test_record_sums_equal_float64_closed_forms_of_torchaos_casts(case: str) -> 
     got = dict(zip(BLOCK_FIELDS, (float(v) for v in block_fields(x))))
     want = reference_fields(x)
     assert got.keys() == want.keys()
-    for name in BLOCK_FIELDS:
-        assert got[name] == pytest.approx(want[name], rel=1e-12, abs=0), name
+    for name in BLOCK_FIELDS:  # (float32 sums of exact float32 errors)
+        assert got[name] == pytest.approx(want[name], rel=F32, abs=0), name
 
 
 def test_the_what_if_loses_what_each_format_should_on_gaussians() -> None:
@@ -161,13 +163,13 @@ def test_chunks_of_rows_add_up_to_the_whole() -> None:
     x = torch.distributions.StudentT(torch.tensor(2.0)).sample((37, 70))
     whole = torch.stack(block_fields(x))
     for chunk in (1, 70, 500):  # a row at a time, one row, several rows and a remainder
-        assert torch.allclose(torch.stack(block_fields(x, chunk=chunk)), whole, rtol=1e-13, atol=0)
+        assert torch.allclose(torch.stack(block_fields(x, chunk=chunk)), whole, rtol=F32, atol=0)
 
 
 def test_sums_add_over_tensors() -> None:
     a, b = torch.randn(8, 64, generator=_gen(10)), torch.randn(3, 64, generator=_gen(11)) * 100
     both = torch.stack(block_fields(torch.cat([a, b])))
-    assert torch.allclose(torch.stack(block_fields(a)) + torch.stack(block_fields(b)), both, rtol=1e-13, atol=0)
+    assert torch.allclose(torch.stack(block_fields(a)) + torch.stack(block_fields(b)), both, rtol=F32, atol=0)
 
 
 def test_float64_and_half_tensors() -> None:

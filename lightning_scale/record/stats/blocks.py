@@ -22,15 +22,17 @@ The record sums (``BLOCK_FIELDS``), per format ``<fmt>_sq_err``, ``<fmt>_sq``,
 ``<fmt>_flushed``, are defined as the per-tensor ``fp8_*`` ones: non-finite elements are
 zeroed before the cast (so that one NaN does not poison its block: the ``nan``/``inf``
 counts report them) and left out of the sums (zero error, zero square, not flushed);
-``sq`` is the sum of ``x^2``, ``sq_err`` of ``(q(x) - x)^2`` against ``x`` itself (in
-float64; float64 tensors are cast from float32, their values beyond float32's range taken
-as its largest), and ``flushed`` counts the elements nonzero in ``x`` and zero in
+``sq`` is the sum of ``x^2``, ``sq_err`` of ``(q(x) - x)^2`` against ``x`` itself (float64
+tensors are cast from float32, their values beyond float32's range taken as its largest,
+and their sums taken in float64; other tensors' errors are exact in float32 and summed in
+float32 per chunk, ~1e-7 relative), and ``flushed`` counts the elements nonzero in ``x`` and zero in
 ``q(x)``. They add over tensors, so they merge exactly by sums across micro-batches and
 ranks; ``<fmt>_snr_db`` is ``10 log10(sq / sq_err)`` (+inf without error) and
 ``<fmt>_flushed`` is ``flushed / count``.
 
-Temporaries are bounded: the tensor is read ``CHUNK`` elements (whole rows) at a time,
-about ``40 * CHUNK`` bytes (64 MB) of temporaries at most, whatever the tensor's size.
+Temporaries are bounded: the tensor is read ``CHUNK`` elements (whole rows, at least one)
+at a time, about 32 bytes of temporaries an element (32 MB a chunk; twice that for
+float64), whatever the tensor's size.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ BLOCK_FORMATS: Dict[str, BlockFormat] = {
 #: The record sums of the group, in order: per format its squared error, squares, flushed count.
 BLOCK_FIELDS: Tuple[str, ...] = tuple(f"{fmt}_{kind}" for fmt in BLOCK_FORMATS for kind in ("sq_err", "sq", "flushed"))
 
-#: Elements read at a time (whole rows, at least one): about 40 bytes of temporaries each.
+#: Elements read at a time (whole rows, at least one): about 32 bytes of temporaries each.
 CHUNK = 1 << 20
 
 _F32_MAX = torch.finfo(torch.float32).max
@@ -96,7 +98,8 @@ def dequantized(x: Tensor, fmt: str) -> Tensor:
     spec = BLOCK_FORMATS[fmt]
     k = x.shape[-1]
     blocks = _padded_blocks(_as_float32(x.detach().reshape(-1, k)), spec.block)
-    return _cast_blocks(blocks, spec).view(-1, blocks.shape[1] * spec.block)[:, :k].reshape(x.shape)
+    q = _cast_blocks(blocks, spec, blocks.abs().amax(-1, keepdim=True))  # amax: NaN with a NaN
+    return q.view(-1, blocks.shape[1] * spec.block)[:, :k].reshape(x.shape)
 
 
 def block_fields(x: Tensor, chunk: int = CHUNK) -> List[Tensor]:
@@ -121,19 +124,45 @@ def _row_chunks(x2: Tensor, chunk: int) -> Iterator[Tensor]:
 
 
 def _chunk_sums(part: Tensor) -> Tensor:
-    """``BLOCK_FIELDS`` of rows ``part`` ``(r, k)``: the finite values' casts, summed in float64."""
-    finite = torch.nan_to_num(part.double() if part.dtype == torch.float64 else part.float(), 0.0, 0.0, 0.0)
-    x64 = finite.double()
-    nonzero = torch.count_nonzero(x64)
-    sq = x64.square().sum()
-    x32 = _as_float32(finite)
+    """``BLOCK_FIELDS`` of rows ``part`` ``(r, k)``: the finite values' casts, summed in float64.
+
+    The error ``q - x`` is exact in float32 (``q`` lies within a factor 2 of ``x``, or is 0),
+    so float32 and half tensors take it and its square in float32, scaled by the power of
+    two ``s`` that brings the chunk's max |x| near 1 (squares neither overflow nor vanish):
+    ~1e-7 relative rounding in the float32 sums. float64 tensors take it in float64.
+    """
+    wide = part.dtype == torch.float64
+    finite = torch.nan_to_num(part.to(torch.float64 if wide else torch.float32), 0.0, 0.0, 0.0)
+    ref = _padded_blocks(finite, _MX_BLOCK)  # (r, nb, 32); zero-padded: pads add nothing
+    blocks = _padded_blocks(_as_float32(finite), _MX_BLOCK) if wide else ref
+    r = blocks.shape[0]
+    amax16 = blocks.view(r, -1, 16).abs().amax(-1, keepdim=True)  # NVFP4's blocks: halves of MX's
+    amax32 = amax16.view(r, -1, 2).amax(-1, keepdim=True)
+    s = _unit_scale(amax32.amax()).to(ref.dtype)
+    nonzero = torch.count_nonzero(ref)
+    sq = _sum_sq(ref * s)
     out: List[Tensor] = []
     for spec in BLOCK_FORMATS.values():
-        blocks = _padded_blocks(x32, spec.block)
-        q = _cast_blocks(blocks, spec).view(x32.shape[0], -1)[:, : x32.shape[1]]
-        err = q.double().sub_(x64).square_().sum()
-        out += [err, sq, (nonzero - torch.count_nonzero(q)).double()]
-    return torch.stack(out)
+        amax = amax32 if spec.block == _MX_BLOCK else amax16
+        q = _cast_blocks(blocks.view(r, -1, spec.block), spec, amax)
+        flushed = (nonzero - torch.count_nonzero(q)).double()
+        err = q.sub_(blocks.view_as(q)) if not wide else q.double().sub_(ref.view(q.shape))
+        out += [_sum_sq(err.mul_(s)), sq, flushed]
+    s64 = s.double()
+    return torch.stack(out) / torch.stack([s64 * s64, s64 * s64, torch.ones_like(s64)]).repeat(len(BLOCK_FORMATS))
+
+
+_MX_BLOCK = 32
+
+
+def _unit_scale(top: Tensor) -> Tensor:
+    """The float32 power of two that brings ``top`` into [1, 2) (within 2^±126; 1 for 0)."""
+    e = torch.floor(torch.log2(top.float().clamp(min=2.0**-149))).clamp(-126, 126)
+    return torch.where(top > 0, torch.exp2(-e), 1.0)
+
+
+def _sum_sq(y: Tensor) -> Tensor:
+    return y.square_().sum().double() if y.dtype != torch.float64 else y.square_().sum()
 
 
 def _as_float32(x: Tensor) -> Tensor:
@@ -151,9 +180,9 @@ def _padded_blocks(x2: Tensor, block: int) -> Tensor:
     return x2.reshape(r, (k + pad) // block, block)
 
 
-def _cast_blocks(blocks: Tensor, spec: BlockFormat) -> Tensor:
-    """The dequantized float32 blocks ``(r, nb, block)`` of ``spec``'s cast."""
-    amax = blocks.abs().amax(-1, keepdim=True)  # (r, nb, 1); NaN with a NaN
+def _cast_blocks(blocks: Tensor, spec: BlockFormat, amax: Tensor) -> Tensor:
+    """The dequantized float32 blocks ``(r, nb, block)`` of ``spec``'s cast, given each block's
+    max |x| ``amax`` ``(r, nb, 1)``: a new tensor."""
     if spec.emax is None:
         return _nvfp4_blocks(blocks, amax)
     return _mx_blocks(blocks, amax, spec)
@@ -167,29 +196,43 @@ def _mx_blocks(blocks: Tensor, amax: Tensor, spec: BlockFormat) -> Tensor:
     divisor = (biased << 23).view(torch.float32).clamp(min=2.0**-126)  # (255: Inf; 0: torchao's 2^-126)
     scaled = blocks / divisor
     if spec.dtype is None:
-        elements = _round_e2m1(scaled)
+        elements = _round_e2m1_(scaled)
     else:
-        elements = scaled.clamp(-spec.max, spec.max).to(spec.dtype).float()
+        elements = _widen(scaled.clamp_(-spec.max, spec.max).to(spec.dtype))
     tiny = torch.full_like(amax, 2.0**-127)  # E8M0 0 decodes to 2^-127 (a float32 subnormal)
     scale = torch.where(biased == 0, tiny, (biased << 23).view(torch.float32))
     scale = torch.where(biased == 255, torch.full_like(amax, float("nan")), scale)
-    return elements * scale
+    return elements.mul_(scale)
 
 
 def _nvfp4_blocks(blocks: Tensor, amax: Tensor) -> Tensor:
     """NVFP4 without a per-tensor scale: E4M3 block scales, E2M1 elements."""
     scale = (amax / 6.0).clamp(_E4M3_TINY, 448.0).to(torch.float8_e4m3fn).float()
-    elements = _round_e2m1((blocks * (1.0 / scale)).clamp(-6.0, 6.0))  # (a reciprocal, as torchao)
-    return elements * scale
+    elements = _round_e2m1_((blocks * (1.0 / scale)).clamp_(-6.0, 6.0))  # (a reciprocal, as torchao)
+    return elements.mul_(scale)
 
 
-def _round_e2m1(y: Tensor) -> Tensor:
-    """float32 ``y`` rounded to nearest-even E2M1 (0, 0.5, 1, 1.5, 2, 3, 4, 6), saturated at 6.
+def _widen(q: Tensor) -> Tensor:
+    """FP8 ``q`` as float32 through float16's bits (torch's CPU E4M3 widening is ~25x slower).
 
-    Between two powers of two E2M1 values are evenly spaced (step 0.5 below 2, 1 in [2, 4),
-    2 in [4, 6]), so rounding ``|y| / step`` half to even rounds to the even code; the
-    divisions by powers of two are exact.
+    E5M2 is float16's top byte. E4M3's 7 low bits shifted by 7 are a float16 of the same
+    mantissa and an exponent 8 lower (subnormals included): times 256. E4M3's NaN turns 480;
+    it only arises in blocks whose NaN scale makes them NaN anyway.
+    """
+    b = q.view(torch.uint8).to(torch.int16)
+    if q.dtype == torch.float8_e5m2:
+        return b.mul_(256).view(torch.float16).float()
+    bits = (b & 0x7F).mul_(128).bitwise_or_((b & 0x80).mul_(256))
+    return bits.view(torch.float16).float().mul_(256.0)
+
+
+def _round_e2m1_(y: Tensor) -> Tensor:
+    """float32 ``y`` rounded in place to nearest-even E2M1 (0, 0.5, 1, 1.5, 2, 3, 4, 6), saturated at 6.
+
+    Between two powers of two E2M1 values are evenly spaced, by half the lower power (0.5
+    below 1 too), so rounding ``|y| / step`` half to even rounds to the even code; the
+    step is the power of two from ``|y|``'s exponent bits, and dividing by it is exact.
     """
     a = y.abs()
-    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-    return torch.copysign(torch.minimum(torch.round(a / step) * step, torch.full_like(a, 6.0)), y)
+    step = ((a.view(torch.int32) & 0x7F800000) - (1 << 23)).view(torch.float32).clamp_(min=0.5)
+    return a.div_(step).round_().mul_(step).clamp_(max=6.0).copysign_(y)
