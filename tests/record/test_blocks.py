@@ -11,7 +11,15 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_scale.record.stats.blocks import BLOCK_FIELDS, BLOCK_FORMATS, block_fields, dequantized
+from lightning_scale.record.stats.blocks import (
+    ALIGN,
+    BLOCK_FIELDS,
+    BLOCK_FORMATS,
+    CHUNK,
+    block_fields,
+    dequantized,
+    row_pieces,
+)
 
 with warnings.catch_warnings():  # (torchao warns that its CUDA extensions do not load on CPU)
     warnings.simplefilter("ignore")
@@ -197,3 +205,26 @@ def test_bad_arguments() -> None:
         dequantized(torch.ones(32), "mxfp6")
     with pytest.raises(ValueError, match="`x` must have at least one dimension"):
         dequantized(torch.tensor(1.0), "nvfp4")
+
+
+@pytest.mark.parametrize("size", [1, 40, 100, 1000, 10**6])
+def test_row_pieces_cover_every_element_once_without_cutting_a_block(size: int) -> None:
+    base = torch.arange(6 * 5 * 70, dtype=torch.float32).view(6, 5, 70)
+    for x in (base, base.transpose(0, 1), base[:, :, :50], base.permute(2, 0, 1), base[0, 0], torch.tensor(7.0)):
+        seen = []
+        for part, j in row_pieces(x, size):
+            assert part.dim() == 2 and j % ALIGN == 0
+            assert part.numel() <= max(size, ALIGN)
+            k = x.shape[-1] if x.dim() else 1
+            assert part.shape[1] == k or part.shape[1] % ALIGN == 0 or j + part.shape[1] == k
+            if x.dim():  # views of x's storage, not copies
+                assert part.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+            seen.append(part.reshape(-1))
+        assert sorted(torch.cat(seen).tolist()) == sorted(x.reshape(-1).tolist())
+
+
+def test_strided_tensors_and_split_rows_give_the_sums_of_the_contiguous_copy() -> None:
+    x = torch.distributions.StudentT(torch.tensor(2.0)).sample((40, 3, 100)).transpose(0, 2)  # (100, 3, 40)
+    want = torch.stack(block_fields(x.contiguous()))
+    for chunk in (ALIGN, 64, 1000, CHUNK):  # columns split at 32 (blocks kept whole), rows, the whole
+        assert torch.allclose(torch.stack(block_fields(x, chunk=chunk)), want, rtol=F32, atol=0)

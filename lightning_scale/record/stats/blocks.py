@@ -105,22 +105,43 @@ def dequantized(x: Tensor, fmt: str) -> Tensor:
 def block_fields(x: Tensor, chunk: int = CHUNK) -> List[Tensor]:
     """``BLOCK_FIELDS`` of ``x`` as float64 0-dim tensors on ``x``'s device (nothing read back).
 
-    ``chunk``: elements read at a time (whole rows of the last dimension, at least one).
+    ``chunk``: elements read at a time (``row_pieces``; at least one block row).
     0-dim tensors count as one row of one element.
     """
     x = x.detach()
-    k = x.shape[-1] if x.dim() else 1
     sums = torch.zeros(len(BLOCK_FIELDS), dtype=torch.float64, device=x.device)
-    if x.numel() == 0:
-        return list(sums.unbind())
-    for part in _row_chunks(x.reshape(-1, k), chunk):
+    for part, _ in row_pieces(x, chunk):
         sums += _chunk_sums(part)
     return list(sums.unbind())
 
 
-def _row_chunks(x2: Tensor, chunk: int) -> Iterator[Tensor]:
-    rows = max(1, chunk // max(1, x2.shape[1]))
-    yield from x2.split(rows)
+#: Pieces split the last dimension at multiples of this (MX's and NVFP4's blocks both end there).
+ALIGN = 32
+
+
+def row_pieces(x: Tensor, size: int) -> Iterator[Tuple[Tensor, int]]:
+    """2-D views ``(rows, columns)`` of ``x`` (rows over its leading dimensions, columns its
+    last) that together hold its elements, each at most ``size`` elements (at least ``ALIGN``
+    columns or the whole last dimension), with the first column each starts at. Columns are
+    split at multiples of ``ALIGN``, so no block is cut. No copy, whatever ``x``'s layout:
+    where the leading dimensions cannot be merged into one, one leading index at a time.
+    An empty ``x`` has no piece; a 0-dim one is one of one element."""
+    if x.numel() == 0:
+        return
+    if x.dim() <= 1:
+        x = x.reshape(1, -1)
+    k = x.shape[-1]
+    cols = k if k <= size else max(ALIGN, size // ALIGN * ALIGN)
+    rows = max(1, size // cols)
+    try:
+        x2 = x.view(-1, k)
+    except RuntimeError:  # (leading dimensions that do not merge: one slice at a time)
+        for inner in x.unbind(0):
+            yield from row_pieces(inner, size)
+        return
+    for i in range(0, x2.shape[0], rows):
+        for j in range(0, k, cols):
+            yield x2[i : i + rows, j : j + cols], j
 
 
 def _chunk_sums(part: Tensor) -> Tensor:

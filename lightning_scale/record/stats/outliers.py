@@ -40,10 +40,12 @@ A row is ``CHANNEL_WIDTH`` (5,123) float64 numbers: 40 KB a node and direction.
 from __future__ import annotations
 
 import math
-from typing import Iterator, Tuple
+from typing import Tuple
 
 import torch
 from torch import Tensor
+
+from lightning_scale.record.stats.blocks import row_pieces
 
 #: Fields of a moments row.
 MOMENT_FIELDS: Tuple[str, ...] = ("count", "mean", "m2", "m3", "m4")
@@ -75,11 +77,10 @@ def moments_row(x: Tensor, chunk: int = CHUNK) -> Tensor:
         >>> float(kurtosis(moments_row(torch.tensor([1.0, 2.0, 3.0, 4.0]))))
         1.64
     """
-    flat = x.detach().reshape(-1)
-    if flat.numel() == 0:
+    parts = [_chunk_moments(part.reshape(-1)) for part, _ in row_pieces(x.detach(), chunk)]
+    if not parts:
         return torch.zeros(len(MOMENT_FIELDS), dtype=torch.float64, device=x.device)
-    rows = torch.cat([_chunk_moments(part) for part in flat.split(max(1, chunk))])
-    return merge_moments(rows)
+    return merge_moments(torch.cat(parts))
 
 
 _ROW = 4096  # elements a row: float32 row sums (pairwise) exact to ~1e-7, merged in float64
@@ -170,16 +171,10 @@ def channel_maxima(x: Tensor, chunk: int = CHUNK) -> Tensor:
     x = x.detach()
     c = x.shape[-1] if x.dim() else 1
     out = torch.zeros(c, dtype=torch.float64, device=x.device)
-    if x.numel() == 0:
-        return out
-    for part in _row_chunks(x.reshape(-1, c), chunk):
-        a = torch.nan_to_num(part.abs(), nan=0.0, posinf=0.0)
-        out = torch.maximum(out, a.amax(0).double())
+    for part, j in row_pieces(x, chunk):
+        a = torch.nan_to_num(part.abs(), nan=0.0, posinf=0.0).amax(0).double()
+        out[j : j + a.numel()] = torch.maximum(out[j : j + a.numel()], a)
     return out
-
-
-def _row_chunks(x2: Tensor, chunk: int) -> Iterator[Tensor]:
-    return iter(x2.split(max(1, chunk // max(1, x2.shape[1]))))
 
 
 def channel_row(x: Tensor, chunk: int = CHUNK) -> Tensor:
