@@ -127,8 +127,10 @@ class ScaleMonitor(Callback):
         self.capture_mode = check.one_of("capture", capture, CAPTURE_MODES)
         self.statistics = check.choices("statistics", statistics, stats.STATISTICS, allow_none=True) or ["std"]
         check.booleans(histograms=histograms, figure=figure, code=code, rank_spread=rank_spread)
-        check.positive_int("figure_every", figure_every)
-        check.positive_int("max_tags", max_tags)
+        max_tags, figure_every = (
+            check.positive_int("max_tags", max_tags),
+            check.positive_int("figure_every", figure_every),
+        )
         self.selection = Selection(include, exclude, prune_views)
         self.value_histograms = compile_pattern("value_histograms", value_histograms)
         self.submodule = check.module_path("submodule", submodule)

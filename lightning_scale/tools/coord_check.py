@@ -343,7 +343,9 @@ def coord_check(
 def _check_widths(widths: Any) -> List[int]:
     checked = arguments.int_list("widths", widths, minimum=1)
     if len(set(checked)) != len(checked) or len(checked) < 2:
-        raise ValueError(f"`widths` must be a sequence of at least 2 distinct positive integers, got {checked!r}")
+        raise ValueError(
+            f"`widths` must be a sequence of at least 2 distinct positive integers (none repeated), got {checked!r}"
+        )
     return checked
 
 
