@@ -60,6 +60,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+_PATH = "a dotted module path (a str such as 'blocks.0.attn')"
+
+
+def _is_path(value: str) -> bool:
+    # module names may hold any character but "." (ModuleDict keys): refuse only empty parts and spaces
+    return all(part and not re.search(r"\s", part) for part in value.split("."))
+
+
 def _integers(minimum: Optional[int]) -> str:
     """``integers`` with the bound: ``positive integers``, ``integers >= 3``."""
     words = {None: "integers", 0: "non-negative integers", 1: "positive integers"}
@@ -260,11 +268,3 @@ def module_paths(name: str, value: Any) -> List[str]:
     if bad:
         raise ValueError(f"`{name}` must hold dotted module paths (such as 'blocks.0.attn'), got {bad!r} in {value!r}")
     return paths
-
-
-_PATH = "a dotted module path (a str such as 'blocks.0.attn')"
-
-
-def _is_path(value: str) -> bool:
-    # module names may hold any character but "." (ModuleDict keys): refuse only empty parts and spaces
-    return all(part and not re.search(r"\s", part) for part in value.split("."))

@@ -411,9 +411,8 @@ def _rows(metrics: Dict[int, Dict[str, float]], width: int, steps: int) -> List[
                 rows.append(CoordRow(m.group(2), m.group(1), width, step, float(value)))
     seen = sorted({r.step for r in rows})
     if seen != list(range(steps)):
-        raise RuntimeError(
-            f"coord_check: at width {width} ScaleMonitor recorded steps {seen}, expected 0..{steps - 1}; see its warnings"
-        )
+        expected = f"expected 0..{steps - 1}; see its warnings"
+        raise RuntimeError(f"coord_check: at width {width} ScaleMonitor recorded steps {seen}, {expected}")
     return rows
 
 

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import pytest
 import torch
@@ -250,8 +250,8 @@ def _tracked_steps(acc: EventAccumulator) -> List[int]:
     return [e.step for e in acc.Scalars(tag)]
 
 
-def _monitor(**kwargs: object) -> ScaleMonitor:
-    return ScaleMonitor(every_n_steps=None, steps=[0], histograms=False, figure=False, code=False, **kwargs)  # type: ignore[arg-type]
+def _monitor(**kwargs: Any) -> ScaleMonitor:
+    return ScaleMonitor(every_n_steps=None, steps=[0], histograms=False, figure=False, code=False, **kwargs)
 
 
 def test_a_loss_spike_triggers_tracking_and_is_logged(tmp_path: Path) -> None:
