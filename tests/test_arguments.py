@@ -332,3 +332,18 @@ def test_every_error_names_the_argument_in_backticks() -> None:
     with number_error:
         arguments.number("x", 0, above=1)
     assert set(arguments.__all__) == set(calls) | {"number", "booleans"}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"recurse_modules": "no"}, r"`recurse_modules` must be True or False, got 'no' \(str\)"),
+        ({"syntax_highlight": 1}, r"`syntax_highlight` must be True or False, got 1 \(int\)"),
+        ({"leaf_modules": "fc1"}, r"`leaf_modules` must be a list or tuple of module types or qualified names"),
+    ],
+)
+def test_analyse_module_checks_its_arguments(kwargs: Dict[str, Any], match: str) -> None:
+    from lightning_scale import analyse_module
+
+    with pytest.raises(ValueError, match=match):
+        analyse_module(nn.Linear(2, 2), torch.randn(3, 2), torch.randn(3, 2), **kwargs)
