@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_scale import arguments as check
 from lightning_scale.capture import CAPTURE_MODES, Capture, capture
 from lightning_scale.record import kernels, native, stats
 from lightning_scale.record.recorder import Recorder
@@ -29,7 +30,7 @@ from lightning_scale.report import pool
 from lightning_scale.report.reporting import Reporter, StepData, UpdateRows
 from lightning_scale.step.anomaly import AnomalyTrigger
 from lightning_scale.step.schedule import Schedule
-from lightning_scale.step.selection import Matching, Selection, compile_pattern, resolve_submodule
+from lightning_scale.step.selection import Matching, Selection, check_leaf_modules, compile_pattern, resolve_submodule
 from lightning_scale.step.tracked_step import TrackedStep, fsdp_units, replicated_labels
 from lightning_scale.step.verification import Verification
 
@@ -123,31 +124,26 @@ class ScaleMonitor(Callback):
         verify_capture: bool = True,
     ) -> None:
         self.schedule = Schedule(every_n_steps, steps, start_step, stop_step)
-        if capture not in CAPTURE_MODES:
-            raise ValueError(f"`capture` must be one of {list(CAPTURE_MODES)}, got {capture!r}")
-        self.statistics = ["std"] if statistics is None else list(statistics)
-        unknown = [s for s in self.statistics if s not in stats.STATISTICS]
-        if unknown or not self.statistics:
-            raise ValueError(
-                f"`statistics` must be a non-empty list from {sorted(stats.STATISTICS)}, got {statistics!r}"
-            )
-        if not isinstance(figure_every, int) or isinstance(figure_every, bool) or figure_every <= 0:
-            raise ValueError(f"`figure_every` must be a positive integer, got {figure_every!r}")
-        if not isinstance(max_tags, int) or max_tags <= 0:
-            raise ValueError(f"`max_tags` must be a positive integer, got {max_tags!r}")
+        self.capture_mode = check.one_of("capture", capture, CAPTURE_MODES)
+        self.statistics = check.choices("statistics", statistics, stats.STATISTICS, allow_none=True) or ["std"]
+        check.booleans(histograms=histograms, figure=figure, code=code, rank_spread=rank_spread)
+        max_tags, figure_every = (
+            check.positive_int("max_tags", max_tags),
+            check.positive_int("figure_every", figure_every),
+        )
         self.selection = Selection(include, exclude, prune_views)
         self.value_histograms = compile_pattern("value_histograms", value_histograms)
-        self.submodule = submodule
-        self.capture_mode = capture
-        self.track_validation = track_validation
-        self.leaf_modules = list(leaf_modules or [])
+        self.submodule = check.module_path("submodule", submodule)
+        self.track_validation = check.boolean("track_validation", track_validation)
+        check.boolean("unscale_gradients", unscale_gradients)
+        self.leaf_modules = check.module_paths("leaf_modules", leaf_modules)
         self._anomaly = AnomalyTrigger(anomaly_steps, anomaly_factor, self._detection_failed)
-        self.anomaly_steps, self.anomaly_factor = anomaly_steps, float(anomaly_factor)
-        self.update_ratios = bool(update_ratios)
+        self.anomaly_steps, self.anomaly_factor = self._anomaly.steps, self._anomaly.factor
+        self.update_ratios = check.boolean("update_ratios", update_ratios)
+        self.verify_capture = check.boolean("verify_capture", verify_capture)
         self._verification = Verification(
             verify_capture, self._new_capture, self._replace_capture, self._disable, rank_zero_info
         )
-        self.verify_capture = verify_capture
         self._updates = UpdateTracker()
         self.groups = sorted({stats.STATISTICS[s] for s in self.statistics} | {"moments"})
         self.last_tracked_step = -1
@@ -206,7 +202,9 @@ class ScaleMonitor(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._capture(self._target(pl_module), train=True, announce=True)
+        target = self._target(pl_module)
+        check_leaf_modules(target, self.leaf_modules)  # names known only with the model: checked before step 0
+        self._capture(target, train=True, announce=True)
         host_reads = Recorder().host_reads  # (the environment's choice; raises on a bad value)
         if (
             pl_module.device.type == "cpu" and host_reads is not False
