@@ -31,7 +31,7 @@ from lightning_scale.step.anomaly import AnomalyTrigger
 from lightning_scale.step.schedule import Schedule
 from lightning_scale.step.selection import Matching, Selection, compile_pattern, resolve_submodule
 from lightning_scale.step.tracked_step import TrackedStep, fsdp_units, replicated_labels
-from lightning_scale.step.verification import Verification
+from lightning_scale.step.verification import CaptureCheck, Verification, Verify
 
 __all__ = ["ScaleMonitor"]
 
@@ -144,9 +144,7 @@ class ScaleMonitor(Callback):
         self._anomaly = AnomalyTrigger(anomaly_steps, anomaly_factor, self._detection_failed)
         self.anomaly_steps, self.anomaly_factor = anomaly_steps, float(anomaly_factor)
         self.update_ratios = bool(update_ratios)
-        self._verification = Verification(
-            verify_capture, self._new_capture, self._replace_capture, self._disable, rank_zero_info
-        )
+        self._verification = Verification(verify_capture)
         self.verify_capture = verify_capture
         self._updates = UpdateTracker()
         self.groups = sorted({stats.STATISTICS[s] for s in self.statistics} | {"moments"})
@@ -360,15 +358,34 @@ class ScaleMonitor(Callback):
         if self.value_histograms is not None:
             rec.histogram_keys = Matching(self.value_histograms)  # type: ignore[assignment]  # dynamo labels appear as it compiles
         self._active = TrackedStep(step, prefix, cap, rec)
-        trainer = pl_module.trainer
-        verify = (
-            self._verification.verifier(target, lambda ok: _agree(trainer, ok))
-            if self._verification.probes(cap, type(trainer.strategy).__name__)
-            else None
-        )
-        self._active.install(target, verify)
+        self._active.install(target, self._verifier(target, cap, pl_module.trainer))
         if prefix == "":
             self.last_tracked_step = step
+
+    def _verifier(self, target: nn.Module, cap: Capture, trainer: pl.Trainer) -> Optional[Verify]:
+        """The fidelity probe for this step's first forward, if ``cap`` is still unchecked."""
+        if not self._verification.probes(cap, type(trainer.strategy).__name__):
+            return None
+        return self._verification.verifier(
+            target, lambda mode: self._new_capture(target, mode), lambda ok: _agree(trainer, ok)
+        )
+
+    def _act_on(self, check: Optional[CaptureCheck]) -> None:
+        """Act on the probe's outcome (``step.verification``): track with the capture it
+        chose, or switch tracking off saying why. An interrupted check (the model's forward
+        raised, or another rank failed) concludes nothing and claims nothing."""
+        if check is None:
+            return
+        if check.kind == "interrupted":
+            rank_zero_info(f"ScaleMonitor: {check.why}")
+            return
+        self._verification.settle(check)
+        if check.kind == "failed":
+            self._disable(check.why)
+            return
+        if check.kind == "switched" and check.capture is not None:
+            self._replace_capture(check.checked, check.capture)
+        rank_zero_info(check.why)
 
     def _abort(self, pl_module: pl.LightningModule) -> None:
         self._updates.clear()
@@ -382,6 +399,7 @@ class ScaleMonitor(Callback):
         active, self._active = self._active, None
         assert active is not None
         active.uninstall()
+        self._act_on(active.check)
         if active.untracked:  # the fidelity probe fell back to the user's forward
             self._updates.clear()
             active.recorder.clear()

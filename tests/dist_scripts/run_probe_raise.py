@@ -1,6 +1,6 @@
 """Two CPU processes (gloo, ``ddp``) where rank 1's forward raises on the probed step.
 
-Usage: ``python run_probe_raise.py OUT``. Step 0 is tracked and is the capture's first
+Usage: ``python run_probe_raise.py OUT CALLBACK`` (CALLBACK ``on`` or ``off``). Step 0 is tracked and is the capture's first
 tracked step, so the fidelity probe runs the eager forward first: on rank 1 it raises
 ``ValueError("rank 1 failed in forward")``. The fit must end with that error, as it does
 without the callback; rank 0 must not claim that training continues untracked.
@@ -53,7 +53,7 @@ class Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def main(out: Path) -> None:
+def main(out: Path, callback: bool) -> None:
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(16, 8), torch.randn(16, 4))
     trainer = pl.Trainer(
@@ -62,7 +62,7 @@ def main(out: Path) -> None:
         strategy="ddp",
         max_steps=2,
         logger=TensorBoardLogger(str(out), name="logs", version=0),
-        callbacks=[ScaleMonitor(every_n_steps=1, histograms=False, code=False, capture="fx")],
+        callbacks=[ScaleMonitor(every_n_steps=1, histograms=False, code=False, capture="fx")] if callback else [],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -71,4 +71,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] == "on")
