@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_scale.capture import CAPTURE_MODES, Capture, capture
+from lightning_scale.capture.coverage import skipped_line
 from lightning_scale.record import kernels, native, stats
 from lightning_scale.record.recorder import Recorder
 from lightning_scale.record.updates import UpdateTracker
@@ -387,6 +388,18 @@ class ScaleMonitor(Callback):
             self._replace_capture(check.checked, check.capture)
         rank_zero_info(check.why)
 
+    def _name_skipped(self, active: TrackedStep) -> None:
+        """Tensors the step saw but could not record (sparse layouts): counted in the
+        capture's coverage, and named once per run."""
+        if not active.recorder.skipped:
+            return
+        named = active.capture.add_skipped(active.recorder.skipped)
+        self.reporter.warn_once(
+            "skipped",
+            f"ScaleMonitor: {skipped_line(named)} at step {active.step}: statistics are taken of strided tensors "
+            "only; the rest of the step is recorded",
+        )
+
     def _abort(self, pl_module: pl.LightningModule) -> None:
         self._updates.clear()
         self._anomaly.clear()
@@ -404,6 +417,7 @@ class ScaleMonitor(Callback):
             self._updates.clear()
             active.recorder.clear()
             return
+        self._name_skipped(active)
         try:
             self._report(trainer, active)
         finally:

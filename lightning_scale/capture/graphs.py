@@ -27,7 +27,22 @@ import math
 import operator
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Dict, Iterable, List, Literal, Optional, Sequence, Set, Tuple, Type, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Hashable,
+    Iterable,
+    List,
+    Literal,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    Type,
+    Union,
+)
 
 import torch
 from torch import fx, nn
@@ -37,6 +52,7 @@ from lightning_scale.capture.dynamo import MODULE_KEY, WeakBackend, opaque_modul
 from lightning_scale.capture.interpreter import instrument
 from lightning_scale.capture.labels import label_graph, view_aliases
 from lightning_scale.capture.tracer import DEFAULT_LEAF_TYPES, DeepTracer, failure_reason, trace_module
+from lightning_scale.record.recorder import BACKWARD
 
 __all__ = ["CAPTURE_MODES", "Capture", "CaptureError", "DeepTracer", "capture", "label_graph"]
 
@@ -84,6 +100,7 @@ class Capture:
     _module_paths: Optional[Dict[int, str]] = None
     _tensor_names: Optional[Dict[int, List[str]]] = None
     _breaks: List[str] = field(default_factory=list)
+    _skipped: Dict[str, str] = field(default_factory=dict)  # "label" / "label grad" -> why not recorded
 
     def tensor_paths(self) -> Dict[int, List[str]]:
         """``id`` of each parameter and buffer -> its paths in the module (tied ones have several)."""
@@ -130,6 +147,13 @@ class Capture:
     def has_label(self, label: str) -> bool:
         """Whether ``label`` names a node or module output of a graph captured so far."""
         return any(label in labels.values() for labels in self.labels)
+
+    def add_skipped(self, skipped: Mapping[Tuple[Hashable, int], str]) -> Dict[str, str]:
+        """Tensors a tracked step saw but did not record (``Recorder.skipped``: (label,
+        direction) -> why), for the coverage report; returns them by name (``emb.weight grad``)."""
+        named = {f"{label}{' grad' if d == BACKWARD else ''}": why for (label, d), why in skipped.items()}
+        self._skipped.update(named)
+        return named
 
     def add_graph_breaks(self, reasons: Iterable[str]) -> None:
         """Dynamo's graph-break reasons seen on a tracked call, for the coverage report."""
@@ -191,7 +215,9 @@ class Capture:
         tracked step) cover; ``.line()`` for the log, ``.warning()`` below 90%."""
         compiled = self._opaque_compiled()
         opaque = [frames.strip_compiled(p) for p in self.leaves] + compiled + self._opaque_rnns()
-        return coverage.measure(self.module, recorded, opaque, self._why_missing, compiled=compiled)
+        return coverage.measure(
+            self.module, recorded, opaque, self._why_missing, compiled=compiled, skipped=self._skipped
+        )
 
     def _opaque_rnns(self) -> List[str]:
         """RNN modules dynamo runs eagerly and ``opaque_modules`` records at their output."""
