@@ -357,7 +357,8 @@ class ScaleMonitor(Callback):
             return
         rec = Recorder(self.groups)
         if self.value_histograms is not None:
-            rec.histogram_keys = Matching(self.value_histograms)  # type: ignore[assignment]  # dynamo labels appear as it compiles
+            # (a pattern, not a set: dynamo labels appear as it compiles)
+            rec.histogram_keys = Matching(self.value_histograms)  # type: ignore[assignment]
         self._active = TrackedStep(step, prefix, cap, rec)
         self._active.install(target, self._verifier(target, cap, pl_module.trainer))
         if prefix == "":

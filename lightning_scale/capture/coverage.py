@@ -66,7 +66,8 @@ class CoverageReport:
         unrecorded = f" ({missed:,} of {self.elements:,} unrecorded)" if missed else ""
         text = (
             f"coverage: {percent(self.covered_elements, self.elements)} of parameter elements{unrecorded}, "
-            f"{percent(self.covered_modules, self.modules)} of module calls ({self.covered_modules}/{self.modules}) recorded"
+            f"{percent(self.covered_modules, self.modules)} of module calls "
+            f"({self.covered_modules}/{self.modules}) recorded"
         )
         for path, n in self.opaque.items():
             text += f"; {n} module calls inside compiled `{path}` run its compiled code, recorded at its output only"

@@ -63,7 +63,10 @@ class Verdict:
             return f"{self.route}: {self.error}"
         if self.matches and self.within_noise:
             where = ", ".join(self.within_noise[:3]) + (", ..." if len(self.within_noise) > 3 else "")
-            return f"{self.route}: bit-identical but where the eager forward does not reproduce itself ({where}: within {NOISE_FACTOR:g}x its spread)"
+            return (
+                f"{self.route}: bit-identical but where the eager forward does not reproduce itself "
+                f"({where}: within {NOISE_FACTOR:g}x its spread)"
+            )
         if self.matches:
             return f"{self.route}: bit-identical"
         more = f" (and {len(self.differences) - 3} more)" if len(self.differences) > 3 else ""

@@ -97,7 +97,8 @@ def test_the_models_own_forward_raising_interrupts_the_check() -> None:
     out = check(model, capture(model, "fx"), build=lambda mode: pytest.fail("no route is tried"), eager=eager)
     assert (out.kind, out.capture) == ("interrupted", None)
     assert out.why.startswith(
-        "the check of the capture of Net was interrupted (the model's own forward raised ValueError: user forward failed"
+        "the check of the capture of Net was interrupted "
+        "(the model's own forward raised ValueError: user forward failed"
     )
 
 
