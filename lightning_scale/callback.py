@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning_scale import arguments as check
 from lightning_scale.capture import CAPTURE_MODES, Capture, capture
+from lightning_scale.capture.coverage import skipped_line
 from lightning_scale.record import kernels, native, stats
 from lightning_scale.record.recorder import Recorder
 from lightning_scale.record.updates import UpdateTracker
@@ -32,7 +33,7 @@ from lightning_scale.step.anomaly import AnomalyTrigger
 from lightning_scale.step.schedule import Schedule
 from lightning_scale.step.selection import Matching, Selection, check_leaf_modules, compile_pattern, resolve_submodule
 from lightning_scale.step.tracked_step import TrackedStep, fsdp_units, replicated_labels
-from lightning_scale.step.verification import Verification
+from lightning_scale.step.verification import CaptureCheck, Verification, Verify
 
 __all__ = ["ScaleMonitor"]
 
@@ -141,9 +142,7 @@ class ScaleMonitor(Callback):
         self.anomaly_steps, self.anomaly_factor = self._anomaly.steps, self._anomaly.factor
         self.update_ratios = check.boolean("update_ratios", update_ratios)
         self.verify_capture = check.boolean("verify_capture", verify_capture)
-        self._verification = Verification(
-            verify_capture, self._new_capture, self._replace_capture, self._disable, rank_zero_info
-        )
+        self._verification = Verification(self.verify_capture)
         self._updates = UpdateTracker()
         self.groups = sorted({stats.STATISTICS[s] for s in self.statistics} | {"moments"})
         self.last_tracked_step = -1
@@ -356,17 +355,49 @@ class ScaleMonitor(Callback):
             return
         rec = Recorder(self.groups)
         if self.value_histograms is not None:
-            rec.histogram_keys = Matching(self.value_histograms)  # type: ignore[assignment]  # dynamo labels appear as it compiles
+            # (a pattern, not a set: dynamo labels appear as it compiles)
+            rec.histogram_keys = Matching(self.value_histograms)  # type: ignore[assignment]
         self._active = TrackedStep(step, prefix, cap, rec)
-        trainer = pl_module.trainer
-        verify = (
-            self._verification.verifier(target, lambda ok: _agree(trainer, ok))
-            if self._verification.probes(cap, type(trainer.strategy).__name__)
-            else None
-        )
-        self._active.install(target, verify)
+        self._active.install(target, self._verifier(target, cap, pl_module.trainer))
         if prefix == "":
             self.last_tracked_step = step
+
+    def _verifier(self, target: nn.Module, cap: Capture, trainer: pl.Trainer) -> Optional[Verify]:
+        """The fidelity probe for this step's first forward, if ``cap`` is still unchecked."""
+        if not self._verification.probes(cap, type(trainer.strategy).__name__):
+            return None
+        return self._verification.verifier(
+            target, lambda mode: self._new_capture(target, mode), lambda ok: _agree(trainer, ok)
+        )
+
+    def _act_on(self, check: Optional[CaptureCheck]) -> None:
+        """Act on the probe's outcome (``step.verification``): track with the capture it
+        chose, or switch tracking off saying why. An interrupted check (the model's forward
+        raised, or another rank failed) concludes nothing and claims nothing."""
+        if check is None:
+            return
+        if check.kind == "interrupted":
+            rank_zero_info(f"ScaleMonitor: {check.why}")
+            return
+        self._verification.settle(check)
+        if check.kind == "failed":
+            self._disable(check.why)
+            return
+        if check.kind == "switched" and check.capture is not None:
+            self._replace_capture(check.checked, check.capture)
+        rank_zero_info(check.why)
+
+    def _name_skipped(self, active: TrackedStep) -> None:
+        """Tensors the step saw but could not record (sparse layouts): counted in the
+        capture's coverage, and named once per run."""
+        if not active.recorder.skipped:
+            return
+        named = active.capture.add_skipped(active.recorder.skipped)
+        self.reporter.warn_once(
+            "skipped",
+            f"ScaleMonitor: {skipped_line(named)} at step {active.step}: statistics are taken of strided tensors "
+            "only; the rest of the step is recorded",
+        )
 
     def _abort(self, pl_module: pl.LightningModule) -> None:
         self._updates.clear()
@@ -380,10 +411,12 @@ class ScaleMonitor(Callback):
         active, self._active = self._active, None
         assert active is not None
         active.uninstall()
+        self._act_on(active.check)
         if active.untracked:  # the fidelity probe fell back to the user's forward
             self._updates.clear()
             active.recorder.clear()
             return
+        self._name_skipped(active)
         try:
             self._report(trainer, active)
         finally:
