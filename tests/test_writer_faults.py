@@ -166,3 +166,37 @@ def test_max_log_bytes_caps_our_event_file_with_one_warning(tmp_path: Path) -> N
 def test_max_log_bytes_must_be_a_positive_integer(bad: Any) -> None:
     with pytest.raises(ValueError, match=r"`max_log_bytes` must be a positive integer \(bytes\) or None, got "):
         ScaleMonitor(max_log_bytes=bad)
+
+
+class FailingCSV(pl.loggers.CSVLogger):
+    """A CSV logger whose ``log_metrics`` raises (a full disk, a network share gone)."""
+
+    calls = 0
+
+    def log_metrics(self, metrics: Dict[str, float], step: Any = None) -> None:
+        type(self).calls += 1
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_another_loggers_failure_stops_our_writing_to_it_with_one_warning(tmp_path: Path) -> None:
+    plain, _, _ = fit(tmp_path / "plain", 5, [])
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 16), torch.randn(64, 1))
+    trainer = pl.Trainer(
+        max_steps=5,
+        logger=FailingCSV(str(tmp_path / "csv")),
+        callbacks=[ScaleMonitor(every_n_steps=1)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1000,
+    )
+    model = MLP()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer.fit(model, DataLoader(data, batch_size=8))
+    warned = [str(w.message) for w in record if str(w.message).startswith("ScaleMonitor: writing")]
+    assert len(warned) == 1 and "writing to FailingCSV failed at step 0 (OSError: [Errno 28]" in warned[0], warned
+    assert "its scale scalars from step 0 on are lost" in warned[0]
+    assert FailingCSV.calls == 1  # tried once: the later steps are not written to it
+    assert equal(plain, {k: v for k, v in model.state_dict().items()})
