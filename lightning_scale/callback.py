@@ -135,10 +135,6 @@ class ScaleMonitor(Callback):
             raise ValueError(
                 f"`statistics` must be a non-empty list from {sorted(stats.STATISTICS)}, got {statistics!r}"
             )
-        if not isinstance(figure_every, int) or isinstance(figure_every, bool) or figure_every <= 0:
-            raise ValueError(f"`figure_every` must be a positive integer, got {figure_every!r}")
-        if not isinstance(max_tags, int) or max_tags <= 0:
-            raise ValueError(f"`max_tags` must be a positive integer, got {max_tags!r}")
         self.selection = Selection(include, exclude, prune_views)
         self.value_histograms = compile_pattern("value_histograms", value_histograms)
         self.submodule = submodule
@@ -160,23 +156,20 @@ class ScaleMonitor(Callback):
         self._step_labels: Dict[int, Tuple[Capture, int, list, "set[str]"]] = {}
         self._active: Optional[TrackedStep] = None
         self._disabled: Optional[str] = None
-        self.reporter = Reporter(
-            ReportOptions(
-                statistics=self.statistics,
-                histograms=histograms,
-                figure=figure,
-                figure_every=figure_every,
-                code=code,
-                rank_spread=rank_spread,
-                max_tags=max_tags,
-                unscale_gradients=unscale_gradients,
-                value_histograms=self.value_histograms,
-                coverage=not self.selection.narrowed,
-                max_log_bytes=max_log_bytes,
-            ),
-            warn=rank_zero_warn,
-            info=rank_zero_info,
+        options = ReportOptions(
+            statistics=self.statistics,
+            histograms=histograms,
+            figure=figure,
+            figure_every=figure_every,
+            code=code,
+            rank_spread=rank_spread,
+            max_tags=max_tags,
+            unscale_gradients=unscale_gradients,
+            value_histograms=self.value_histograms,
+            coverage=not self.selection.narrowed,
+            max_log_bytes=max_log_bytes,
         )
+        self.reporter = Reporter(options, warn=rank_zero_warn, info=rank_zero_info)
 
     @property
     def include(self) -> Optional["re.Pattern[str]"]:

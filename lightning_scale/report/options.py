@@ -20,7 +20,8 @@ class ReportOptions:
         coverage: report coverage (off when ``include`` / ``exclude`` select nodes).
 
     Raises:
-        ValueError: ``max_log_bytes`` is neither None nor a positive integer.
+        ValueError: ``figure_every`` or ``max_tags`` is not a positive integer, ``max_log_bytes``
+            neither None nor one.
 
     Example::
 
@@ -40,6 +41,10 @@ class ReportOptions:
     max_log_bytes: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.figure_every, int) or isinstance(self.figure_every, bool) or self.figure_every <= 0:
+            raise ValueError(f"`figure_every` must be a positive integer, got {self.figure_every!r}")
+        if not isinstance(self.max_tags, int) or self.max_tags <= 0:
+            raise ValueError(f"`max_tags` must be a positive integer, got {self.max_tags!r}")
         cap = self.max_log_bytes
         if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0):
             raise ValueError(f"`max_log_bytes` must be a positive integer (bytes) or None, got {cap!r}")
