@@ -28,6 +28,7 @@ from lightning_scale.record import kernels, native, stats
 from lightning_scale.record.recorder import Recorder
 from lightning_scale.record.updates import UpdateTracker
 from lightning_scale.report import pool
+from lightning_scale.report.options import ReportOptions
 from lightning_scale.report.reporting import Reporter, StepData, UpdateRows
 from lightning_scale.step.anomaly import AnomalyTrigger
 from lightning_scale.step.schedule import Schedule
@@ -88,6 +89,8 @@ class ScaleMonitor(Callback):
             outputs bit for bit; if they differ, try the other capture route, and if none
             matches, train untracked with one warning saying why (the one-off cost of two
             extra forwards, see docs/benchmarks.md). See ``lightning_scale.capture.fidelity``.
+        max_log_bytes: the most bytes the callback's event files take per run (None: no cap);
+            reaching it stops its writing with one warning (docs/usage.md: bytes per step).
 
     Raises:
         ValueError: an argument outside what is allowed (the message names it).
@@ -123,6 +126,7 @@ class ScaleMonitor(Callback):
         anomaly_factor: float = 10.0,
         update_ratios: bool = False,
         verify_capture: bool = True,
+        max_log_bytes: Optional[int] = None,
     ) -> None:
         self.schedule = Schedule(every_n_steps, steps, start_step, stop_step)
         self.capture_mode = check.one_of("capture", capture, CAPTURE_MODES)
@@ -151,20 +155,20 @@ class ScaleMonitor(Callback):
         self._step_labels: Dict[int, Tuple[Capture, int, list, "set[str]"]] = {}
         self._active: Optional[TrackedStep] = None
         self._disabled: Optional[str] = None
-        self.reporter = Reporter(
-            self.statistics,
-            histograms,
-            figure,
-            figure_every,
-            code,
-            rank_spread,
-            max_tags,
-            unscale_gradients,
-            self.value_histograms,
-            rank_zero_warn,
-            rank_zero_info,
+        options = ReportOptions(
+            statistics=self.statistics,
+            histograms=histograms,
+            figure=figure,
+            figure_every=figure_every,
+            code=code,
+            rank_spread=rank_spread,
+            max_tags=max_tags,
+            unscale_gradients=unscale_gradients,
+            value_histograms=self.value_histograms,
             coverage=not self.selection.narrowed,
+            max_log_bytes=max_log_bytes,
         )
+        self.reporter = Reporter(options, warn=rank_zero_warn, info=rank_zero_info)
 
     @property
     def include(self) -> Optional["re.Pattern[str]"]:
@@ -279,18 +283,18 @@ class ScaleMonitor(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.reporter.flush()
+        self.reporter.close()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._abort(pl_module)
         self._anomaly.reset()
-        self.reporter.flush()
+        self.reporter.close()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._abort(pl_module)
-        self.reporter.flush()
+        self.reporter.close()
 
     @override
     def state_dict(self) -> Dict[str, Any]:
