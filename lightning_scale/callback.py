@@ -11,7 +11,7 @@ in their own modules; this one decides *when*.
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Literal, Optional, Tuple
+from typing import Any, Dict, List, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_scale import arguments as check
-from lightning_scale.capture import CAPTURE_MODES, Capture, capture
+from lightning_scale.capture import CAPTURE_MODES
 from lightning_scale.capture.coverage import skipped_line
 from lightning_scale.record import kernels, native, stats
 from lightning_scale.record.recorder import Recorder
@@ -33,8 +33,8 @@ from lightning_scale.report.reporting import Reporter, StepData, UpdateRows
 from lightning_scale.step.anomaly import AnomalyTrigger
 from lightning_scale.step.schedule import Schedule
 from lightning_scale.step.selection import Matching, Selection, check_leaf_modules, compile_pattern, resolve_submodule
-from lightning_scale.step.tracked_step import TrackedStep, fsdp_units, replicated_labels
-from lightning_scale.step.verification import CaptureCheck, Verification, Verify
+from lightning_scale.step.captures import Captures
+from lightning_scale.step.tracked_step import TrackedStep
 
 __all__ = ["ScaleMonitor"]
 
@@ -146,15 +146,18 @@ class ScaleMonitor(Callback):
         self.anomaly_steps, self.anomaly_factor = self._anomaly.steps, self._anomaly.factor
         self.update_ratios = check.boolean("update_ratios", update_ratios)
         self.verify_capture = check.boolean("verify_capture", verify_capture)
-        self._verification = Verification(self.verify_capture)
         self._updates = UpdateTracker()
         self.groups = sorted({stats.STATISTICS[s] for s in self.statistics} | {"moments"})
         self.last_tracked_step = -1
-        self._captures: Dict[Tuple[bool, ...], Capture] = {}
-        # per capture: (its graphs' label count, selected labels, replicated labels)
-        self._step_labels: Dict[int, Tuple[Capture, int, list, "set[str]"]] = {}
+        self.captures = Captures(
+            mode=self.capture_mode,
+            leaf_modules=self.leaf_modules,
+            verify=self.verify_capture,
+            selection=self.selection,
+            info=rank_zero_info,
+            warn=rank_zero_warn,
+        )
         self._active: Optional[TrackedStep] = None
-        self._disabled: Optional[str] = None
         options = ReportOptions(
             statistics=self.statistics,
             histograms=histograms,
@@ -207,7 +210,7 @@ class ScaleMonitor(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         target = self._target(pl_module)
         check_leaf_modules(target, self.leaf_modules)  # names known only with the model: checked before step 0
-        self._capture(target, train=True, announce=True)
+        self.captures.of(target, train=True, announce=True)
         host_reads = Recorder().host_reads  # (the environment's choice; raises on a bad value)
         if (
             pl_module.device.type == "cpu" and host_reads is not False
@@ -223,7 +226,7 @@ class ScaleMonitor(Callback):
     ) -> None:
         step = trainer.global_step
         self._poll_anomaly(trainer, step)
-        if self._disabled or step == self.last_tracked_step or not self._is_tracked(step):
+        if self.captures.disabled or step == self.last_tracked_step or not self._is_tracked(step):
             return
         self._begin(pl_module, step, "")
 
@@ -261,7 +264,7 @@ class ScaleMonitor(Callback):
             return
         if (
             self.track_validation
-            and not self._disabled
+            and not self.captures.disabled
             and not trainer.sanity_checking
             and batch_idx == 0
             and dataloader_idx == 0
@@ -310,51 +313,18 @@ class ScaleMonitor(Callback):
         if stage == "fit":
             self.last_tracked_step = -1  # a resumed checkpoint restores it after setup
             self._anomaly.start_fit()
-        if any(cap.module is not target for cap in self._captures.values()):
-            self._captures.clear()
-            self._step_labels.clear()
-            self._verification.clear()
-            self._disabled = None
+        self.captures.forget_unless_of(target)
 
     # ---- capture -------------------------------------------------------------------------
 
     def _target(self, pl_module: pl.LightningModule) -> nn.Module:
         return resolve_submodule(pl_module, self.submodule) if self.submodule else pl_module
 
-    def _capture(self, target: nn.Module, train: bool, announce: bool = False) -> Optional[Capture]:
-        flags = {m: m.training for m in target.modules()}
-        if train and not target.training:
-            target.train()
-        key = tuple(m.training for m in target.modules())
-        try:
-            if key not in self._captures:
-                self._captures[key] = self._new_capture(target)
-                if announce:
-                    rank_zero_info(f"ScaleMonitor: captured {type(target).__name__}: {self._captures[key].describe()}")
-            return self._captures[key]
-        except Exception as err:  # noqa: BLE001 - a model we cannot capture trains untracked
-            self._disable(f"could not capture {type(target).__name__} ({type(err).__name__}: {err})")
-            return None
-        finally:
-            for m, flag in flags.items():
-                m.training = flag
-
-    def _new_capture(self, target: nn.Module, mode: Optional[str] = None) -> Capture:
-        units = fsdp_units(target)
-        return capture(target, mode or self.capture_mode, leaf_modules=self.leaf_modules, units=units)
-
-    def _replace_capture(self, old: Capture, new: Capture) -> None:
-        self._captures = {k: (new if v is old else v) for k, v in self._captures.items()}
-
-    def _disable(self, why: str) -> None:
-        self._disabled = why
-        rank_zero_warn(f"ScaleMonitor: {why}; training continues untracked.")
-
     # ---- a tracked step ------------------------------------------------------------------
 
     def _begin(self, pl_module: pl.LightningModule, step: int, prefix: str) -> None:
         target = self._target(pl_module)
-        cap = self._capture(target, train=False)
+        cap = self.captures.of(target, train=False)
         if cap is None:
             return
         rec = Recorder(self.groups)
@@ -362,34 +332,12 @@ class ScaleMonitor(Callback):
             # (a pattern, not a set: dynamo labels appear as it compiles)
             rec.histogram_keys = Matching(self.value_histograms)  # type: ignore[assignment]
         self._active = TrackedStep(step, prefix, cap, rec)
-        self._active.install(target, self._verifier(target, cap, pl_module.trainer))
+        strategy = type(pl_module.trainer.strategy).__name__
+        self._active.install(
+            target, self.captures.verifier(target, cap, strategy, lambda ok: _agree(pl_module.trainer, ok))
+        )
         if prefix == "":
             self.last_tracked_step = step
-
-    def _verifier(self, target: nn.Module, cap: Capture, trainer: pl.Trainer) -> Optional[Verify]:
-        """The fidelity probe for this step's first forward, if ``cap`` is still unchecked."""
-        if not self._verification.probes(cap, type(trainer.strategy).__name__):
-            return None
-        return self._verification.verifier(
-            target, lambda mode: self._new_capture(target, mode), lambda ok: _agree(trainer, ok)
-        )
-
-    def _act_on(self, check: Optional[CaptureCheck]) -> None:
-        """Act on the probe's outcome (``step.verification``): track with the capture it
-        chose, or switch tracking off saying why. An interrupted check (the model's forward
-        raised, or another rank failed) concludes nothing and claims nothing."""
-        if check is None:
-            return
-        if check.kind == "interrupted":
-            rank_zero_info(f"ScaleMonitor: {check.why}")
-            return
-        self._verification.settle(check)
-        if check.kind == "failed":
-            self._disable(check.why)
-            return
-        if check.kind == "switched" and check.capture is not None:
-            self._replace_capture(check.checked, check.capture)
-        rank_zero_info(check.why)
 
     def _name_skipped(self, active: TrackedStep) -> None:
         """Tensors the step saw but could not record (sparse layouts): counted in the
@@ -415,7 +363,7 @@ class ScaleMonitor(Callback):
         active, self._active = self._active, None
         assert active is not None
         active.uninstall()
-        self._act_on(active.check)
+        self.captures.act_on(active.check)
         if active.untracked:  # the fidelity probe fell back to the user's forward
             self._updates.clear()
             active.recorder.clear()
@@ -428,7 +376,7 @@ class ScaleMonitor(Callback):
 
     def _report(self, trainer: pl.Trainer, active: TrackedStep) -> None:
         cap = active.capture
-        labels, replicated = self._labels_of(cap, trainer)
+        labels, replicated = self.captures.labels_of(cap, self._target(trainer.lightning_module))
         data = StepData(
             active.step,
             active.prefix,
@@ -455,17 +403,6 @@ class ScaleMonitor(Callback):
                 "report",
                 f"ScaleMonitor: reporting step {active.step} failed ({type(err).__name__}: {err}); training continues",
             )
-
-    def _labels_of(self, cap: Capture, trainer: pl.Trainer) -> Tuple[list, "set[str]"]:
-        """The selected labels of ``cap`` and the replicated ones (parameters, buffers),
-        computed once per capture (~0.5 ms of module walks a tracked step otherwise),
-        again when a recompile adds graphs to it."""
-        size = sum(len(labels) for labels in cap.labels)
-        seen = self._step_labels.get(id(cap))
-        if seen is None or seen[0] is not cap or seen[1] != size:
-            target = self._target(trainer.lightning_module)
-            seen = self._step_labels[id(cap)] = (cap, size, self.selection.labels(cap), replicated_labels(target))
-        return seen[2], seen[3]
 
     # ---- anomaly-triggered tracking and update ratios (lightning_scale.step.anomaly, .updates)
 
