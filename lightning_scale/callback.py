@@ -24,9 +24,9 @@ from typing_extensions import override
 from lightning_scale.capture import CAPTURE_MODES, Capture, capture
 from lightning_scale.record import kernels, native, stats
 from lightning_scale.record.recorder import Recorder
-from lightning_scale.record.updates import UpdateTracker
+from lightning_scale.record.updates import UpdateStats, UpdateTracker
 from lightning_scale.report import pool
-from lightning_scale.report.reporting import Reporter, StepData, UpdateRows
+from lightning_scale.report.reporting import Reporter, StepData
 from lightning_scale.step.anomaly import AnomalyTrigger
 from lightning_scale.step.schedule import Schedule
 from lightning_scale.step.selection import Matching, Selection, compile_pattern, resolve_submodule
@@ -86,6 +86,10 @@ class ScaleMonitor(Callback):
             outputs bit for bit; if they differ, try the other capture route, and if none
             matches, train untracked with one warning saying why (the one-off cost of two
             extra forwards, see docs/benchmarks.md). See ``lightning_scale.capture.fidelity``.
+        strict_ranks: when ranks capture different graphs on a tracked step (a rank's
+            forward takes another branch), raise ``RankMismatchError`` on every rank, ending
+            the fit. Off by default: the nodes every rank has are pooled and logged, the
+            others are not, and one warning names the first differing nodes.
 
     Raises:
         ValueError: an argument outside what is allowed (the message names it).
@@ -121,6 +125,7 @@ class ScaleMonitor(Callback):
         anomaly_factor: float = 10.0,
         update_ratios: bool = False,
         verify_capture: bool = True,
+        strict_ranks: bool = False,
     ) -> None:
         self.schedule = Schedule(every_n_steps, steps, start_step, stop_step)
         if capture not in CAPTURE_MODES:
@@ -148,6 +153,9 @@ class ScaleMonitor(Callback):
             verify_capture, self._new_capture, self._replace_capture, self._disable, rank_zero_info
         )
         self.verify_capture = verify_capture
+        if not isinstance(strict_ranks, bool):
+            raise ValueError(f"`strict_ranks` must be True or False, got {strict_ranks!r}")
+        self.strict_ranks = strict_ranks
         self._updates = UpdateTracker()
         self.groups = sorted({stats.STATISTICS[s] for s in self.statistics} | {"moments"})
         self.last_tracked_step = -1
@@ -395,23 +403,34 @@ class ScaleMonitor(Callback):
         cap = active.capture
         labels, replicated = self._labels_of(cap, trainer)
         data = StepData(
-            active.step,
-            active.prefix,
-            cap,
-            active.recorder,
-            labels,
-            self.submodule or "",
-            active.loss_scale,
-            self._update_rows(trainer, active),
-            replicated,
+            step=active.step,
+            prefix=active.prefix,
+            capture=cap,
+            recorder=active.recorder,
+            labels=labels,
+            target=self.submodule or "",
+            loss_scale=active.loss_scale,
+            updates=self._update_rows(trainer, active),
+            parameters=replicated,
         )
         try:
-            pooled = self.reporter.pool(data, trainer.strategy.root_device, replicated)
+            pooled = self.reporter.pool(data, trainer.strategy.root_device, strict=self.strict_ranks)
         except pool.RankFailedError as err:  # raised on every rank alike
             error = active.recorder.error
             here = f"; here: {error!r}" if error is not None else ""
             self.reporter.warn_once("error", f"ScaleMonitor: {err} at step {active.step}{here}; nothing logged for it")
             return
+        except pool.RankMismatchError as err:  # raised on every rank alike
+            if self.strict_ranks:
+                raise
+            self.reporter.warn_once("ranks", f"ScaleMonitor: {err} at step {active.step}; nothing logged for it")
+            return
+        if pooled is not None and pooled.unshared is not None:
+            self.reporter.warn_once(
+                "unshared",
+                f"ScaleMonitor: at step {active.step} {pooled.unshared.describe()} "
+                "(warned once; `strict_ranks=True` raises instead)",
+            )
         loggers = _writable_loggers(trainer) if trainer.is_global_zero else []
         try:
             self.reporter.report(data, pooled, trainer.is_global_zero, loggers, trainer.accumulate_grad_batches)
@@ -455,10 +474,10 @@ class ScaleMonitor(Callback):
         assert self._active is not None
         return self.update_ratios and trainer.global_step == self._active.step
 
-    def _update_rows(self, trainer: pl.Trainer, active: TrackedStep) -> Optional[UpdateRows]:
+    def _update_rows(self, trainer: pl.Trainer, active: TrackedStep) -> Optional[UpdateStats]:
         if active.prefix or not self._updates.pending or self._updates.step != active.step:
             return None
-        rows = UpdateRows(*self._updates.rows(self._target(trainer.lightning_module).named_parameters()))
+        rows = self._updates.rows(self._target(trainer.lightning_module).named_parameters())
         if self._updates.error is not None and active.recorder.error is None:
             active.recorder.error = self._updates.error  # pooled as this rank's failure flag: every rank drops the step
         return rows

@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import Tensor
 
+from lightning_scale.record import stats, updates
 from lightning_scale.report import pool
-from lightning_scale.record import stats
+from lightning_scale.report.update_pool import merge_updates
 from lightning_scale.record.recorder import BACKWARD, FORWARD
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -388,8 +389,14 @@ def test_pool_step_is_the_record_of_every_ranks_tensors_together(
     p = spread["present"]
     torch.testing.assert_close(got.spread.low[p], spread["low"][p], rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(got.spread.high[p], spread["high"][p], rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(got.sums, torch.arange(6, dtype=torch.float64) * world * (world + 1) / 2)
-    assert torch.equal(got.first, torch.ones(2, 3, dtype=torch.float64))  # rank 0's
+    script = _pool_script()
+    rows = torch.stack([saved["update_rows"] for saved in pools[world]])  # (world, 3, 2, F)
+    assert got.updates.shape == (3, 2, len(stats.FIELDS))
+    torch.testing.assert_close(got.updates, merge_updates(rows, script.SHARDED), rtol=1e-12, atol=0)
+    sharded = [k for k, s in enumerate(script.SHARDED) if s]
+    assert torch.equal(got.updates[sharded, 0, :3], rows[:, sharded, 0, :3].sum(0))  # weight sums: added
+    assert torch.equal(got.updates[1], rows[0, 1]) and not torch.equal(rows[0, 1], rows[1, 1])  # whole: rank 0's
+    assert got.loss_scale == 1024.0  # rank 0's
 
 
 def test_pool_step_sends_only_the_fields_of_the_groups_computed(pools: Dict[int, List[Dict[str, Any]]]) -> None:
@@ -431,7 +438,7 @@ def test_pool_step_gives_every_rank_the_same_errors_and_the_result_only_to_its_d
             isinstance(out["failed"], pool.RankFailedError)
             and str(out["failed"]) == f"statistics failed on rank(s) [{world - 1}]"
         )
-        for case in ("names", "count"):
+        for case in ("names", "count"):  # (with strict)
             assert isinstance(out[case], pool.RankMismatchError), (r, case)
             assert str(out[case]).startswith("Ranks captured different graphs ("), out[case]
         assert "node counts 1999 to 2000" in str(out["count"]) and "node counts" not in str(out["names"])
@@ -456,31 +463,69 @@ def test_pool_step_bytes_per_rank_are_the_same_at_2_and_16_ranks(pools: Dict[int
         histograms=len(script.histogram_nodes(NODES)),
         replicated=len([i for i in range(NODES) if script.is_parameter(i)]),
         spread=True,
-        sums=6,
-        first=6,
+        sharded=sum(script.SHARDED),
+        whole=len(script.SHARDED) - sum(script.SHARDED),
+        loss_scale=True,
     )
     assert [size for _, _, size in calls[16][0]] == list(expected.values())
+
+
+@pytest.mark.parametrize("world", [2, 16])
+def test_pool_step_pools_the_labels_every_rank_shares(world: int, pools: Dict[int, List[Dict[str, Any]]]) -> None:
+    """Rank 1 lacks node 3 (and its histogram) and has a node of its own: every rank pools
+    the other 39 nodes, exactly as a pool of those nodes alone, in a fixed number of
+    collectives whose bytes per rank do not depend on the world size."""
+    script = _pool_script()
+    ranks = pools[world]
+    got, want = ranks[0]["shared"], ranks[0]["shared_reference"]
+    shared = [script.label(i) for i in range(40) if i != 3]
+    assert got.labels == want.labels == shared
+    torch.testing.assert_close(got.records, want.records, rtol=0, atol=0, equal_nan=True)
+    assert bool((got.records[..., 0] > 0).any())
+    assert got.histogram_labels == want.histogram_labels == [script.label(0)]  # node 3's and rank 1's own: not shared
+    assert torch.equal(got.histograms, want.histograms)
+    for a, b in zip(got.spread, want.spread):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert got.unshared == (39, [script.label(3)], 1, [script.label(NODES + 1)])
+    assert want.unshared is None and all(saved["shared"] is None for saved in ranks[1:])
+    text = got.unshared.describe()
+    assert "1 of rank 0's nodes are not on every rank (`n3/op`)" in text and f"(`n{NODES + 1}/op`)" in text
+    calls = [saved["shared_calls"] for saved in ranks]
+    assert all(c == calls[0] for c in calls)
+    assert [(name, op) for name, op, _ in calls[0] if name != "broadcast"] == [
+        ("all_reduce", "MAX"),  # the header: the labels differ
+        ("all_reduce", "MIN"),  # which of rank 0's labels every rank has
+        ("all_reduce", "MAX"),  # the header of the shared nodes
+        ("all_reduce", "MAX"),
+        ("all_reduce", "SUM"),
+        ("reduce", "SUM"),
+    ]
+    assert [name for name, _, _ in calls[0]].count("broadcast") == 3  # rank 0's labels (size, bytes), examples
+
+
+def test_pool_step_shared_labels_cost_the_same_at_2_and_16_ranks(pools: Dict[int, List[Dict[str, Any]]]) -> None:
+    assert pools[2][0]["shared_calls"] == pools[16][0]["shared_calls"]
 
 
 def test_pool_step_in_one_process() -> None:
     gen = torch.Generator().manual_seed(0)
     parts = [torch.randn(4, generator=gen), torch.randn(3, generator=gen)]
     records = stats.assemble([stats.record_of(t, ("moments", "range")) for t in parts for _ in (0, 1)]).view(2, 2, -1)
+    rows = torch.stack([updates.row_of(t, t * 1.5, t) for t in parts])
     out = pool.pool_step(
         records,
         ["a", "b"],
         replicated={"a"},
         spread=True,
-        sums=torch.ones(2, dtype=torch.float64),
-        first=torch.zeros(1, dtype=torch.float64),
+        updates=updates.UpdateStats(["p", "q"], [True, False], rows),
+        loss_scale=torch.tensor(8.0),
     )
     assert out is not None
     torch.testing.assert_close(out.records, records, rtol=0, atol=0, equal_nan=True)
+    assert out.labels == ["a", "b"] and out.unshared is None
     std = stats.statistic(records, "std")
     assert torch.equal(out.spread.low, std) and torch.equal(out.spread.high, std) and bool(out.spread.present.all())
-    assert torch.equal(out.sums, torch.ones(2, dtype=torch.float64)) and torch.equal(
-        out.first, torch.zeros(1, dtype=torch.float64)
-    )
+    assert torch.equal(out.updates, rows) and out.loss_scale == 8.0
     with pytest.raises(pool.RankFailedError, match=r"statistics failed on rank\(s\) \[0\]"):
         pool.pool(records, ["a", "b"], failed=True)
 
