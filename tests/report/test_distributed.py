@@ -130,9 +130,12 @@ def _scalars(out: Path) -> Dict[str, float]:
 # ---- the independent reference ----------------------------------------------------------
 
 
-def _reference(out: Path, world: int = 2) -> Dict[str, Tuple[List[Tensor], List[Optional[Tensor]]]]:
+def _reference(
+    out: Path, world: int = 2, branch: bool = False
+) -> Dict[str, Tuple[List[Tensor], List[Optional[Tensor]]]]:
     """label -> (each rank's value, each rank's gradient), in float64 from the saved initial
-    parameters and each rank's batch, written out without the library or the model class."""
+    parameters and each rank's batch, written out without the library or the model class
+    (``branch``: rank 1 applies a tanh between the layers)."""
     init = torch.load(out / "init.pt")
     ref: Dict[str, Tuple[List[Tensor], List[Optional[Tensor]]]] = {}
     for rank in range(world):
@@ -140,7 +143,7 @@ def _reference(out: Path, world: int = 2) -> Dict[str, Tuple[List[Tensor], List[
         w = {k: v.double().requires_grad_() for k, v in init.items()}
         h = F.linear(x, w["layers.0.fc.weight"], w["layers.0.fc.bias"])
         a = h.relu()
-        o = F.linear(a, w["layers.1.fc.weight"], w["layers.1.fc.bias"])
+        o = F.linear(a.tanh() if branch and rank == 1 else a, w["layers.1.fc.weight"], w["layers.1.fc.bias"])
         for t in (h, a, o):
             t.retain_grad()
         F.mse_loss(o, y).backward()  # this rank's own loss: what its backward sees
@@ -283,6 +286,72 @@ def test_bytes_per_rank_per_tracked_step_do_not_grow_with_the_world(trained: Cal
     assert calls[2][0][0][2] == 64  # the header
 
 
+# ---- ranks whose captured graphs differ --------------------------------------------------
+
+BRANCH = ["branch", "branch_off", "branch_strict"]
+
+
+@pytest.fixture(scope="module")
+def branched(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Tuple[Path, str, int]]:
+    """mode -> (output folder, output, exit code) of the 2-rank DDP runs where rank 1's
+    forward has an extra tanh (``run_dist.py``): with the callback, without it, and with
+    ``strict_ranks=True``; started together."""
+    base = tmp_path_factory.mktemp("branch")
+    keys = [("ddp", mode, 2, "fx") for mode in BRANCH]
+    procs = {key[1]: _start(base / key[1], key, port) for key, port in zip(keys, _free_ports(len(keys)))}
+    done: Dict[str, Tuple[Path, str, int]] = {}
+    for mode, proc in procs.items():
+        try:
+            output, _ = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            pytest.fail(f"the {mode} run timed out")
+        done[mode] = (base / mode, output, proc.returncode)
+    return done
+
+
+def _scalars_by_step(out: Path) -> Dict[str, Dict[int, float]]:
+    acc = EventAccumulator(str(out / "logs" / "version_0"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def test_ranks_whose_graphs_differ_pool_the_nodes_they_share_and_train_on(
+    branched: Dict[str, Tuple[Path, str, int]],
+) -> None:
+    """Rank 1's forward has an extra tanh: the fit finishes, trains as without the callback,
+    logs every shared node (the pooled std of both ranks' tensors, float64 reference) and
+    not the tanh, and warns once, naming it."""
+    (on, output, code), (off, off_output, off_code) = branched["branch"], branched["branch_off"]
+    assert code == 0, output[-3000:]
+    assert off_code == 0, off_output[-3000:]
+    with_cb, without = torch.load(on / "params.pt"), torch.load(off / "params.pt")
+    assert with_cb.keys() == without.keys()
+    assert all(torch.equal(with_cb[name], without[name]) for name in without)
+    logged = _scalars_by_step(on)
+    expected = _expected(_reference(on, branch=True))
+    for label in ACTIVATIONS + PARAMETERS:
+        for tag in (f"scale/fwd/{label}", f"scale/bwd/{label}"):
+            assert sorted(logged[tag]) == [0, 1], tag  # both tracked steps
+            assert logged[tag][0] == pytest.approx(expected[tag], rel=REL), tag
+    assert [tag for tag in logged if "tanh" in tag] == []  # rank 1's own node: not logged
+    warnings = re.findall(r"ScaleMonitor: at step \d+ ranks captured different graphs[^\n]*", output)
+    assert len(warnings) == 1, warnings
+    assert re.search(r"a rank has 1 node\(s\) rank 0 has not \(`[^`]*tanh[^`]*`\)", warnings[0]), warnings[0]
+    assert "RankMismatchError" not in output
+
+
+def test_with_strict_ranks_different_graphs_raise_on_every_rank(branched: Dict[str, Tuple[Path, str, int]]) -> None:
+    _, output, code = branched["branch_strict"]
+    assert code != 0
+    assert re.search(
+        r"RankMismatchError: Ranks captured different graphs \(node counts \d+ to \d+, "
+        r"the fingerprints of the labels differ\)",
+        output,
+    ), output[-3000:]
+
+
 # ---- pool_step in 2 and 16 gloo processes without Lightning -------------------------------
 
 POOL_SCRIPT = SCRIPTS / "run_pool.py"
@@ -394,7 +463,8 @@ def test_pool_step_is_the_record_of_every_ranks_tensors_together(
     assert got.updates.shape == (3, 2, len(stats.FIELDS))
     torch.testing.assert_close(got.updates, merge_updates(rows, script.SHARDED), rtol=1e-12, atol=0)
     sharded = [k for k, s in enumerate(script.SHARDED) if s]
-    assert torch.equal(got.updates[sharded, 0, :3], rows[:, sharded, 0, :3].sum(0))  # weight sums: added
+    added = rows[:, sharded, 0, :3].sum(0)  # weight sums (the reduction may add in another order)
+    torch.testing.assert_close(got.updates[sharded, 0, :3], added, rtol=1e-13, atol=0)
     assert torch.equal(got.updates[1], rows[0, 1]) and not torch.equal(rows[0, 1], rows[1, 1])  # whole: rank 0's
     assert got.loss_scale == 1024.0  # rank 0's
 
