@@ -428,7 +428,7 @@ class ScaleMonitor(Callback):
         if pooled is not None and pooled.unshared is not None:
             self.reporter.warn_once(
                 "unshared",
-                f"ScaleMonitor: at step {active.step} {pooled.unshared.describe()} "
+                f"ScaleMonitor: step {active.step}: {pooled.unshared.describe()} "
                 "(warned once; `strict_ranks=True` raises instead)",
             )
         loggers = _writable_loggers(trainer) if trainer.is_global_zero else []

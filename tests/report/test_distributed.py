@@ -336,7 +336,7 @@ def test_ranks_whose_graphs_differ_pool_the_nodes_they_share_and_train_on(
             assert sorted(logged[tag]) == [0, 1], tag  # both tracked steps
             assert logged[tag][0] == pytest.approx(expected[tag], rel=REL), tag
     assert [tag for tag in logged if "tanh" in tag] == []  # rank 1's own node: not logged
-    warnings = re.findall(r"ScaleMonitor: at step \d+ ranks captured different graphs[^\n]*", output)
+    warnings = re.findall(r"ScaleMonitor: step \d+: ranks captured different graphs[^\n]*", output)
     assert len(warnings) == 1, warnings
     assert re.search(r"a rank has 1 node\(s\) rank 0 has not \(`[^`]*tanh[^`]*`\)", warnings[0]), warnings[0]
     assert "RankMismatchError" not in output
