@@ -249,7 +249,8 @@ def _payload(
         first.append(parts.whole.reshape(-1))
         sharded, tags = list(updates.sharded), [f"{n}|{s}" for n, s in zip(updates.names, updates.sharded)]
     if loss_scale is not None:
-        first.append(loss_scale.to(device=device, dtype=torch.float64).reshape(1))
+        here = loss_scale if loss_scale.device == device else loss_scale.to(device)  # (no call that moves: no copy)
+        first.append(here.reshape(1).to(torch.float64))
     whole = torch.cat(first)
     rep = [i for i, label in enumerate(labels) if label in replicated]
     rep_of = {labels[i]: k for k, i in enumerate(rep)}  # label -> its row among the replicated
