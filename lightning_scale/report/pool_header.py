@@ -98,6 +98,7 @@ def exchange_header(rows: int, histograms: int, fingerprint: float, failed: bool
 
 def mismatch_error(differ: List[str]) -> RankMismatchError:
     """The error every rank raises for ``Header.differences``."""
+    what = ", ".join(differ)
     return RankMismatchError(
-        f"Ranks captured different graphs ({', '.join(differ)}); every rank must run the same model code on a tracked step"
+        f"Ranks captured different graphs ({what}); every rank must run the same model code on a tracked step"
     )

@@ -55,7 +55,8 @@ class Unshared(NamedTuple):
             parts.append(f"{len(self.here)} of rank 0's nodes are not on every rank ({_names(self.here)})")
         if self.elsewhere:
             parts.append(f"a rank has {self.elsewhere} node(s) rank 0 has not ({_names(self.examples)})")
-        return f"ranks captured different graphs: {'; '.join(parts)}; only the {self.shared} nodes every rank has are logged"
+        shared = f"only the {self.shared} nodes every rank has are logged"
+        return f"ranks captured different graphs: {'; '.join(parts)}; {shared}"
 
 
 class Shared(NamedTuple):

@@ -224,6 +224,19 @@ def stats_hist(t: torch.Tensor) -> torch.Tensor:
     return stats.log2_histogram(t)
 
 
+def _outcomes(recs: torch.Tensor, labels: List[str], rank: int, world: int) -> Dict[str, Any]:
+    """A failing rank, other labels and fewer nodes on rank 1 (with ``strict``), then a good pool."""
+    from lightning_scale.report import pool
+
+    n = len(labels) - (rank == 1)
+    return {
+        "failed": _outcome(lambda: pool.pool_step(recs, labels, failed=rank == world - 1)),
+        "names": _outcome(lambda: pool.pool_step(recs, [*labels[:-1], f"other{rank == 1}"], strict=True)),
+        "count": _outcome(lambda: pool.pool_step(recs[:n], labels[:n], strict=True)),
+        "after": _outcome(lambda: pool.pool_step(recs, labels)),
+    }
+
+
 def main(out: Path, rank: int, world: int, nodes: int) -> None:
     _package()
     from lightning_scale.record.updates import UpdateStats
@@ -262,14 +275,7 @@ def main(out: Path, rank: int, world: int, nodes: int) -> None:
     calls = list(counter.calls)
     small = pool.pool_step(recs[:20], labels[:20], replicated=replicated, spread=True)
     partial = pool.pool_step(recs, labels, replicated=replicated, dst=0, groups=("moments", "range"))
-    outcomes = {
-        "failed": _outcome(lambda: pool.pool_step(recs, labels, failed=rank == world - 1)),
-        "names": _outcome(lambda: pool.pool_step(recs, [*labels[:-1], f"other{rank == 1}"], strict=True)),
-        "count": _outcome(
-            lambda: pool.pool_step(recs[: nodes - (rank == 1)], labels[: nodes - (rank == 1)], strict=True)
-        ),
-        "after": _outcome(lambda: pool.pool_step(recs, labels)),
-    }
+    outcomes = _outcomes(recs, labels, rank, world)
     shared = _shared_pools(nodes, rank, counter)
     saved: Dict[str, Any] = {
         "records": recs,
