@@ -124,7 +124,8 @@ class Pooled(NamedTuple):
 
 
 def pool(records: Tensor, labels: Sequence[str], replicated: Collection[str] = (), failed: bool = False) -> Tensor:
-    """``pool_step``'s pooled records ``[n, 2, FIELDS]`` (host), without histograms, on every rank."""
+    """``pool_step``'s pooled records ``[n, 2, FIELDS]`` (host), without histograms, on every
+    rank; ranks whose labels differ raise ``RankMismatchError`` (``strict``)."""
     out = pool_step(records, labels, replicated=replicated, failed=failed, strict=True)
     assert out is not None
     return out.records

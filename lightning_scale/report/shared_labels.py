@@ -106,12 +106,13 @@ def _positions(labels: Sequence[str]) -> Dict[str, int]:
 
 def _broadcast_text(text: str, device: torch.device) -> str:
     """Rank 0's ``text`` on every rank: its length, then its bytes."""
-    data = torch.tensor(list(text.encode()), dtype=torch.uint8) if dist.get_rank() == 0 else torch.zeros(0)
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    zero = dist.get_rank() == 0
+    data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if zero else None  # (never empty: JSON)
+    size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=device)
     dist.broadcast(size, 0)
-    buffer = data.to(device) if dist.get_rank() == 0 else torch.zeros(int(size), dtype=torch.uint8, device=device)
+    buffer = data.to(device) if data is not None else torch.zeros(int(size), dtype=torch.uint8, device=device)
     dist.broadcast(buffer, 0)
-    return bytes(buffer.cpu().tolist()).decode()
+    return buffer.cpu().numpy().tobytes().decode()
 
 
 def _examples(extra: List[str], lowest: int, device: torch.device) -> List[str]:
@@ -122,7 +123,7 @@ def _examples(extra: List[str], lowest: int, device: torch.device) -> List[str]:
         buffer[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
     buffer = buffer.to(device)
     dist.broadcast(buffer, lowest)
-    return json.loads(bytes(buffer.cpu().tolist()).decode())
+    return json.loads(buffer.cpu().numpy().tobytes().decode())
 
 
 def _fitting(labels: List[str]) -> bytes:
