@@ -34,7 +34,7 @@ _EXAMPLES = 3  # the most labels named in a warning, per side
 
 
 class Unshared(NamedTuple):
-    """What the ranks do not share, as rank 0 sees it.
+    """What the ranks do not share (the same on every rank).
 
     Attributes:
         shared: how many nodes every rank has (those pooled).
@@ -55,6 +55,8 @@ class Unshared(NamedTuple):
             parts.append(f"{len(self.here)} of rank 0's nodes are not on every rank ({_names(self.here)})")
         if self.elsewhere:
             parts.append(f"a rank has {self.elsewhere} node(s) rank 0 has not ({_names(self.examples)})")
+        if not parts:  # the same nodes in another order, or other value histogram labels
+            parts.append("the same nodes, in another order or with other value histograms")
         shared = f"only the {self.shared} nodes every rank has are logged"
         return f"ranks captured different graphs: {'; '.join(parts)}; {shared}"
 
@@ -90,7 +92,7 @@ def shared_labels(labels: Sequence[str], histogram_labels: Sequence[str], device
     elsewhere, lowest = int(-top[-2]), int(top[-1])
     examples = _examples(extra, lowest, device) if elsewhere else []
     shared = set(keep)
-    here = [label for label in labels if label not in shared] if me == 0 else []
+    here = [label for label in zero_labels if label not in shared]  # (every rank holds rank 0's labels)
     return Shared(
         keep,
         [mine[label] for label in keep],

@@ -46,6 +46,10 @@ def test_the_warning_names_the_first_differing_nodes_and_how_many() -> None:
         "only the 7 nodes every rank has are logged"
     )
     assert Unshared(3, ["a"], 0, []).describe().startswith("ranks captured different graphs: 1 of rank 0's nodes")
+    assert Unshared(3, [], 0, []).describe() == (
+        "ranks captured different graphs: the same nodes, in another order or with other value histograms; "
+        "only the 3 nodes every rank has are logged"
+    )
 
 
 @pytest.mark.parametrize("value", [1, "yes", None])
