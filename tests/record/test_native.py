@@ -256,7 +256,7 @@ def test_every_group_of_a_big_tensor_matches_numpy(kernels, serial, dtype):
     )
     x[::1000] = 0.0
     x = x.to(dtype)
-    assert native.every_group(x, formats._NATIVE_BOUNDS) is not None
+    assert native.every_group(x, formats.NATIVE_BOUNDS) is not None
     check_against_reference(x, True)
     y = x.clone()
     y[7], y[70_000] = math.inf, -math.inf

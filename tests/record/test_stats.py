@@ -360,7 +360,7 @@ def test_mean_with_an_infinity_beside_values_whose_float32_sum_overflows(host_re
 
 @pytest.mark.parametrize("case", ["centred", "mean_dominated", "tiny", "float64", "with_inf"])
 def test_contiguous_shortcut_equals_the_generic_path_bit_for_bit(case: str) -> None:
-    # A contiguous tensor of whole 512-element rows takes _host_moments' shortcut; the
+    # A contiguous tensor of whole 512-element rows takes host_moments' shortcut; the
     # same memory seen through a transpose takes the generic path (_dense lays it back
     # out, _sum_of_squares picks its kernels): the same sums, so the same record, in
     # every regime (fast formula, shifted, scaled, non-finite).

@@ -7,7 +7,7 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from lightning_scale.record.stats.fields import FORMATS, FP8_DTYPES, _acc_dtype, _Sum
+from lightning_scale.record.stats.fields import FORMATS, FP8_DTYPES, acc_dtype, SumFn
 
 # ---------------------------------------------------------------------------------------
 # FP8 what-if: per-tensor amax scaling, cast, and the error it makes.
@@ -18,7 +18,7 @@ from lightning_scale.record.stats.fields import FORMATS, FP8_DTYPES, _acc_dtype,
 CHUNK = 1 << 22
 
 
-def _fp8_fields(x: Tensor, total_of: _Sum, chunk: Optional[int] = None) -> List[Tensor]:
+def fp8_fields(x: Tensor, total_of: SumFn, chunk: Optional[int] = None) -> List[Tensor]:
     """For E4M3 then E5M2: sum of squared error, sum of squares, nonzeros flushed to 0.
 
     Quantisation as a per-tensor-scaled FP8 recipe does it: ``scale = max / amax`` (in
@@ -40,7 +40,7 @@ def _fp8_fields(x: Tensor, total_of: _Sum, chunk: Optional[int] = None) -> List[
 
 
 def _finite(x: Tensor) -> Tensor:
-    return torch.nan_to_num(x.to(_acc_dtype(x)), nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.nan_to_num(x.to(acc_dtype(x)), nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _amax(xf: Tensor) -> Tensor:
@@ -48,8 +48,8 @@ def _amax(xf: Tensor) -> Tensor:
     return torch.maximum(lo.abs(), hi.abs())
 
 
-def _fp8_sums(xf: Tensor, amax: Optional[Tensor], total_of: _Sum) -> List[Tensor]:
-    """``_fp8_fields`` of the finite values ``xf`` (in their accumulation dtype), with the
+def _fp8_sums(xf: Tensor, amax: Optional[Tensor], total_of: SumFn) -> List[Tensor]:
+    """``fp8_fields`` of the finite values ``xf`` (in their accumulation dtype), with the
     tensor's ``amax`` (None: ``xf``'s own)."""
     acc = xf.dtype
     amax = _amax(xf) if amax is None else amax
@@ -60,7 +60,7 @@ def _fp8_sums(xf: Tensor, amax: Optional[Tensor], total_of: _Sum) -> List[Tensor
     for name, dtype in FP8_DTYPES.items():
         # (a Python number / tensor would multiply by a rounded reciprocal)
         scale = torch.nan_to_num(torch.full_like(amax, FORMATS[name].max) / amax, posinf=torch.finfo(acc).max)
-        q = _widen((xf * scale).to(dtype))
+        q = widen((xf * scale).to(dtype))
         flushed = nonzero - torch.count_nonzero(q)
         # Against x itself: near-exact tensors (SNR ~100 dB) have errors close to the
         # float32 rounding of x * scale. In float64, x * scale is exact for float32 and
@@ -73,7 +73,7 @@ def _fp8_sums(xf: Tensor, amax: Optional[Tensor], total_of: _Sum) -> List[Tensor
     return out
 
 
-def _widen(q: Tensor) -> Tensor:
+def widen(q: Tensor) -> Tensor:
     """``q.double()``; on CPU for E4M3 by a 256-entry table (torch's CPU kernel widens E4M3
     element by element: 3.3 ms for 512K elements, the table 1.3 ms; the same values)."""
     if q.device.type != "cpu" or q.dtype != torch.float8_e4m3fn:
