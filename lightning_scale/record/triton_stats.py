@@ -51,6 +51,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lightning_scale.record.stats.fields import FIELDS, FORMATS
+from lightning_scale.record.stats.layout import dense_order
 
 __all__ = ["GPU_BLOCK", "INTERPRETER_BLOCK", "interpreted", "record_into"]
 
@@ -314,9 +315,8 @@ def layout(x: Tensor, bc: int = _BC) -> Optional[Layout]:
     (contiguous, or dense in some order of its dimensions: a transpose) as rows of
     ``bc``; else dimensions that collapse to at most two strided ones. None otherwise."""
     n = x.numel()
-    step = _flat_step(x)
-    if step is not None:
-        return x, n, -(-n // bc), bc, bc * step, step
+    if dense_order(x) is not None:  # (its lowest address first: data_ptr)
+        return x, n, -(-n // bc), bc, bc, 1
     dims = _collapsed(x)
     if dims is None:
         return None
@@ -327,15 +327,6 @@ def layout(x: Tensor, bc: int = _BC) -> Optional[Layout]:
     if abs(a) < abs(b):  # the faster-moving dimension inside a tile's rows
         (m, a), (k, b) = (k, b), (m, a)
     return x, n, m, k, a, b
-
-
-def _flat_step(x: Tensor) -> Optional[int]:
-    if x.is_contiguous():
-        return 1
-    if x.dim() < 2:
-        return None
-    order = sorted(range(x.dim()), key=lambda i: -x.stride(i))
-    return 1 if x.permute(order).is_contiguous() else None
 
 
 def _collapsed(x: Tensor) -> Optional[list]:

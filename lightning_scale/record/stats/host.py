@@ -24,6 +24,7 @@ from lightning_scale.record.stats.fields import (
     host_sum,
     nan_row,
 )
+from lightning_scale.record.stats.layout import dense_view
 from lightning_scale.record.stats.formats import NATIVE_BOUNDS, format_fields_of_row
 
 
@@ -118,7 +119,7 @@ def host_moments(x: Tensor, out: List[Entry], with_max: bool = False, one_read: 
         sumsq = _norms_sum_of_squares(x.view(-1, _ROW))
         total = float(x.sum())
     else:
-        y = _dense(x.float() if own else x)  # half types: one float32 copy (ours), then fast
+        y = dense_view(x.float() if own else x)  # half types: one float32 copy (ours), then fast
         total = float(y.sum())
         sumsq = _sum_of_squares(y)
     if math.isfinite(total) and math.isfinite(sumsq):
@@ -173,16 +174,6 @@ def _native_moments(x: Tensor, out: List[Entry], with_max: bool) -> Tuple[bool, 
         host_moments(x, out, one_read=False)  # (its own reads: rare)
     exact = with_max and math.isfinite(total) and math.isfinite(sumsq)
     return True, top if exact else None
-
-
-def _dense(y: Tensor) -> Tensor:
-    """``y``'s elements in a contiguous layout without a copy where one exists: a
-    transposed or permuted tensor (the sums do not depend on the order). Else ``y``."""
-    if y.is_contiguous() or y.dim() < 2:
-        return y
-    order = sorted(range(y.dim()), key=lambda i: -y.stride(i))
-    p = y.permute(order)
-    return p if p.is_contiguous() else y
 
 
 # Shifting by the mean squares y - c, down to ~2**-48 c: above this mean square that

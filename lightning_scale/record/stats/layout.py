@@ -1,0 +1,74 @@
+"""Layouts: whether a tensor's elements can be read in place as one dense array, and views
+that split a tensor of any layout into bounded pieces.
+
+One answer for every reader: the host path (``host``), the native kernel
+(``lightning_scale.record.native``) and the Triton kernel (``triton_stats``). Statistics do
+not depend on the order of the elements, so a transposed or permuted dense tensor reads as
+a flat array like a contiguous one. Nothing here reads a tensor's data.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Tuple
+
+from torch import Tensor
+
+__all__ = ["dense_order", "dense_view", "pieces"]
+
+
+def dense_order(x: Tensor) -> Optional[Tuple[int, ...]]:
+    """The order of ``x``'s dimensions (by decreasing stride) in which its elements lie
+    densely in memory, one after another: ``x.permute(order)`` is contiguous. The identity
+    for a contiguous tensor, a permutation for a transposed one, None where there is none
+    (a slice of a wider tensor, an expanded one). Arithmetic on the strides: no view made.
+
+    Example:
+        >>> import torch
+        >>> dense_order(torch.zeros(3, 4).t()), dense_order(torch.zeros(3, 4)[:, :2])
+        ((1, 0), None)
+    """
+    order = tuple(range(x.dim()))
+    if x.is_contiguous():
+        return order
+    order = tuple(sorted(order, key=lambda i: -x.stride(i)))  # (stable: ties keep their order)
+    span = 1
+    for i in reversed(order):
+        if x.size(i) == 1:  # (any stride: never stepped over)
+            continue
+        if x.stride(i) != span:
+            return None
+        span *= x.size(i)
+    return order
+
+
+def dense_view(x: Tensor) -> Tensor:
+    """``x`` as a contiguous view (permuted) where ``dense_order`` finds one, else ``x``."""
+    order = dense_order(x)
+    if order is None or order == tuple(range(x.dim())):
+        return x
+    return x.permute(order)
+
+
+def pieces(x: Tensor, size: int) -> Iterator[Tensor]:
+    """Views of ``x`` whose elements together are ``x``'s, each at most ``size`` elements
+    (``size >= 1``): slices of its flat view where it is dense, else slices along its
+    outer dimensions (recursing into a dimension whose slices are still too large). No
+    copy, whatever the layout."""
+    if x.numel() <= size:
+        yield x
+        return
+    if x.size(0) == 1:
+        yield from pieces(x[0], size)
+        return
+    dense = dense_view(x)
+    if dense.is_contiguous():
+        yield from dense.view(-1).split(size)
+        return
+    inner = x[0].numel()
+    if inner <= size:
+        step = size // inner
+        for start in range(0, x.size(0), step):
+            yield x[start : start + step]
+        return
+    for i in range(x.size(0)):
+        yield from pieces(x[i], size)
