@@ -29,6 +29,8 @@ from lightning_scale.record import kernels
 from lightning_scale.tools.op_count import OpCounter
 
 triton = pytest.importorskip("triton", reason='the fused kernel needs triton (`pip install "lightning-scale[test]"`)')
+import triton.language as tl  # noqa: E402 - after the skip
+
 from lightning_scale.record import triton_stats  # noqa: E402 - after the skip
 
 pytestmark = [
@@ -191,6 +193,29 @@ def test_fp8_ties_round_to_even_as_torch_casts() -> None:
         fused(x, ("moments", "fp8")) | {k: math.nan for k in stats.GROUPS["formats"] + ("absmax",)},
         reference(x) | {k: math.nan for k in stats.GROUPS["formats"] + ("absmax",)},
     )
+
+
+@triton.jit
+def _index_probe(i_ptr, j_ptr, t, tiles_n, BR: tl.constexpr, BC: tl.constexpr):
+    r = tl.arange(0, BR)[:, None]
+    c = tl.arange(0, BC)[None, :]
+    i, j = triton_stats.tile_index(t, tiles_n, r, c, BR, BC)
+    tl.store(i_ptr + r, i)
+    tl.store(j_ptr + c, j)
+
+
+@pytest.mark.parametrize("row", [0, 1, 3])
+def test_tile_index_is_exact_in_a_row_of_more_than_2_to_the_31_elements(row: int) -> None:
+    """The last tile of a row of 2**31 + 7 elements (a non-contiguous slice of a large
+    logits tensor) starts at column 2**31: int32 tile arithmetic would wrap there. Scalar
+    arguments only: nothing of that size is allocated."""
+    n_cols, br, bc = 2**31 + 7, 2, 256
+    tiles_n = -(-n_cols // bc)
+    i, j = torch.full((br,), -1, dtype=torch.int64), torch.full((bc,), -1, dtype=torch.int64)
+    _index_probe[(1,)](i, j, row * tiles_n + tiles_n - 1, tiles_n, BR=br, BC=bc)
+    assert i.tolist() == [row * br + k for k in range(br)]
+    assert j.tolist() == [2**31 + k for k in range(bc)]
+    assert int((j < n_cols).sum()) == 7  # the row's last 7 elements, the rest masked
 
 
 @pytest.mark.parametrize("groups", [("moments",), ("moments", "range"), ("moments", "formats"), ("moments", "fp8")])

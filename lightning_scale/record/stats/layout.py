@@ -9,11 +9,11 @@ a flat array like a contiguous one. Nothing here reads a tensor's data.
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 from torch import Tensor
 
-__all__ = ["dense_order", "dense_view", "pieces"]
+__all__ = ["Grid", "dense_order", "dense_view", "pieces", "strided_grid"]
 
 
 def dense_order(x: Tensor) -> Optional[Tuple[int, ...]]:
@@ -72,3 +72,40 @@ def pieces(x: Tensor, size: int) -> Iterator[Tensor]:
         return
     for i in range(x.size(0)):
         yield from pieces(x[i], size)
+
+
+#: (tensor to read, n, M, N, s0, s1): see ``strided_grid``.
+Grid = Tuple[Tensor, int, int, int, int, int]
+
+
+def strided_grid(x: Tensor, bc: int) -> Optional[Grid]:
+    """How a kernel (``triton_stats``) reads ``x`` in place: element (i, j) of an ``M x N`` grid at
+    ``i * s0 + j * s1`` from ``x``'s first element, for ``i * N + j < n``. A flat array
+    (contiguous, or dense in some order of its dimensions: a transpose) as rows of
+    ``bc``; else dimensions that collapse to at most two strided ones. None otherwise."""
+    n = x.numel()
+    if dense_order(x) is not None:  # (its lowest address first: data_ptr)
+        return x, n, -(-n // bc), bc, bc, 1
+    dims = _collapsed(x)
+    if dims is None:
+        return None
+    if len(dims) == 1:
+        ((size, stride),) = dims
+        return x, n, -(-n // bc), bc, bc * stride, stride
+    (m, a), (k, b) = dims
+    if abs(a) < abs(b):  # the faster-moving dimension inside a tile's rows
+        (m, a), (k, b) = (k, b), (m, a)
+    return x, n, m, k, a, b
+
+
+def _collapsed(x: Tensor) -> Optional[List[Tuple[int, int]]]:
+    """(size, stride) of ``x``'s dimensions with size-1 ones dropped and neighbours that
+    address like one dimension merged; None if more than two remain."""
+    dims = [(s, st) for s, st in zip(x.shape, x.stride()) if s != 1]
+    out: List[Tuple[int, int]] = []
+    for size, stride in dims:
+        if out and out[-1][1] == stride * size:
+            out[-1] = (out[-1][0] * size, stride)
+        else:
+            out.append((size, stride))
+    return out if 1 <= len(out) <= 2 else None
