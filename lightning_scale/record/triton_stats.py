@@ -103,7 +103,7 @@ def tile_index(t, tiles_n, r, c, BR: tl.constexpr, BC: tl.constexpr):
     BC``, ``tiles_n`` tiles a row: ``r`` (BR, 1) and ``c`` (1, BC) their place in the tile.
     64-bit before any product with the tile index: a row of 2**31 elements or more (a
     slice of a large logits tensor) would wrap in int32."""
-    t64 = t.to(tl.int64)
+    t64 = tl.cast(t, tl.int64)  # (a Python int in the interpreter's loops)
     tm = t64 // tiles_n
     return tm * BR + r.to(tl.int64), (t64 - tm * tiles_n) * BC + c.to(tl.int64)
 

@@ -58,7 +58,8 @@ from lightning_scale.record.stats.fields import (
     summarise,
 )
 from lightning_scale.record.stats.formats import format_counts_device, format_counts_host
-from lightning_scale.record.stats.fp8 import CHUNK, fp8_fields
+from lightning_scale.record.stats.fp8 import fp8_fields
+from lightning_scale.record.stats.layout import piece_size, pieces
 from lightning_scale.record.stats.host import (
     DOT_MAX,
     host_absmax,
@@ -142,27 +143,60 @@ def record_of(
         kernels.record_into(x, groups, row)
         return list(row.unbind(0))
     if host_reads:
-        if "formats" in groups and n > DOT_MAX and native_every_group(x, out):
-            if "range" not in groups:
-                out[Col.ABSMAX] = math.nan
-            if "fp8" in groups:
-                out[FP8_SPAN] = [float(v) for v in fp8_fields(x, host_sum)]
-            return out
-        top = host_moments(x, out, with_max="range" in groups and "formats" not in groups)
-        if "formats" in groups:
-            out[FORMATS_SPAN], absmax = format_counts_host(x, out[Col.NAN])  # type: ignore[arg-type]
-        if "range" in groups:  # (without NaN, the formats' max |x| is the absmax)
-            if top is not None:
-                out[Col.ABSMAX] = top
-            else:
-                out[Col.ABSMAX] = absmax if "formats" in groups and not out[Col.NAN] else host_absmax(x)
+        _host_fields(x, groups, out)
     else:
-        absmax = device_moments(x, out)
-        if "range" in groups:
-            out[Col.ABSMAX] = absmax
-        if "formats" in groups:
-            out[FORMATS_SPAN] = format_counts_device(x, out[Col.NAN])  # type: ignore[arg-type]
+        _device_fields_bounded(x, groups, out)
     if "fp8" in groups:
-        fp8 = fp8_fields(x, host_sum) if host_reads else fp8_fields(x, sum64, CHUNK)
+        fp8 = fp8_fields(x, host_sum if host_reads else sum64)
         out[FP8_SPAN] = [float(v) for v in fp8] if host_reads else fp8
     return out
+
+
+def _host_fields(x: Tensor, groups: Collection[str], out: List[Entry]) -> None:
+    """The moments, range and formats groups of ``x`` with host reads, into ``out``."""
+    if "formats" in groups and x.numel() > DOT_MAX and native_every_group(x, out):
+        if "range" not in groups:
+            out[Col.ABSMAX] = math.nan
+        return
+    top = host_moments(x, out, with_max="range" in groups and "formats" not in groups)
+    if "formats" in groups:
+        out[FORMATS_SPAN], absmax = format_counts_host(x, out[Col.NAN])  # type: ignore[arg-type]
+    if "range" in groups:  # (without NaN, the formats' max |x| is the absmax)
+        if top is not None:
+            out[Col.ABSMAX] = top
+        else:
+            out[Col.ABSMAX] = absmax if "formats" in groups and not out[Col.NAN] else host_absmax(x)
+
+
+#: Bytes of temporaries per element the device path's torch kernels take at most: a
+#: float32 (float64) copy for the moments; |x|, bucket indices, their float32 copy for
+#: ``histc`` and a mask for the format counts.
+_DEVICE_SCRATCH = 24
+
+
+def _device_fields_bounded(x: Tensor, groups: Collection[str], out: List[Entry]) -> None:
+    """``_device_fields``, of pieces merged exactly (``merge_rows``, on the device: no
+    host read) where ``x``'s temporaries would exceed ``layout.scratch_bytes``."""
+    size = piece_size(x, _DEVICE_SCRATCH)
+    if x.numel() <= size:
+        _device_fields(x, groups, out)
+        return
+    rows = []
+    for piece in pieces(x, size):
+        row = nan_row()
+        row[Col.COUNT] = float(piece.numel())
+        _device_fields(piece, groups, row)
+        rows.append(row)
+    merged = merge_rows(assemble(rows)).unbind(0)
+    for name in (f for g in ("moments", "range", "formats") if g in groups or g == "moments" for f in GROUPS[g]):
+        if name != "count":  # (host-known: kept a float)
+            out[IX[name]] = merged[IX[name]]
+
+
+def _device_fields(x: Tensor, groups: Collection[str], out: List[Entry]) -> None:
+    """The moments, range and formats groups of ``x`` by torch's kernels, nothing read back."""
+    absmax = device_moments(x, out)
+    if "range" in groups:
+        out[Col.ABSMAX] = absmax
+    if "formats" in groups:
+        out[FORMATS_SPAN] = format_counts_device(x, out[Col.NAN])  # type: ignore[arg-type]

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_scale.record.stats.layout import piece_size, pieces
+
 
 @dataclass(frozen=True)
 class FloatFormat:
@@ -394,8 +396,21 @@ LOG2_LO, LOG2_HI = -160, 130
 def log2_histogram(x: Tensor) -> Tensor:
     """Counts of floor(log2|x|) per octave in ``[LOG2_LO, LOG2_HI)``, on x's device, no sync.
 
-    Zeros and non-finite values are not counted (they have their own statistics).
+    Zeros and non-finite values are not counted (they have their own statistics). A
+    tensor whose temporaries would exceed ``layout.scratch_bytes`` is counted in pieces.
     """
+    size = piece_size(x, _HISTOGRAM_SCRATCH)
+    if x.numel() <= size:
+        return _log2_counts(x)
+    return torch.stack([_log2_counts(piece) for piece in pieces(x, size)]).sum(0)
+
+
+#: Bytes of temporaries per element ``_log2_counts`` takes at most (|x|, a mask, the
+#: exponents in float and int64, float64 ones to add).
+_HISTOGRAM_SCRATCH = 48
+
+
+def _log2_counts(x: Tensor) -> Tensor:
     a = x.detach().abs()
     a = a if a.dtype == torch.float64 else a.float()
     valid = (a > 0) & torch.isfinite(a)

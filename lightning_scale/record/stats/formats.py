@@ -10,7 +10,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_scale.record.stats.fields import WIDE_DTYPES, FORMATS, Entry, acc_dtype, index_tensor
+from lightning_scale.record.stats.fields import FORMATS, GROUPS, WIDE_DTYPES, Entry, acc_dtype, index_tensor
+from lightning_scale.record.stats.layout import piece_size, pieces
 
 
 def _format_bounds(dtype: torch.dtype) -> Tuple[List[float], List[int], List[int]]:
@@ -84,8 +85,27 @@ def _histogram(idx: Tensor, bins: int) -> Tensor:
     return torch.stack(parts).sum(0)
 
 
+#: Bytes of temporaries per element ``format_counts_host`` takes at most: |x| (float32,
+#: float64 for float64; a half tensor's float32 copy before it) and a bool mask.
+_FORMAT_SCRATCH = 12
+_MIN_NONZERO = GROUPS["formats"].index("min_nonzero")  # (the results are the formats group's fields, in order)
+
+
 def format_counts_host(x: Tensor, nan: float) -> Tuple[List[Entry], float]:
-    """As ``format_counts_device``, for a tensor in host memory, and max |x| (NaN with NaN).
+    """As ``format_counts_device``, for a tensor in host memory, and max |x| (NaN with
+    NaN). A tensor whose temporaries would exceed ``layout.scratch_bytes`` is counted in
+    pieces (the counts add, the extremes are the pieces' extremes)."""
+    size = piece_size(x, _FORMAT_SCRATCH)
+    if x.numel() <= size:
+        return _format_counts_whole(x, nan)
+    parts = [_format_counts_whole(piece, nan) for piece in pieces(x, size)]
+    fields = [sum(column) for column in zip(*(res for res, _ in parts))]  # (exact: integers below 2**53)
+    fields[_MIN_NONZERO] = min(res[_MIN_NONZERO] for res, _ in parts)  # (the least, not a sum)
+    return fields, math.nan if nan else max(top for _, top in parts)
+
+
+def _format_counts_whole(x: Tensor, nan: float) -> Tuple[List[Entry], float]:
+    """``format_counts_host`` of ``x`` in one piece.
 
     numpy's vectorised compare-and-count (~0.15 ns an element) per threshold is ~8x
     cheaper than a histogram (``bincount``, ~1 ns an element). The extremes of |x| answer

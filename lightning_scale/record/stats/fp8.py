@@ -4,21 +4,24 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+
 import torch
 from torch import Tensor
 
-from lightning_scale.record.stats.fields import FORMATS, FP8_DTYPES, acc_dtype, SumFn
+from lightning_scale.record.stats.fields import FORMATS, FP8_DTYPES, SumFn, acc_dtype
+from lightning_scale.record.stats.layout import piece_size, pieces
 
 # ---------------------------------------------------------------------------------------
 # FP8 what-if: per-tensor amax scaling, cast, and the error it makes.
 
 
-#: The device path quantises tensors above this many elements a chunk at a time: its
-#: float64 temporaries (about 60 bytes an element) stay within a chunk's, not the tensor's.
-CHUNK = 1 << 22
+#: Bytes of temporaries per element the quantisation takes at most (float64 copies of the
+#: values, of each quantised format and of its error): above ``layout.scratch_bytes`` a
+#: tensor is read in pieces.
+FP8_SCRATCH = 64
 
 
-def fp8_fields(x: Tensor, total_of: SumFn, chunk: Optional[int] = None) -> List[Tensor]:
+def fp8_fields(x: Tensor, total_of: SumFn) -> List[Tensor]:
     """For E4M3 then E5M2: sum of squared error, sum of squares, nonzeros flushed to 0.
 
     Quantisation as a per-tensor-scaled FP8 recipe does it: ``scale = max / amax`` (in
@@ -27,13 +30,17 @@ def fp8_fields(x: Tensor, total_of: SumFn, chunk: Optional[int] = None) -> List[
     in float64 as ``(q - x * scale) / scale``. Non-finite elements are left out (zero
     error, zero square, not flushed): the ``nan``/``inf`` counts report them.
 
-    ``chunk``: above this many elements, ``x`` is read a chunk at a time (the amax first,
-    then the sums, added in float64), so that no temporary is the tensor's size.
+    A tensor whose temporaries would exceed ``layout.scratch_bytes`` is read in pieces
+    (any layout, no copy of the whole): the amax first, then the sums, added in float64.
     """
-    if chunk is None or x.numel() <= chunk:
+    return fp8_fields_in_pieces(x, total_of, piece_size(x, FP8_SCRATCH))
+
+
+def fp8_fields_in_pieces(x: Tensor, total_of: SumFn, size: int) -> List[Tensor]:
+    """``fp8_fields`` of ``x`` read in pieces of at most ``size`` elements (one where it is no larger)."""
+    if x.numel() <= size:
         return _fp8_sums(_finite(x), None, total_of)
-    flat = (x if x.is_contiguous() else x.contiguous()).view(-1)  # (a copy in x's dtype only where strided)
-    parts = flat.split(chunk)
+    parts = list(pieces(x, size))
     amax = torch.stack([_amax(_finite(p)) for p in parts]).amax()
     sums = [_fp8_sums(_finite(p), amax, total_of) for p in parts]
     return [torch.stack(column).sum() for column in zip(*sums)]

@@ -21,10 +21,12 @@ from lightning_scale.record.stats.fields import (
     WIDE_DTYPES,
     Col,
     Entry,
+    assemble,
     host_sum,
+    merge_rows,
     nan_row,
 )
-from lightning_scale.record.stats.layout import dense_view
+from lightning_scale.record.stats.layout import dense_view, piece_size, pieces
 from lightning_scale.record.stats.formats import NATIVE_BOUNDS, format_fields_of_row
 
 
@@ -110,6 +112,37 @@ def host_moments(x: Tensor, out: List[Entry], with_max: bool = False, one_read: 
         taken, top = _native_moments(x, out, with_max)
         if taken:
             return top
+    size = piece_size(x, _MOMENT_SCRATCH)
+    if n <= size:
+        _torch_moments(x, out)
+    else:
+        _pieced_moments(x, out, size)
+    return None
+
+
+#: Bytes of temporaries per element ``_torch_moments`` takes at most (a float32 copy of a
+#: half tensor or a copy of a strided one, then ``y - c``; float64: twice that).
+_MOMENT_SCRATCH = 16
+
+
+def _pieced_moments(x: Tensor, out: List[Entry], size: int) -> None:
+    """Mean, m2, nan and inf of ``x`` from ``_torch_moments`` of pieces of at most ``size``
+    elements, merged exactly (``merge_rows``): temporaries of a piece's size, not ``x``'s."""
+    rows = []
+    for piece in pieces(x, size):
+        row = nan_row()
+        row[Col.COUNT] = float(piece.numel())
+        _torch_moments(piece, row)
+        rows.append(row)
+    merged = merge_rows(assemble(rows, host_only=True)).tolist()
+    for c in (Col.MEAN, Col.M2, Col.NAN, Col.INF):
+        out[c] = merged[c]
+
+
+def _torch_moments(x: Tensor, out: List[Entry]) -> None:
+    """``host_moments`` by torch's kernels: one-pass sums where they can be trusted, a
+    shifted or scaled two-pass otherwise."""
+    n = x.numel()
     own = x.dtype not in WIDE_DTYPES
     if not own and n > DOT_MAX and n % _ROW == 0 and x.is_contiguous():
         # The common case, straight to the kernels `_sum_of_squares` would pick (the same
@@ -126,11 +159,11 @@ def host_moments(x: Tensor, out: List[Entry], with_max: bool = False, one_read: 
         m2 = _one_pass_m2(total, sumsq, n, _TINY[y.dtype])
         if m2 is not None:
             out[Col.MEAN], out[Col.M2], out[Col.NAN], out[Col.INF] = total / n, m2, 0.0, 0.0
-            return None
+            return
         shifted = _shifted_moments(y, total / n, sumsq)
         if shifted is not None:
             out[Col.MEAN], out[Col.M2], out[Col.NAN], out[Col.INF] = *shifted, 0.0, 0.0
-            return None
+            return
     else:
         nan, inf = float(torch.isnan(x).sum()), float(torch.isinf(x).sum())
         if nan or inf:  # as torch.mean in float64: inf for [inf, 1, 2], NaN with a NaN or both infinities
@@ -141,10 +174,9 @@ def host_moments(x: Tensor, out: List[Entry], with_max: bool = False, one_read: 
                 nan,
                 inf,
             )
-            return None
+            return
     mean, m2, _ = scaled_moments(y, host_sum, own=own)
     out[Col.MEAN], out[Col.M2], out[Col.NAN], out[Col.INF] = float(mean), float(m2), 0.0, 0.0
-    return None
 
 
 def _one_pass_m2(total: float, sumsq: float, n: int, tiny: float) -> Optional[float]:

@@ -13,7 +13,35 @@ from typing import Iterator, List, Optional, Tuple
 
 from torch import Tensor
 
-__all__ = ["Grid", "dense_order", "dense_view", "pieces", "strided_grid"]
+__all__ = [
+    "SCRATCH_FLOOR",
+    "SCRATCH_MAX",
+    "Grid",
+    "dense_order",
+    "dense_view",
+    "piece_size",
+    "pieces",
+    "scratch_bytes",
+    "strided_grid",
+]
+
+#: Temporaries while one tensor is recorded stay within a quarter of its bytes, at most
+#: ``SCRATCH_MAX``, plus ``SCRATCH_FLOOR`` (below that, splitting would cost more calls
+#: than it saves): paths that make temporaries read a larger tensor in ``pieces``.
+SCRATCH_MAX = 64 << 20
+SCRATCH_FLOOR = 4 << 20
+
+
+def scratch_bytes(x: Tensor) -> int:
+    """The bytes of temporaries recording ``x`` may take: ``min(SCRATCH_MAX, x's bytes / 4)
+    + SCRATCH_FLOOR``."""
+    return min(SCRATCH_MAX, x.numel() * x.element_size() // 4) + SCRATCH_FLOOR
+
+
+def piece_size(x: Tensor, per_element: int) -> int:
+    """Elements of ``x`` one piece may hold where a computation takes ``per_element`` bytes
+    of temporaries per element it reads: ``scratch_bytes(x) // per_element``."""
+    return max(1, scratch_bytes(x) // per_element)
 
 
 def dense_order(x: Tensor) -> Optional[Tuple[int, ...]]:
