@@ -163,7 +163,8 @@ def test_without_per_cpu_variants_where_the_toolchain_refuses_them(fresh, monkey
     wrapper = fresh / "cc-no-ifunc"
     real = native.compiler()
     wrapper.write_text(
-        f'#!/bin/sh\ncase "$*" in *-DLS_NO_CLONES*) exec {" ".join(real)} "$@";; esac\necho "target_clones: no ifunc here" >&2\nexit 1\n'
+        f'#!/bin/sh\ncase "$*" in *-DLS_NO_CLONES*) exec {" ".join(real)} "$@";; esac\n'
+        'echo "target_clones: no ifunc here" >&2\nexit 1\n'
     )
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))

@@ -305,18 +305,23 @@ COMPILE = textwrap.dedent("""
     except RuntimeError as err:
         assert "needs Triton's interpreter: set TRITON_INTERPRET=1" in str(err), err
     grid = {"n": "i64", "M": "i64", "N": "i32", "s0": "i64", "s1": "i32", "tiles_n": "i32", "ntiles": "i32"}
+    parts = {"part_ptr": "*fp64", "out_ptr": "*fp64", "scale_ptr": "*fp64", "P": "i32"}
+    tiles = dict(BR=16, BC=256, PW=32)
     jobs = [
-        (ts._tiles_kernel, {"x_ptr": "*i16", "part_ptr": "*fp64", "bounds_ptr": "*i32", **grid}, dict(BR=16, BC=256, FORMATS=True, PW=32, BF16=True)),
-        (ts._tiles_kernel, {"x_ptr": "*fp32", "part_ptr": "*fp64", "bounds_ptr": "*i32", **grid}, dict(BR=16, BC=256, FORMATS=False, PW=32, BF16=False)),
-        (ts._finish_kernel, {"part_ptr": "*fp64", "out_ptr": "*fp64", "scale_ptr": "*fp64", "P": "i32", "n": "i64"},
-         dict(CH=64, PW=32, F=26, RANGE=True, FORMATS=True, FP8=True)),
-        (ts._fp8_kernel, {"x_ptr": "*fp16", "part_ptr": "*fp64", "scale_ptr": "*fp64", **grid}, dict(BR=16, BC=256, PW=8, BF16=False)),
-        (ts._fp8_finish_kernel, {"part_ptr": "*fp64", "out_ptr": "*fp64", "scale_ptr": "*fp64", "P": "i32"}, dict(CH=64, PW=8)),
+        (ts._tiles_kernel, {"x_ptr": "*i16", "part_ptr": "*fp64", "bounds_ptr": "*i32", **grid},
+         dict(**tiles, FORMATS=True, BF16=True)),
+        (ts._tiles_kernel, {"x_ptr": "*fp32", "part_ptr": "*fp64", "bounds_ptr": "*i32", **grid},
+         dict(**tiles, FORMATS=False, BF16=False)),
+        (ts._finish_kernel, {**parts, "n": "i64"}, dict(CH=64, PW=32, F=26, RANGE=True, FORMATS=True, FP8=True)),
+        (ts._fp8_kernel, {"x_ptr": "*fp16", "part_ptr": "*fp64", "scale_ptr": "*fp64", **grid},
+         dict(BR=16, BC=256, PW=8, BF16=False)),
+        (ts._fp8_finish_kernel, parts, dict(CH=64, PW=8)),
     ]
+    options = {"num_warps": 8, "enable_fp_fusion": False}
     for arch in (80, 90):
         for fn, sig, const in jobs:
             src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const)
-            done = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8, "enable_fp_fusion": False})
+            done = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
             assert done.asm["cubin"], (arch, fn)
     print("compiled")
 """)

@@ -312,8 +312,9 @@ def _self_check(kernels: _Kernels) -> None:
             for with_max in (False, True):
                 got = kernels.call(dtype, array.ctypes.data, *layout, with_max)
                 if not (_sums_close(got, want) and got[2] == (mags.max() if with_max else -1.0)):
+                    expected = (want.sum(), (want * want).sum(), mags.max())
                     raise _Unavailable(
-                        f"self-check failed for {dtype} (max: {with_max}): got {got}, expected {(want.sum(), (want * want).sum(), mags.max())}"
+                        f"self-check failed for {dtype} (max: {with_max}): got {got}, expected {expected}"
                     )
             out, counts = kernels.call_all(dtype, array.ctypes.data, *layout, bounds)
             expect_counts = [(mags < b).sum() for b in bounds.view(np.float32).astype(np.float64)]
@@ -325,7 +326,8 @@ def _self_check(kernels: _Kernels) -> None:
                 and out[4] == 0
             ):
                 raise _Unavailable(
-                    f"self-check failed for {dtype} (every group): got {list(out)}, {list(counts)}, expected counts {expect_counts}"
+                    f"self-check failed for {dtype} (every group): got {list(out)}, {list(counts)}, "
+                    f"expected counts {expect_counts}"
                 )
 
 

@@ -1,8 +1,11 @@
 """Per-tensor statistics: computed on the tensor's device, merged exactly.
 
 ``record_of`` gives a tensor's record (see ``fields`` for what a record holds and how
-records merge); ``host`` is the path for tensors in host memory, ``device`` the one that
-reads nothing back, ``formats`` and ``fp8`` the optional groups.
+records merge: one table names each field, its group and its reduction); ``host`` is the
+path for tensors in host memory, ``device`` the one that reads nothing back, ``formats``
+and ``fp8`` the optional groups, ``layout`` how a tensor is read in place (dense views,
+strided grids) and in bounded pieces (a large tensor's temporaries stay within
+``layout.scratch_bytes``).
 
 Nothing here imports Lightning.
 """
@@ -59,7 +62,7 @@ from lightning_scale.record.stats.fields import (
 )
 from lightning_scale.record.stats.formats import format_counts_device, format_counts_host
 from lightning_scale.record.stats.fp8 import fp8_fields
-from lightning_scale.record.stats.layout import piece_size, pieces
+from lightning_scale.record.stats.layout import DEVICE_SCRATCH_FLOOR, SCRATCH_FLOOR, piece_size, pieces
 from lightning_scale.record.stats.host import (
     DOT_MAX,
     host_absmax,
@@ -147,7 +150,7 @@ def record_of(
     else:
         _device_fields_bounded(x, groups, out)
     if "fp8" in groups:
-        fp8 = fp8_fields(x, host_sum if host_reads else sum64)
+        fp8 = fp8_fields(x, host_sum, SCRATCH_FLOOR) if host_reads else fp8_fields(x, sum64, DEVICE_SCRATCH_FLOOR)
         out[FP8_SPAN] = [float(v) for v in fp8] if host_reads else fp8
     return out
 
@@ -171,13 +174,15 @@ def _host_fields(x: Tensor, groups: Collection[str], out: List[Entry]) -> None:
 #: Bytes of temporaries per element the device path's torch kernels take at most: a
 #: float32 (float64) copy for the moments; |x|, bucket indices, their float32 copy for
 #: ``histc`` and a mask for the format counts.
-_DEVICE_SCRATCH = 24
+_DEVICE_SCRATCH = {"moments": 8, "formats": 24}
 
 
 def _device_fields_bounded(x: Tensor, groups: Collection[str], out: List[Entry]) -> None:
     """``_device_fields``, of pieces merged exactly (``merge_rows``, on the device: no
-    host read) where ``x``'s temporaries would exceed ``layout.scratch_bytes``."""
-    size = piece_size(x, _DEVICE_SCRATCH)
+    host read) where ``x``'s temporaries would exceed ``layout.scratch_bytes`` (with the
+    device path's floor)."""
+    per_element = _DEVICE_SCRATCH["formats" if "formats" in groups else "moments"]
+    size = piece_size(x, per_element, DEVICE_SCRATCH_FLOOR)
     if x.numel() <= size:
         _device_fields(x, groups, out)
         return

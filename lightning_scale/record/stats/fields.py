@@ -5,8 +5,12 @@ its element count, mean and sum of squared deviations (``m2``), extremes, and co
 special values. Records merge exactly: ``merge(record(a), record(b))`` and
 ``merge_rows(stack of records)`` equal ``record(cat(a, b, ...))`` up to rounding, which is
 what pooling across micro-batches and ranks relies on. ``merge_rows`` merges by a max, a
-sum and a second sum, so that the same arithmetic runs as reductions across ranks. Fields that were not computed hold NaN and stay NaN
-through merges.
+sum and a second sum, so that the same arithmetic runs as reductions across ranks. Fields
+that were not computed hold NaN and stay NaN through merges.
+
+``TABLE`` names every field once, with the group that computes it and how it merges;
+``FIELDS``, ``GROUPS``, ``IX``/``Col``, the merges' columns (``EXTREMES``, ``SUMS``), the
+pool and the kernels' finishing steps read it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_scale.record.stats.layout import piece_size, pieces
+from lightning_scale.record.stats.layout import DEVICE_SCRATCH_FLOOR, SCRATCH_FLOOR, piece_size, pieces
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,9 @@ TABLE: Tuple[Field, ...] = (
     *(Field(name, "formats", "sum") for name in FORMAT_FIELDS),
     *(Field(name, "fp8", "sum") for name in FP8_FIELDS),
 )
+#: How a field may merge (``Field.merge``).
+MERGES = ("sum", "max", "min", "moment")
+assert all(f.merge in MERGES for f in TABLE) and len({f.name for f in TABLE}) == len(TABLE)
 FIELDS: Tuple[str, ...] = tuple(f.name for f in TABLE)
 #: Field name -> its column in a record.
 IX: Dict[str, int] = {name: i for i, name in enumerate(FIELDS)}
@@ -397,9 +404,11 @@ def log2_histogram(x: Tensor) -> Tensor:
     """Counts of floor(log2|x|) per octave in ``[LOG2_LO, LOG2_HI)``, on x's device, no sync.
 
     Zeros and non-finite values are not counted (they have their own statistics). A
-    tensor whose temporaries would exceed ``layout.scratch_bytes`` is counted in pieces.
+    tensor whose temporaries would exceed ``layout.scratch_bytes`` is counted in pieces
+    (with the device path's floor off the CPU: fewer launches).
     """
-    size = piece_size(x, _HISTOGRAM_SCRATCH)
+    floor = SCRATCH_FLOOR if x.device.type == "cpu" else DEVICE_SCRATCH_FLOOR
+    size = piece_size(x, _HISTOGRAM_SCRATCH, floor)
     if x.numel() <= size:
         return _log2_counts(x)
     return torch.stack([_log2_counts(piece) for piece in pieces(x, size)]).sum(0)

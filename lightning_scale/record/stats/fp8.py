@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_scale.record.stats.fields import FORMATS, FP8_DTYPES, SumFn, acc_dtype
-from lightning_scale.record.stats.layout import piece_size, pieces
+from lightning_scale.record.stats.layout import SCRATCH_FLOOR, piece_size, pieces
 
 # ---------------------------------------------------------------------------------------
 # FP8 what-if: per-tensor amax scaling, cast, and the error it makes.
@@ -21,7 +21,7 @@ from lightning_scale.record.stats.layout import piece_size, pieces
 FP8_SCRATCH = 64
 
 
-def fp8_fields(x: Tensor, total_of: SumFn) -> List[Tensor]:
+def fp8_fields(x: Tensor, total_of: SumFn, floor: int = SCRATCH_FLOOR) -> List[Tensor]:
     """For E4M3 then E5M2: sum of squared error, sum of squares, nonzeros flushed to 0.
 
     Quantisation as a per-tensor-scaled FP8 recipe does it: ``scale = max / amax`` (in
@@ -30,10 +30,11 @@ def fp8_fields(x: Tensor, total_of: SumFn) -> List[Tensor]:
     in float64 as ``(q - x * scale) / scale``. Non-finite elements are left out (zero
     error, zero square, not flushed): the ``nan``/``inf`` counts report them.
 
-    A tensor whose temporaries would exceed ``layout.scratch_bytes`` is read in pieces
-    (any layout, no copy of the whole): the amax first, then the sums, added in float64.
+    A tensor whose temporaries would exceed ``layout.scratch_bytes(x, floor)`` is read in
+    pieces (any layout, no copy of the whole): the amax first, then the sums, added in
+    float64.
     """
-    return fp8_fields_in_pieces(x, total_of, piece_size(x, FP8_SCRATCH))
+    return fp8_fields_in_pieces(x, total_of, piece_size(x, FP8_SCRATCH, floor))
 
 
 def fp8_fields_in_pieces(x: Tensor, total_of: SumFn, size: int) -> List[Tensor]:

@@ -14,6 +14,7 @@ from typing import Iterator, List, Optional, Tuple
 from torch import Tensor
 
 __all__ = [
+    "DEVICE_SCRATCH_FLOOR",
     "SCRATCH_FLOOR",
     "SCRATCH_MAX",
     "Grid",
@@ -26,22 +27,26 @@ __all__ = [
 ]
 
 #: Temporaries while one tensor is recorded stay within a quarter of its bytes, at most
-#: ``SCRATCH_MAX``, plus ``SCRATCH_FLOOR`` (below that, splitting would cost more calls
-#: than it saves): paths that make temporaries read a larger tensor in ``pieces``.
+#: ``SCRATCH_MAX``, plus a fixed floor (below it, splitting would cost more calls than it
+#: saves): paths that make temporaries read a larger tensor in ``pieces``. The floor is
+#: ``SCRATCH_FLOOR`` on the host path; on the device path (torch's kernels, where each
+#: piece costs a dozen launches) ``DEVICE_SCRATCH_FLOOR``: a few tens of MB of an
+#: accelerator's memory, a tensor of a million elements recorded without pieces.
 SCRATCH_MAX = 64 << 20
 SCRATCH_FLOOR = 4 << 20
+DEVICE_SCRATCH_FLOOR = 64 << 20
 
 
-def scratch_bytes(x: Tensor) -> int:
+def scratch_bytes(x: Tensor, floor: int = SCRATCH_FLOOR) -> int:
     """The bytes of temporaries recording ``x`` may take: ``min(SCRATCH_MAX, x's bytes / 4)
-    + SCRATCH_FLOOR``."""
-    return min(SCRATCH_MAX, x.numel() * x.element_size() // 4) + SCRATCH_FLOOR
+    + floor``."""
+    return min(SCRATCH_MAX, x.numel() * x.element_size() // 4) + floor
 
 
-def piece_size(x: Tensor, per_element: int) -> int:
+def piece_size(x: Tensor, per_element: int, floor: int = SCRATCH_FLOOR) -> int:
     """Elements of ``x`` one piece may hold where a computation takes ``per_element`` bytes
-    of temporaries per element it reads: ``scratch_bytes(x) // per_element``."""
-    return max(1, scratch_bytes(x) // per_element)
+    of temporaries per element it reads: ``scratch_bytes(x, floor) // per_element``."""
+    return max(1, scratch_bytes(x, floor) // per_element)
 
 
 def dense_order(x: Tensor) -> Optional[Tuple[int, ...]]:
