@@ -341,21 +341,18 @@ class _Columns(NamedTuple):
     def of(groups: Optional[Collection[str]]) -> "_Columns":
         names = set(stats.FIELDS) if groups is None else {f for g in {"moments", *groups} for f in stats.GROUPS[g]}
         fields = tuple(i for i, f in enumerate(stats.FIELDS) if f in names)
-        extremes = (*((0, 2) if "absmax" in names else ()), *((1, 3) if "min_nonzero" in names else ()), 4, 5)
-        additive = stats.merge_widths()[0]
-        sums = tuple(k for k, f in enumerate(stats.additive_fields()) if stats.FIELDS[f] in names) + (additive - 1,)
-        return _Columns(fields, tuple(sorted(extremes)), sums)
+        return _Columns(fields, stats.extreme_columns(names), stats.sum_columns(names))
 
     def extremes_of(self, sent: Tensor) -> Tensor:
-        """All six extreme columns from those sent: a field not computed is NaN (flag 1)."""
-        full = torch.full((*sent.shape[:-1], stats.merge_widths()[1]), -math.inf, dtype=sent.dtype, device=sent.device)
-        full[..., 2:4] = 1.0
+        """Every column of ``stats.EXTREMES`` from those sent: a field not computed is NaN (flag 1)."""
+        full = torch.full((*sent.shape[:-1], len(stats.EXTREMES)), -math.inf, dtype=sent.dtype, device=sent.device)
+        full[..., list(stats.EXTREME_NAN_FLAGS)] = 1.0
         full[..., list(self.extremes)] = sent
         return full
 
     def sums_of(self, sent: Tensor) -> Tensor:
         """All additive columns from those sent: a field not computed is NaN."""
-        full = torch.full((*sent.shape[:-1], stats.merge_widths()[0]), math.nan, dtype=sent.dtype, device=sent.device)
+        full = torch.full((*sent.shape[:-1], len(stats.SUMS)), math.nan, dtype=sent.dtype, device=sent.device)
         full[..., list(self.sums)] = sent
         return full
 
