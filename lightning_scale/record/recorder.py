@@ -161,6 +161,7 @@ class Recorder:
             elif not host and n and kernels.uses_triton(x, self.kernel):
                 entry = self._buffer.take(x.device)
                 kernels.record_into(x, self.groups, entry)
+                stats.torch_groups.fill(x, self.groups, entry)  # (groups the kernel does not compute)
             else:
                 entry = stats.record_of(x, self.groups, host, self.kernel)
         self._rows.append((slot, direction, entry))

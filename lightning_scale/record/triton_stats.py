@@ -73,7 +73,9 @@ _NAN, _INF, _ZEROS, _MINNZ = (tl.constexpr(c) for c in (Col.NAN, Col.INF, Col.ZE
 _PINF = tl.constexpr(FP8_SPAN.start)
 _FMT0 = tl.constexpr(IX[FORMAT_FIELDS[0]])  # per format, three slots: underflow, below_normal, overflow
 _NFMT = tl.constexpr(len(FORMATS))
-assert _F <= _PW and FORMAT_FIELDS == tuple(
+# The kernel writes the record's first _PW columns (the fields after them, of groups it does
+# not compute, are NaN: torch code fills them, ``stats.torch_groups``).
+assert FP8_SPAN.stop <= _PW and FORMAT_FIELDS == tuple(
     f"{k}_{f}" for f in FORMATS for k in ("underflow", "below_normal", "overflow")
 )
 # Slots of a partial row of _fp8_kernel: FP8_FIELDS order (per format: sq_err, sq, flushed).
@@ -414,6 +416,8 @@ def record_into(x: Tensor, groups: Collection[str], row: Tensor, block: Optional
         FORMATS="formats" in groups,
         FP8=fp8,
     )
+    if _F > _PW:
+        row[_PW:].fill_(float("nan"))
     if fp8:
         _fp8_kernel[(programs,)](t, part8, scale, *args, BR=br, BC=bc, PW=_PW8, BF16=bf16, **warps)
         _fp8_finish_kernel[(1,)](part8, row[_FP80:], scale, programs, CH=_CH, PW=_PW8)

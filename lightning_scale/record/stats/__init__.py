@@ -63,6 +63,7 @@ from lightning_scale.record.stats.fields import (
 from lightning_scale.record.stats.formats import format_counts_device, format_counts_host
 from lightning_scale.record.stats.fp8 import fp8_fields
 from lightning_scale.record.stats.layout import DEVICE_SCRATCH_FLOOR, SCRATCH_FLOOR, piece_size, pieces
+from lightning_scale.record.stats import torch_groups
 from lightning_scale.record.stats.host import (
     DOT_MAX,
     host_absmax,
@@ -144,6 +145,7 @@ def record_of(
     if not host_reads and kernels.uses_triton(x, kernel):
         row = torch.empty(len(FIELDS), dtype=torch.float64, device=x.device)
         kernels.record_into(x, groups, row)
+        torch_groups.fill(x, groups, row)  # (groups the kernel does not compute)
         return list(row.unbind(0))
     if host_reads:
         _host_fields(x, groups, out)
@@ -152,6 +154,7 @@ def record_of(
     if "fp8" in groups:
         fp8 = fp8_fields(x, host_sum, SCRATCH_FLOOR) if host_reads else fp8_fields(x, sum64, DEVICE_SCRATCH_FLOOR)
         out[FP8_SPAN] = [float(v) for v in fp8] if host_reads else fp8
+    torch_groups.fill(x, groups, out, host_reads)
     return out
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_scale.record.stats.blocks import BLOCK_FIELDS, BLOCK_FORMATS
 from lightning_scale.record.stats.layout import DEVICE_SCRATCH_FLOOR, SCRATCH_FLOOR, piece_size, pieces
 
 
@@ -56,7 +57,8 @@ FP8_FIELDS: Tuple[str, ...] = tuple(f"fp8_{fmt}_{kind}" for fmt in FP8_DTYPES fo
 class Field(NamedTuple):
     """One record field: its name, the group that computes it, and how records merge it:
     ``sum`` (adds over tensors), ``max``, ``min`` (extremes: an empty record carries
-    none), ``moment`` (mean and m2: Chan's two-stage merge, see ``merge_rows``)."""
+    none), ``moment`` (the mean and the central moments m2, m3, m4, sums of
+    ``(x - mean)^k``: Chan's / Pébay's merge about the merged mean, see ``merge_rows``)."""
 
     name: str
     group: str
@@ -75,6 +77,9 @@ TABLE: Tuple[Field, ...] = (
     Field("min_nonzero", "formats", "min"),
     *(Field(name, "formats", "sum") for name in FORMAT_FIELDS),
     *(Field(name, "fp8", "sum") for name in FP8_FIELDS),
+    *(Field(name, "blocks", "sum") for name in BLOCK_FIELDS),
+    Field("m3", "kurtosis", "moment"),
+    Field("m4", "kurtosis", "moment"),
 )
 #: How a field may merge (``Field.merge``).
 MERGES = ("sum", "max", "min", "moment")
@@ -95,6 +100,8 @@ class Col:
     INF = IX["inf"]
     ZEROS = IX["zeros"]
     MIN_NONZERO = IX["min_nonzero"]
+    M3 = IX["m3"]
+    M4 = IX["m4"]
 
 
 #: Which record fields each computation group fills.
@@ -112,6 +119,11 @@ def span(names: Sequence[str]) -> slice:
 #: Columns of the formats group (zeros, min_nonzero, the format counts), of the format
 #: counts alone, and of the fp8 group.
 FORMATS_SPAN, FORMAT_COUNTS_SPAN, FP8_SPAN = span(GROUPS["formats"]), span(FORMAT_FIELDS), span(FP8_FIELDS)
+#: Columns of the block what-ifs (``blocks.BLOCK_FIELDS``).
+BLOCKS_SPAN = span(BLOCK_FIELDS)
+#: The central moments, by power (2, 3, 4): merged about the merged mean (``deviations``).
+CENTRAL: Tuple[str, ...] = tuple(f.name for f in TABLE if f.merge == "moment" and f.name != "mean")
+assert CENTRAL == ("m2", "m3", "m4")
 
 #: Statistic name -> the group that computes it. ``summarise`` derives each from a record.
 STATISTICS: Dict[str, str] = {
@@ -126,6 +138,8 @@ STATISTICS: Dict[str, str] = {
     "min_nonzero": "formats",
     **{name: "formats" for name in FORMAT_FIELDS},
     **{f"fp8_{fmt}_{kind}": "fp8" for fmt in FP8_DTYPES for kind in ("snr_db", "flushed")},
+    **{f"{fmt}_{kind}": "blocks" for fmt in BLOCK_FORMATS for kind in ("snr_db", "flushed")},
+    "kurtosis": "kurtosis",
 }
 
 Entry = Union[float, Tensor]
@@ -224,10 +238,28 @@ def merge(a: Tensor, b: Tensor) -> Tensor:
     out = torch.where((na == 0).unsqueeze(-1), b, torch.where((nb == 0).unsqueeze(-1), a, out))
     out[..., Col.MEAN] = torch.where(n > 0, a[..., Col.MEAN] + delta * nb / safe, torch.zeros_like(n))
     out[..., Col.M2] = a[..., Col.M2] + b[..., Col.M2] + delta * delta * na * nb / safe
+    m3, m4 = _higher_moments(a, b, na, nb, delta, safe)
+    out[..., Col.M3] = torch.where(na == 0, b[..., Col.M3], torch.where(nb == 0, a[..., Col.M3], m3))
+    out[..., Col.M4] = torch.where(na == 0, b[..., Col.M4], torch.where(nb == 0, a[..., Col.M4], m4))
     for f in _EXTREME_FIELDS:  # empty records carry no information about extremes
         i = IX[f.name]
         out[..., i] = _pick(na, nb, a[..., i], b[..., i], torch.maximum if f.merge == "max" else torch.minimum)
     return out
+
+
+def _higher_moments(a: Tensor, b: Tensor, na: Tensor, nb: Tensor, delta: Tensor, n: Tensor) -> Tuple[Tensor, Tensor]:
+    """m3 and m4 of two merged records (Pébay 2008, eqs. 2.1 and 2.2), ``delta`` = b's mean - a's."""
+    m2a, m2b, m3a, m3b = a[..., Col.M2], b[..., Col.M2], a[..., Col.M3], b[..., Col.M3]
+    d_n = delta / n
+    m3 = m3a + m3b + delta * d_n * d_n * na * nb * (na - nb) + 3 * d_n * (na * m2b - nb * m2a)
+    m4 = (
+        a[..., Col.M4]
+        + b[..., Col.M4]
+        + delta * d_n**3 * na * nb * (na * na - na * nb + nb * nb)
+        + 6 * d_n * d_n * (na * na * m2b + nb * nb * m2a)
+        + 4 * d_n * (na * m3b - nb * m3a)
+    )
+    return m3, m4
 
 
 def _pick(na: Tensor, nb: Tensor, x: Tensor, y: Tensor, op: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
@@ -331,23 +363,28 @@ def _shift(add: Tensor) -> Tensor:
 
 
 def deviations(records: Tensor, ext: Tensor, add: Tensor) -> Tensor:
-    """Merged by a sum into the merged m2: ``m2_i + n_i (mean_i - mean)^2``, the mean from
+    """``[..., 3]``, merged by a sum into the merged ``CENTRAL`` moments: each record's m2, m3,
+    m4 moved to the merged mean (``m2_i + n_i d_i^2``, ``m3_i + 3 d_i m2_i + n_i d_i^3``,
+    ``m4_i + 4 d_i m3_i + 6 d_i^2 m2_i + n_i d_i^4``, ``d_i = mean_i - mean``), the mean from
     the maxed extremes ``ext`` and summed ``add`` (broadcast against ``records``); 0 where
-    empty."""
+    empty (NaN where a moment was not computed)."""
     n = records[..., Col.COUNT]
-    d = records[..., Col.M2] + n * ((records[..., Col.MEAN] - _center(ext)) - _shift(add)).square()
-    return torch.where(n > 0, d, 0.0)
+    d = (records[..., Col.MEAN] - _center(ext)) - _shift(add)
+    m2, m3, m4 = records[..., Col.M2], records[..., Col.M3], records[..., Col.M4]
+    d2 = d * d
+    central = torch.stack([m2 + n * d2, m3 + d * (3 * m2 + n * d2), m4 + d * (4 * m3 + d * (6 * m2 + n * d2))], -1)
+    return torch.where((n > 0).unsqueeze(-1), central, 0.0)
 
 
-def merged_record(add: Tensor, ext: Tensor, m2: Tensor) -> Tensor:
+def merged_record(add: Tensor, ext: Tensor, central: Tensor) -> Tensor:
     """The merged records ``[..., FIELDS]`` from summed ``merge_sums``, maxed
-    ``merge_extremes`` and summed ``deviations``. A record empty everywhere is all zeros
-    (as the recorder's record of a key it never saw)."""
+    ``merge_extremes`` and summed ``deviations`` (``central``). A record empty everywhere
+    is all zeros (as the recorder's record of a key it never saw)."""
     count = add[..., SUM_IX["count"]]
     out = torch.zeros(*count.shape, len(FIELDS), dtype=torch.float64, device=add.device)
     out[..., _ADDITIVE] = add[..., : SUM_IX["shifted_total"]]
     out[..., Col.MEAN] = _center(ext) + _shift(add)
-    out[..., Col.M2] = m2
+    out[..., [IX[name] for name in CENTRAL]] = central
     for f in _EXTREME_FIELDS:
         v = ext[..., EXTREME_IX[_extreme_value(f)]]
         out[..., IX[f.name]] = torch.where(
@@ -379,6 +416,9 @@ def statistic(records: Tensor, name: str) -> Tensor:
         return ((records[..., Col.M2] + n * records[..., Col.MEAN] ** 2) / n.clamp(min=1)).sqrt()
     if name in ("count", "mean", "absmax", "nan", "inf", "min_nonzero"):
         return records[..., IX[name]]
+    if name == "kurtosis":  # population moments: n m4 / m2^2; NaN without spread
+        m2 = records[..., Col.M2]
+        return torch.where(m2 > 0, n * records[..., Col.M4] / (m2 * m2), math.nan)
     if name.endswith("_snr_db"):
         return _snr_db(records, name[: -len("_snr_db")])
     # zeros, format counts and fp8 flushed counts are reported as fractions of the count
