@@ -283,11 +283,11 @@ def _pool_payload(p: _Payload, dst: Optional[int]) -> Optional[Pooled]:
     """Stages 2 (MAX), 3 (SUM) and 4 (SUM), then the one transfer to the host."""
     ext_top, spread_top, rep_top = _extremes(p)
     add_sum, hist_sum, sums_sum, first_sum = _sums(p, ext_top)
-    dev = stats.deviations(p.records, ext_top, add_sum)
+    dev = stats.deviations(p.records, ext_top, add_sum)[..., list(p.cols.central)].contiguous()
     _reduce(dev, dist.ReduceOp.SUM, dst)
     if dst is not None and rank() != dst:
         return None
-    merged = stats.merged_record(add_sum, ext_top, dev)
+    merged = stats.merged_record(add_sum, ext_top, p.cols.central_of(dev))
     hist_sum = hist_sum.view(p.hists.shape)
     if p.rep_index is not None:
         count_once(merged, hist_sum, rep_top, p.rep_index, p.hist_rep, p.cols.field_index(merged.device))
@@ -336,12 +336,21 @@ class _Columns(NamedTuple):
     fields: Tuple[int, ...]
     extremes: Tuple[int, ...]
     sums: Tuple[int, ...]
+    #: of ``stats.deviations`` (the central moments m2, m3, m4)
+    central: Tuple[int, ...]
 
     @staticmethod
     def of(groups: Optional[Collection[str]]) -> "_Columns":
         names = set(stats.FIELDS) if groups is None else {f for g in {"moments", *groups} for f in stats.GROUPS[g]}
         fields = tuple(i for i, f in enumerate(stats.FIELDS) if f in names)
-        return _Columns(fields, stats.extreme_columns(names), stats.sum_columns(names))
+        central = tuple(i for i, f in enumerate(stats.CENTRAL) if f in names)
+        return _Columns(fields, stats.extreme_columns(names), stats.sum_columns(names), central)
+
+    def central_of(self, sent: Tensor) -> Tensor:
+        """Every column of ``stats.deviations`` from those sent: a moment not computed is NaN."""
+        full = torch.full((*sent.shape[:-1], len(stats.CENTRAL)), math.nan, dtype=sent.dtype, device=sent.device)
+        full[..., list(self.central)] = sent
+        return full
 
     def extremes_of(self, sent: Tensor) -> Tensor:
         """Every column of ``stats.EXTREMES`` from those sent: a field not computed is NaN (flag 1)."""
@@ -423,5 +432,5 @@ def collective_bytes(
         "extremes (MAX)": 8
         * (rows * 2 * (len(cols.extremes) + (SPREAD if spread else 0)) + replicated * (2 * len(cols.fields) + 2)),
         "sums (SUM)": 8 * (rows * 2 * len(cols.sums) + histograms * 2 * bins + sharded * USED + first),
-        "m2 (SUM)": 8 * rows * 2,
+        "m2 (SUM)": 8 * rows * 2 * len(cols.central),  # (m3 and m4 too with the kurtosis group)
     }

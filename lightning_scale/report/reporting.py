@@ -369,7 +369,7 @@ def scale_backward(records: Tensor, factor: float) -> Tensor:
     """``records`` with every backward statistic multiplied by ``factor`` (a copy)."""
     out = records.clone()
     bwd = out[..., BACKWARD, :]
-    for name, power in (("mean", 1), ("m2", 2), ("absmax", 1), ("min_nonzero", 1)):
+    for name, power in (("mean", 1), ("m2", 2), ("m3", 3), ("m4", 4), ("absmax", 1), ("min_nonzero", 1)):
         bwd[..., stats.FIELDS.index(name)] *= factor**power
     return out
 

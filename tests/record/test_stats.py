@@ -14,7 +14,7 @@ from torch import Tensor
 
 from lightning_scale.record import stats
 
-ALL_GROUPS = ("moments", "range", "formats", "fp8")
+ALL_GROUPS = ("moments", "range", "formats", "fp8", "blocks", "kurtosis")
 # fp8 records merge as separately scaled parts (test_stats_property.py); these do not
 MERGEABLE = ("moments", "range", "formats")
 HOST_READS = pytest.mark.parametrize("host_reads", [True, False], ids=["host_reads", "device_only"])
@@ -201,7 +201,8 @@ def test_single_element_has_std_zero_without_warning(host_reads: bool, value: fl
         assert got["std"] == 0.0
         assert got["count"] == 1.0 and got["mean"] == pytest.approx(value, rel=1e-6)
         assert got["rms"] == pytest.approx(abs(value), rel=1e-6)
-        assert not any(math.isnan(v) for v in got.values())
+        assert not any(math.isnan(v) for name, v in got.items() if name != "kurtosis")
+        assert math.isnan(got["kurtosis"])  # (no spread: m4 / m2^2 is 0 / 0)
 
 
 @HOST_READS

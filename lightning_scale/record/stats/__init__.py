@@ -21,6 +21,7 @@ from torch import Tensor
 from lightning_scale.record import kernels
 from lightning_scale.record.stats.device import device_moments
 from lightning_scale.record.stats.fields import (
+    CENTRAL,
     EXTREME_NAN_FLAGS,
     EXTREMES,
     FIELDS,
@@ -73,6 +74,7 @@ from lightning_scale.record.stats.host import (
 )
 
 __all__ = [
+    "CENTRAL",
     "EXTREME_NAN_FLAGS",
     "EXTREMES",
     "FIELDS",
