@@ -221,3 +221,39 @@ def test_non_finite_values_and_uncomputed_rows() -> None:
     one_spike[0, 0] = 1.0
     assert float(channel_max_ratio(channel_row(one_spike))) == math.inf  # median 0, max not
     assert channel_row(torch.empty(0, 5))[0] == 5 and math.isnan(float(channel_max_ratio(channel_row(torch.empty(0)))))
+
+
+# ---------------------------------------------------------------------------------------
+# The record fields (m3, m4 of the kurtosis group) merge exactly, pairwise and by reductions
+
+
+@pytest.mark.parametrize("host_reads", [True, False], ids=["host_reads", "device_only"])
+@pytest.mark.parametrize("shift", [0.0, 1e4])
+def test_record_kurtosis_merges_across_micro_batches_and_ranks(host_reads: bool, shift: float) -> None:
+    from lightning_scale.record import stats
+
+    x = torch.distributions.StudentT(torch.tensor(4.0)).sample((10000,)) + shift
+    x[:500] += 2  # parts with different means
+    groups = ("moments", "kurtosis")
+    parts = [stats.assemble([stats.record_of(p, groups, host_reads, kernel="torch")]) for p in _splits(x)]
+    want = reference_kurtosis(x)
+    whole = stats.assemble([stats.record_of(x, groups, host_reads, kernel="torch")])
+    assert float(stats.statistic(whole, "kurtosis")[0]) == pytest.approx(want, rel=F32)
+    by_reductions = stats.merge_rows(torch.cat(parts))  # the pool's max, sum, sum
+    assert float(stats.statistic(by_reductions, "kurtosis")) == pytest.approx(want, rel=F32)
+    pairwise = parts[0][0]
+    for p in parts[1:]:
+        pairwise = stats.merge(pairwise, p[0])
+    assert float(stats.statistic(pairwise, "kurtosis")) == pytest.approx(want, rel=F32)
+    empty = stats.assemble([stats.record_of(torch.empty(0), groups, host_reads)])[0]
+    for merged in (stats.merge(empty, pairwise), stats.merge(pairwise, empty)):  # the empty record is the identity
+        torch.testing.assert_close(merged, pairwise, rtol=0, atol=0, equal_nan=True)
+
+
+def test_record_kurtosis_is_nan_with_non_finite_values_like_std() -> None:
+    from lightning_scale.record import stats
+
+    x = torch.randn(100, generator=_gen(20))
+    x[7] = math.nan
+    rec = stats.assemble([stats.record_of(x, ("moments", "kurtosis"), True)])
+    assert math.isnan(float(stats.statistic(rec, "std")[0])) and math.isnan(float(stats.statistic(rec, "kurtosis")[0]))
