@@ -6,7 +6,7 @@ Run from the repository root (about two minutes on two cores)::
 
 The demo GPT trains on synthetic tokens with ``ScaleMonitor`` logging the ``fp8`` group
 (every tracked tensor cast to E4M3 and to E5M2 with per-tensor amax scaling, see
-docs/fp8.md). The script reads the values back from the TensorBoard event file and prints,
+docs/low_precision.md). The script reads the values back from the TensorBoard event file and prints,
 at the last tracked step, the ops and parameters with the lowest signal-to-noise ratio and
 the highest fraction of nonzeros flushed to zero: forward values in E4M3, gradients in
 E5M2 (the usual FP8 training recipe), and what gradients would lose in E4M3 (recipes that
