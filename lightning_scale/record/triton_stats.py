@@ -73,10 +73,12 @@ _NAN, _INF, _ZEROS, _MINNZ = (tl.constexpr(c) for c in (Col.NAN, Col.INF, Col.ZE
 _PINF = tl.constexpr(FP8_SPAN.start)
 _FMT0 = tl.constexpr(IX[FORMAT_FIELDS[0]])  # per format, three slots: underflow, below_normal, overflow
 _NFMT = tl.constexpr(len(FORMATS))
-# The kernel writes the record's first _PW columns (the fields after them, of groups it does
-# not compute, are NaN: torch code fills them, ``stats.torch_groups``).
-assert FP8_SPAN.stop <= _PW and FORMAT_FIELDS == tuple(
-    f"{k}_{f}" for f in FORMATS for k in ("underflow", "below_normal", "overflow")
+# Partial rows hold the record's first _PW columns; the finishing kernel writes the fields
+# after them (of groups it does not compute: torch code fills them, ``stats.torch_groups``) NaN.
+assert (
+    FP8_SPAN.stop <= _PW
+    and _F <= 2 * _PW
+    and FORMAT_FIELDS == tuple(f"{k}_{f}" for f in FORMATS for k in ("underflow", "below_normal", "overflow"))
 )
 # Slots of a partial row of _fp8_kernel: FP8_FIELDS order (per format: sq_err, sq, flushed).
 _E4, _E5 = (tl.constexpr(IX[f"fp8_{fmt}_sq_err"] - _FP80) for fmt in ("e4m3", "e5m2"))
@@ -257,6 +259,7 @@ def _finish_kernel(
         counts = (f == _ZEROS) | ((f >= _FMT0) & (f < _FMT0 + 3 * _NFMT))
         row = tl.where(counts, sums, tl.where(f == _MINNZ, least, row))
     tl.store(out_ptr + f, row, mask=f < F)
+    tl.store(out_ptr + PW + f, tl.zeros([PW], dtype=tl.float64) + nan_, mask=PW + f < F)  # (stats.torch_groups')
     if FP8:  # per-tensor scale = fmt.max / amax rounded to float32 (from float64: correctly rounded), capped
         for k in tl.static_range(2):
             fmax = _E4_MAX if k == 0 else _E5_MAX
@@ -416,8 +419,6 @@ def record_into(x: Tensor, groups: Collection[str], row: Tensor, block: Optional
         FORMATS="formats" in groups,
         FP8=fp8,
     )
-    if _F > _PW:
-        row[_PW:].fill_(float("nan"))
     if fp8:
         _fp8_kernel[(programs,)](t, part8, scale, *args, BR=br, BC=bc, PW=_PW8, BF16=bf16, **warps)
         _fp8_finish_kernel[(1,)](part8, row[_FP80:], scale, programs, CH=_CH, PW=_PW8)

@@ -89,6 +89,8 @@ def reference(x: Tensor) -> Dict[str, float]:
         out[f"fp8_{name}_sq_err"] = float((err * err).sum())
         out[f"fp8_{name}_sq"] = float((xf.double() ** 2).sum())
         out[f"fp8_{name}_flushed"] = float(((xf != 0) & (q == 0)).sum())
+    # the kernel leaves the groups torch code computes (stats.torch_groups) NaN
+    out.update({f: math.nan for g in stats.torch_groups.TORCH_GROUPS for f in stats.GROUPS[g]})
     return out
 
 
@@ -390,3 +392,22 @@ def test_a_fit_logs_the_kernel_and_refuses_a_bad_value(
     monkeypatch.setenv(kernels.ENV, "fast")
     with pytest.raises(ValueError, match=r"`LIGHTNING_SCALE_KERNEL` must be one of auto, triton, torch; got 'fast'"):
         _fit(str(tmp_path / "b"))
+
+
+def test_torch_code_completes_the_kernels_record_with_its_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The block what-ifs and kurtosis, which the kernel does not compute, are filled into the
+    kernel's record by torch code (``stats.torch_groups``): the same values as the torch path's,
+    through ``record_of`` and the recorder's buffer rows."""
+    groups = ("moments", "range", "blocks", "kurtosis")
+    x = torch.distributions.StudentT(torch.tensor(3.0)).sample((96, 70))
+    own = [f for g in ("blocks", "kurtosis") for f in stats.GROUPS[g]]
+    cols = [stats.IX[f] for f in own]
+    want = stats.assemble([stats.record_of(x, groups, host_reads=False, kernel="torch")])[0, cols]
+    via_record_of = stats.assemble([stats.record_of(x, groups, host_reads=False, kernel="triton")])[0, cols]
+    monkeypatch.setenv(kernels.ENV, "triton")
+    rec = Recorder(groups, host_reads=False)
+    rec.observe("x", x)
+    via_recorder = rec.records(["x"])[0, 0, cols]
+    for got in (via_record_of, via_recorder):
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)

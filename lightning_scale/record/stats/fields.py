@@ -25,6 +25,7 @@ from torch import Tensor
 
 from lightning_scale.record.stats.blocks import BLOCK_FIELDS, BLOCK_FORMATS
 from lightning_scale.record.stats.layout import DEVICE_SCRATCH_FLOOR, SCRATCH_FLOOR, piece_size, pieces
+from lightning_scale.record.stats.outliers import merge_higher, moved_moments
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,7 @@ FP8_FIELDS: Tuple[str, ...] = tuple(f"fp8_{fmt}_{kind}" for fmt in FP8_DTYPES fo
 class Field(NamedTuple):
     """One record field: its name, the group that computes it, and how records merge it:
     ``sum`` (adds over tensors), ``max``, ``min`` (extremes: an empty record carries
-    none), ``moment`` (the mean and the central moments m2, m3, m4, sums of
-    ``(x - mean)^k``: Chan's / Pébay's merge about the merged mean, see ``merge_rows``)."""
+    none), ``moment`` (mean, m2, m3, m4: Chan's and Pébay's merge, see ``merge_rows``)."""
 
     name: str
     group: str
@@ -100,8 +100,7 @@ class Col:
     INF = IX["inf"]
     ZEROS = IX["zeros"]
     MIN_NONZERO = IX["min_nonzero"]
-    M3 = IX["m3"]
-    M4 = IX["m4"]
+    M3, M4 = IX["m3"], IX["m4"]
 
 
 #: Which record fields each computation group fills.
@@ -119,11 +118,10 @@ def span(names: Sequence[str]) -> slice:
 #: Columns of the formats group (zeros, min_nonzero, the format counts), of the format
 #: counts alone, and of the fp8 group.
 FORMATS_SPAN, FORMAT_COUNTS_SPAN, FP8_SPAN = span(GROUPS["formats"]), span(FORMAT_FIELDS), span(FP8_FIELDS)
-#: Columns of the block what-ifs (``blocks.BLOCK_FIELDS``).
-BLOCKS_SPAN = span(BLOCK_FIELDS)
-#: The central moments, by power (2, 3, 4): merged about the merged mean (``deviations``).
+BLOCKS_SPAN = span(BLOCK_FIELDS)  # (the block what-ifs)
+#: The central moments m2, m3, m4, by power: merged about the merged mean (``deviations``).
 CENTRAL: Tuple[str, ...] = tuple(f.name for f in TABLE if f.merge == "moment" and f.name != "mean")
-assert CENTRAL == ("m2", "m3", "m4")
+CENTRAL_COLS = tuple(IX[name] for name in CENTRAL)
 
 #: Statistic name -> the group that computes it. ``summarise`` derives each from a record.
 STATISTICS: Dict[str, str] = {
@@ -238,28 +236,13 @@ def merge(a: Tensor, b: Tensor) -> Tensor:
     out = torch.where((na == 0).unsqueeze(-1), b, torch.where((nb == 0).unsqueeze(-1), a, out))
     out[..., Col.MEAN] = torch.where(n > 0, a[..., Col.MEAN] + delta * nb / safe, torch.zeros_like(n))
     out[..., Col.M2] = a[..., Col.M2] + b[..., Col.M2] + delta * delta * na * nb / safe
-    m3, m4 = _higher_moments(a, b, na, nb, delta, safe)
-    out[..., Col.M3] = torch.where(na == 0, b[..., Col.M3], torch.where(nb == 0, a[..., Col.M3], m3))
-    out[..., Col.M4] = torch.where(na == 0, b[..., Col.M4], torch.where(nb == 0, a[..., Col.M4], m4))
+    higher = torch.stack(merge_higher(na, nb, delta, *(x[..., c] for x in (a, b) for c in CENTRAL_COLS)), -1)
+    both = ((na > 0) & (nb > 0)).unsqueeze(-1)  # (one empty: the other's, above)
+    out[..., Col.M3 : Col.M4 + 1] = torch.where(both, higher, out[..., Col.M3 : Col.M4 + 1])
     for f in _EXTREME_FIELDS:  # empty records carry no information about extremes
         i = IX[f.name]
         out[..., i] = _pick(na, nb, a[..., i], b[..., i], torch.maximum if f.merge == "max" else torch.minimum)
     return out
-
-
-def _higher_moments(a: Tensor, b: Tensor, na: Tensor, nb: Tensor, delta: Tensor, n: Tensor) -> Tuple[Tensor, Tensor]:
-    """m3 and m4 of two merged records (Pébay 2008, eqs. 2.1 and 2.2), ``delta`` = b's mean - a's."""
-    m2a, m2b, m3a, m3b = a[..., Col.M2], b[..., Col.M2], a[..., Col.M3], b[..., Col.M3]
-    d_n = delta / n
-    m3 = m3a + m3b + delta * d_n * d_n * na * nb * (na - nb) + 3 * d_n * (na * m2b - nb * m2a)
-    m4 = (
-        a[..., Col.M4]
-        + b[..., Col.M4]
-        + delta * d_n**3 * na * nb * (na * na - na * nb + nb * nb)
-        + 6 * d_n * d_n * (na * na * m2b + nb * nb * m2a)
-        + 4 * d_n * (na * m3b - nb * m3a)
-    )
-    return m3, m4
 
 
 def _pick(na: Tensor, nb: Tensor, x: Tensor, y: Tensor, op: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
@@ -364,15 +347,12 @@ def _shift(add: Tensor) -> Tensor:
 
 def deviations(records: Tensor, ext: Tensor, add: Tensor) -> Tensor:
     """``[..., 3]``, merged by a sum into the merged ``CENTRAL`` moments: each record's m2, m3,
-    m4 moved to the merged mean (``m2_i + n_i d_i^2``, ``m3_i + 3 d_i m2_i + n_i d_i^3``,
-    ``m4_i + 4 d_i m3_i + 6 d_i^2 m2_i + n_i d_i^4``, ``d_i = mean_i - mean``), the mean from
+    m4 moved to the merged mean (``outliers.moved_moments``), the mean from
     the maxed extremes ``ext`` and summed ``add`` (broadcast against ``records``); 0 where
     empty (NaN where a moment was not computed)."""
     n = records[..., Col.COUNT]
     d = (records[..., Col.MEAN] - _center(ext)) - _shift(add)
-    m2, m3, m4 = records[..., Col.M2], records[..., Col.M3], records[..., Col.M4]
-    d2 = d * d
-    central = torch.stack([m2 + n * d2, m3 + d * (3 * m2 + n * d2), m4 + d * (4 * m3 + d * (6 * m2 + n * d2))], -1)
+    central = moved_moments(n, d, records[..., Col.M2], records[..., Col.M3], records[..., Col.M4])
     return torch.where((n > 0).unsqueeze(-1), central, 0.0)
 
 
@@ -384,7 +364,7 @@ def merged_record(add: Tensor, ext: Tensor, central: Tensor) -> Tensor:
     out = torch.zeros(*count.shape, len(FIELDS), dtype=torch.float64, device=add.device)
     out[..., _ADDITIVE] = add[..., : SUM_IX["shifted_total"]]
     out[..., Col.MEAN] = _center(ext) + _shift(add)
-    out[..., [IX[name] for name in CENTRAL]] = central
+    out[..., list(CENTRAL_COLS)] = central
     for f in _EXTREME_FIELDS:
         v = ext[..., EXTREME_IX[_extreme_value(f)]]
         out[..., IX[f.name]] = torch.where(
@@ -417,8 +397,7 @@ def statistic(records: Tensor, name: str) -> Tensor:
     if name in ("count", "mean", "absmax", "nan", "inf", "min_nonzero"):
         return records[..., IX[name]]
     if name == "kurtosis":  # population moments: n m4 / m2^2; NaN without spread
-        m2 = records[..., Col.M2]
-        return torch.where(m2 > 0, n * records[..., Col.M4] / (m2 * m2), math.nan)
+        return torch.where(records[..., Col.M2] > 0, n * records[..., Col.M4] / records[..., Col.M2] ** 2, math.nan)
     if name.endswith("_snr_db"):
         return _snr_db(records, name[: -len("_snr_db")])
     # zeros, format counts and fp8 flushed counts are reported as fractions of the count

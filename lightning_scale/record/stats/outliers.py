@@ -131,17 +131,35 @@ def _row_moments(y: Tensor, finite: Tensor) -> Tensor:
 def moment_deviations(rows: Tensor, mean: Tensor) -> Tensor:
     """``[..., 3]``: each row's (m2, m3, m4) about ``mean`` (broadcast against ``rows[..., 0]``);
     summed over rows, the merged central moments. Empty rows give zeros."""
-    n, m2, m3, m4 = rows[..., 0], rows[..., 2], rows[..., 3], rows[..., 4]
-    d = rows[..., 1] - mean
-    out = torch.stack(
-        [
-            m2 + n * d * d,
-            m3 + 3 * d * m2 + n * d**3,
-            m4 + 4 * d * m3 + 6 * d * d * m2 + n * d**4,
-        ],
-        -1,
-    )
+    n = rows[..., 0]
+    out = moved_moments(n, rows[..., 1] - mean, rows[..., 2], rows[..., 3], rows[..., 4])
     return torch.where((n > 0).unsqueeze(-1), out, 0.0)
+
+
+def moved_moments(n: Tensor, d: Tensor, m2: Tensor, m3: Tensor, m4: Tensor) -> Tensor:
+    """``[..., 3]``: sums of ``(x - mean)^k`` (k = 2, 3, 4) of ``n`` values whose own mean is
+    ``mean + d`` and central moments m2, m3, m4: ``m2 + n d^2``, ``m3 + 3 d m2 + n d^3``,
+    ``m4 + 4 d m3 + 6 d^2 m2 + n d^4``."""
+    d2 = d * d
+    return torch.stack([m2 + n * d2, m3 + d * (3 * m2 + n * d2), m4 + d * (4 * m3 + d * (6 * m2 + n * d2))], -1)
+
+
+def merge_higher(
+    na: Tensor, nb: Tensor, delta: Tensor, m2a: Tensor, m3a: Tensor, m4a: Tensor, m2b: Tensor, m3b: Tensor, m4b: Tensor
+) -> Tuple[Tensor, Tensor]:
+    """m3 and m4 of two merged sets of ``na`` and ``nb`` values (Pébay 2008, eqs. 2.1 and
+    2.2), ``delta`` = b's mean - a's. NaN where both are empty (callers pick)."""
+    n = na + nb
+    d_n = delta / n
+    m3 = m3a + m3b + delta * d_n * d_n * na * nb * (na - nb) + 3 * d_n * (na * m2b - nb * m2a)
+    m4 = (
+        m4a
+        + m4b
+        + delta * d_n**3 * na * nb * (na * na - na * nb + nb * nb)
+        + 6 * d_n * d_n * (na * na * m2b + nb * nb * m2a)
+        + 4 * d_n * (na * m3b - nb * m3a)
+    )
+    return m3, m4
 
 
 def merge_moments(rows: Tensor) -> Tensor:

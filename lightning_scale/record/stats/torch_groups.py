@@ -45,6 +45,8 @@ def fill(x: Tensor, groups: Collection[str], out: Union[List[Entry], Tensor], ho
     """Write the fields of ``groups`` ∩ ``TORCH_GROUPS`` of ``x`` (non-empty) into ``out``: an
     entry list (floats with ``host_reads``, else 0-dim tensors) or a float64 record row
     tensor on ``x``'s device (written in place, nothing read back)."""
+    if TORCH_GROUPS.isdisjoint(groups):  # (the kernels' paths: no op at all)
+        return
     for cols, values in _columns(x.detach(), groups):
         if isinstance(out, Tensor):
             out[cols] = values
