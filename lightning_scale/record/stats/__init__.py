@@ -2,8 +2,9 @@
 
 ``record_of`` gives a tensor's record (see ``fields`` for what a record holds and how
 records merge: one table names each field, its group and its reduction); ``host`` is the
-path for tensors in host memory, ``device`` the one that reads nothing back, ``formats``
-and ``fp8`` the optional groups, ``layout`` how a tensor is read in place (dense views,
+path for tensors in host memory, ``device`` the one that reads nothing back, ``formats``,
+``fp8``, ``blocks`` and ``outliers`` the optional groups (the last two computed by torch
+code on every path: ``torch_groups``), ``layout`` how a tensor is read in place (dense views,
 strided grids) and in bounded pieces (a large tensor's temporaries stay within
 ``layout.scratch_bytes``).
 
