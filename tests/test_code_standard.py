@@ -61,6 +61,31 @@ ALLOWED_PRIVATE_WRITES = {
 }
 
 
+#: NamedTuple's API: public, though its names start with an underscore.
+NAMEDTUPLE_API = {"_fields", "_replace", "_asdict", "_make", "_field_defaults"}
+
+
+def private_uses(source: str) -> List[str]:
+    """``name._x`` where ``name`` is imported from the package: another module's private
+    name used through its module or class."""
+    tree = ast.parse(source)
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_scale"):
+            imported |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            imported |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("lightning_scale")}
+    return [
+        ast.unparse(n)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Name)
+        and n.value.id in imported
+        and _private(n.attr)
+        and n.attr not in NAMEDTUPLE_API
+    ]
+
+
 def private_writes(source: str) -> List[Tuple[int, str]]:
     """Assignments to ``x._name`` (or ``setattr(x, "_name", ...)``) where ``x`` is not
     ``self`` or ``cls``."""
@@ -118,6 +143,12 @@ def test_functions_and_modules_of_the_package_are_short() -> None:
 
 
 def test_no_module_imports_another_modules_private_names() -> None:
+    used = {
+        str(p.relative_to(ROOT)): found
+        for p in python_files("lightning_scale")
+        if (found := private_uses(p.read_text()))
+    }
+    assert used == {}
     bad = {
         str(p.relative_to(ROOT)): found
         for p in python_files("lightning_scale")
@@ -140,6 +171,7 @@ def test_no_module_writes_another_objects_private_attributes() -> None:
 BROKEN = '''
 from lightning_scale.record.stats.fields import _IX, FIELDS
 from .host import _dense
+from lightning_scale.record import native
 
 
 def long():
@@ -153,13 +185,19 @@ class C:
         other._theirs = 2
         setattr(other, "_hidden", 3)
         other.public = 4
+        native._loaded = native._reason
 '''
 
 
 def test_each_check_fails_on_a_source_that_breaks_it() -> None:
     source = BROKEN.format(body="\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION + 1)))
-    assert long_functions(source) == {"long:6": MAX_FUNCTION + 1}
+    assert long_functions(source) == {"long:7": MAX_FUNCTION + 1}
     assert long_functions(BROKEN.format(body="    pass")) == {}
     assert private_imports(source) == ["lightning_scale.record.stats.fields._IX", "host._dense"]
-    assert [text for _, text in private_writes(source)] == ["other._theirs", "setattr(other, '_hidden', 3)"]
+    assert sorted(private_uses(source)) == ["native._loaded", "native._reason"]
+    assert [text for _, text in private_writes(source)] == [
+        "other._theirs",
+        "setattr(other, '_hidden', 3)",
+        "native._loaded",
+    ]
     assert long_lines("x = 1\n" + "y" * (MAX_COLUMNS + 1) + "\n") == [2]
