@@ -110,6 +110,18 @@ class Recorder:
         box.append(x.register_hook(functools.partial(self._on_leaf_grad, slot, box)))
         self._handles.append(box[0])
 
+    def add_rows(self, keys: Sequence[Hashable], direction: int, rows: Tensor) -> None:
+        """Records computed elsewhere (the statistic rows a compiled graph returns): ``rows[i]``,
+        a float64 ``[len(FIELDS)]`` row on the device, is ``keys[i]``'s record in ``direction``
+        (``FORWARD`` or ``BACKWARD``). Kept on the device, merged like observed records."""
+        if len(keys) != rows.shape[0] or rows.shape[1:] != (len(stats.FIELDS),):
+            raise ValueError(f"`rows` must be [{len(keys)}, {len(stats.FIELDS)}], got {list(rows.shape)}")
+        if self.device is None:
+            self.device = rows.device
+        self._host_only = False
+        for key, row in zip(keys, rows.unbind(0)):
+            self._rows.append((self.slot(key), direction, row))
+
     def _on_leaf_grad(self, slot: int, box: List[Any], grad: Tensor) -> None:
         box[0].remove()
         self._on_grad(slot, grad)
