@@ -126,10 +126,12 @@ def instrument_graph(
     with graph.inserting_after(placeholders[-1]):
         probes = graph.placeholder("statistics_probes")
     returned = set(result) if isinstance(result, (tuple, list)) else {result}
-    rows = [_instrument_node(graph, n, i, probes, _example(n, inputs), n in returned, groups) for i, n in enumerate(nodes)]
-    stacked = graph.call_function(torch.stack, (rows,))
     outputs = tuple(result) if isinstance(result, (tuple, list)) else (result,)
-    graph.output((*outputs, stacked))
+    output = graph.output(outputs)  # (first: a probe replaces the node in it too)
+    rows = [_instrument_node(graph, n, i, probes, _example(n, inputs), n in returned, groups) for i, n in enumerate(nodes)]
+    with graph.inserting_before(output):
+        stacked = graph.call_function(torch.stack, (rows,))
+    output.args = ((*output.args[0], stacked),)
     graph.lint()
     kind = type(result) if isinstance(result, (tuple, list)) else None
     return _Instrumented(fx.GraphModule(gm, graph), [n.name for n in nodes], kind)

@@ -79,7 +79,7 @@ class CompiledLabels:
         reason = getattr(gm, "compile_subgraph_reason", None)
         outputs = frames.module_outputs(gm, complete=not getattr(reason, "graph_break", True))
         views = view_aliases(gm, {s.name: s.name for s in sites})
-        return frames.FrameGraph(gm, sites, outputs, views)
+        return frames.FrameGraph(gm, sites, _own_output(gm, sites, reason) + outputs, views)
 
     def scope(self, graph: frames.FrameGraph, args: Tuple[Any, ...], depth: int = 1) -> Tuple[str, ...]:
         """(owner path, path per root local) of the modules running ``graph`` now, from the
@@ -122,3 +122,12 @@ class CompiledLabels:
 
     def _taken(self, label: str) -> bool:
         return label in self._labeller or label in self.aliases or any(label in t.values() for t in self.labels)
+
+
+def _own_output(gm: fx.GraphModule, sites: List[frames.NodeSite], reason: Any) -> List[Tuple[Optional[str], str, str]]:
+    """The compiled module's own output (``L['self']``'s, path ``""`` under it): the node its
+    graph returns, when the graph is the whole call (no graph break) and returns one tensor."""
+    if getattr(reason, "graph_break", True) or not any(s.root == "self" for s in sites):
+        return []
+    returned = [a for a in gm.graph.output_node().args[0] if isinstance(a, fx.Node)]  # (dynamo: a tuple)
+    return [("self", "", returned[0].name)] if len(returned) == 1 else []

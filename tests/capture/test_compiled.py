@@ -23,6 +23,9 @@ from lightning_scale.record.stats.traceable import traceable_record
 from lightning_scale.tools.models import Block, GPTConfig
 
 GROUPS = ("moments", "range", "formats")
+# Inductor compiles with g++: a cold compile of the block here takes ~20 s on an idle machine,
+# minutes on a loaded one (pytest's default limit here is 300 s per test, setup included).
+pytestmark = pytest.mark.timeout(1200)
 IX = {name: i for i, name in enumerate(stats.FIELDS)}
 
 
