@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import os
 from typing import Any, Dict, List
 
 import lightning.pytorch as pl
@@ -43,7 +44,9 @@ class SpikyGPT(GPTModule):
 
 def _read(logdir: str) -> EventAccumulator:
     acc = EventAccumulator(
-        glob.glob(f"{logdir}/**/events.out.tfevents.*", recursive=True)[0], size_guidance={"scalars": 0, "tensors": 0}
+        os.path.dirname(
+            glob.glob(f"{logdir}/**/events.out.tfevents.*", recursive=True)[0]
+        )  # every event file of the run, size_guidance={"scalars": 0, "tensors": 0}
     )
     acc.Reload()
     return acc

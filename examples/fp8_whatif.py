@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import os
 import math
 from typing import Dict, List, Set, Tuple
 
@@ -40,7 +41,9 @@ Row = Tuple[str, float, float, float, float]  # label, SNR dB, flushed fraction,
 def read(logdir: str) -> Dict[str, Dict[int, float]]:
     """``{tag: {step: value}}`` of every scalar in the run's event file."""
     acc = EventAccumulator(
-        glob.glob(f"{logdir}/**/events.out.tfevents.*", recursive=True)[0], size_guidance={"scalars": 0}
+        os.path.dirname(
+            glob.glob(f"{logdir}/**/events.out.tfevents.*", recursive=True)[0]
+        )  # every event file of the run, size_guidance={"scalars": 0}
     )
     acc.Reload()
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}

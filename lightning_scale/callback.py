@@ -11,7 +11,7 @@ in their own modules; this one decides *when*.
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, List, Literal, Optional, Tuple
+from typing import Any, Dict, List, Literal, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -21,17 +21,20 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_scale.capture import CAPTURE_MODES, Capture, capture
+from lightning_scale import arguments as check
+from lightning_scale.capture import CAPTURE_MODES
+from lightning_scale.capture.coverage import skipped_line
 from lightning_scale.record import kernels, native, stats
 from lightning_scale.record.recorder import Recorder
 from lightning_scale.record.updates import UpdateTracker
 from lightning_scale.report import pool
+from lightning_scale.report.options import ReportOptions
 from lightning_scale.report.reporting import Reporter, StepData, UpdateRows
 from lightning_scale.step.anomaly import AnomalyTrigger
 from lightning_scale.step.schedule import Schedule
-from lightning_scale.step.selection import Matching, Selection, compile_pattern, resolve_submodule
-from lightning_scale.step.tracked_step import TrackedStep, fsdp_units, replicated_labels
-from lightning_scale.step.verification import Verification
+from lightning_scale.step.selection import Matching, Selection, check_leaf_modules, compile_pattern, resolve_submodule
+from lightning_scale.step.captures import Captures
+from lightning_scale.step.tracked_step import TrackedStep
 
 __all__ = ["ScaleMonitor"]
 
@@ -86,6 +89,8 @@ class ScaleMonitor(Callback):
             outputs bit for bit; if they differ, try the other capture route, and if none
             matches, train untracked with one warning saying why (the one-off cost of two
             extra forwards, see docs/benchmarks.md). See ``lightning_scale.capture.fidelity``.
+        max_log_bytes: the most bytes the callback's event files take per run (None: no cap);
+            reaching it stops its writing with one warning (docs/usage.md: bytes per step).
 
     Raises:
         ValueError: an argument outside what is allowed (the message names it).
@@ -121,55 +126,52 @@ class ScaleMonitor(Callback):
         anomaly_factor: float = 10.0,
         update_ratios: bool = False,
         verify_capture: bool = True,
+        max_log_bytes: Optional[int] = None,
     ) -> None:
         self.schedule = Schedule(every_n_steps, steps, start_step, stop_step)
-        if capture not in CAPTURE_MODES:
-            raise ValueError(f"`capture` must be one of {list(CAPTURE_MODES)}, got {capture!r}")
-        self.statistics = ["std"] if statistics is None else list(statistics)
-        unknown = [s for s in self.statistics if s not in stats.STATISTICS]
-        if unknown or not self.statistics:
-            raise ValueError(
-                f"`statistics` must be a non-empty list from {sorted(stats.STATISTICS)}, got {statistics!r}"
-            )
-        if not isinstance(figure_every, int) or isinstance(figure_every, bool) or figure_every <= 0:
-            raise ValueError(f"`figure_every` must be a positive integer, got {figure_every!r}")
-        if not isinstance(max_tags, int) or max_tags <= 0:
-            raise ValueError(f"`max_tags` must be a positive integer, got {max_tags!r}")
+        self.capture_mode = check.one_of("capture", capture, CAPTURE_MODES)
+        self.statistics = check.choices("statistics", statistics, stats.STATISTICS, allow_none=True) or ["std"]
+        check.booleans(histograms=histograms, figure=figure, code=code, rank_spread=rank_spread)
+        max_tags, figure_every = (
+            check.positive_int("max_tags", max_tags),
+            check.positive_int("figure_every", figure_every),
+        )
         self.selection = Selection(include, exclude, prune_views)
         self.value_histograms = compile_pattern("value_histograms", value_histograms)
-        self.submodule = submodule
-        self.capture_mode = capture
-        self.track_validation = track_validation
-        self.leaf_modules = list(leaf_modules or [])
+        self.submodule = check.module_path("submodule", submodule)
+        self.track_validation = check.boolean("track_validation", track_validation)
+        check.boolean("unscale_gradients", unscale_gradients)
+        self.leaf_modules = check.module_paths("leaf_modules", leaf_modules)
         self._anomaly = AnomalyTrigger(anomaly_steps, anomaly_factor, self._detection_failed)
-        self.anomaly_steps, self.anomaly_factor = anomaly_steps, float(anomaly_factor)
-        self.update_ratios = bool(update_ratios)
-        self._verification = Verification(
-            verify_capture, self._new_capture, self._replace_capture, self._disable, rank_zero_info
-        )
-        self.verify_capture = verify_capture
+        self.anomaly_steps, self.anomaly_factor = self._anomaly.steps, self._anomaly.factor
+        self.update_ratios = check.boolean("update_ratios", update_ratios)
+        self.verify_capture = check.boolean("verify_capture", verify_capture)
         self._updates = UpdateTracker()
         self.groups = sorted({stats.STATISTICS[s] for s in self.statistics} | {"moments"})
         self.last_tracked_step = -1
-        self._captures: Dict[Tuple[bool, ...], Capture] = {}
-        # per capture: (its graphs' label count, selected labels, replicated labels)
-        self._step_labels: Dict[int, Tuple[Capture, int, list, "set[str]"]] = {}
-        self._active: Optional[TrackedStep] = None
-        self._disabled: Optional[str] = None
-        self.reporter = Reporter(
-            self.statistics,
-            histograms,
-            figure,
-            figure_every,
-            code,
-            rank_spread,
-            max_tags,
-            unscale_gradients,
-            self.value_histograms,
-            rank_zero_warn,
-            rank_zero_info,
-            coverage=not self.selection.narrowed,
+        self.captures = Captures(
+            mode=self.capture_mode,
+            leaf_modules=self.leaf_modules,
+            verify=self.verify_capture,
+            selection=self.selection,
+            info=rank_zero_info,
+            warn=rank_zero_warn,
         )
+        self._active: Optional[TrackedStep] = None
+        options = ReportOptions(
+            statistics=self.statistics,
+            histograms=histograms,
+            figure=figure,
+            figure_every=figure_every,
+            code=code,
+            rank_spread=rank_spread,
+            max_tags=max_tags,
+            unscale_gradients=unscale_gradients,
+            value_histograms=self.value_histograms,
+            coverage=not self.selection.narrowed,
+            max_log_bytes=max_log_bytes,
+        )
+        self.reporter = Reporter(options, warn=rank_zero_warn, info=rank_zero_info)
 
     @property
     def include(self) -> Optional["re.Pattern[str]"]:
@@ -206,7 +208,9 @@ class ScaleMonitor(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._capture(self._target(pl_module), train=True, announce=True)
+        target = self._target(pl_module)
+        check_leaf_modules(target, self.leaf_modules)  # names known only with the model: checked before step 0
+        self.captures.of(target, train=True, announce=True)
         host_reads = Recorder().host_reads  # (the environment's choice; raises on a bad value)
         if (
             pl_module.device.type == "cpu" and host_reads is not False
@@ -222,7 +226,7 @@ class ScaleMonitor(Callback):
     ) -> None:
         step = trainer.global_step
         self._poll_anomaly(trainer, step)
-        if self._disabled or step == self.last_tracked_step or not self._is_tracked(step):
+        if self.captures.disabled or step == self.last_tracked_step or not self._is_tracked(step):
             return
         self._begin(pl_module, step, "")
 
@@ -260,7 +264,7 @@ class ScaleMonitor(Callback):
             return
         if (
             self.track_validation
-            and not self._disabled
+            and not self.captures.disabled
             and not trainer.sanity_checking
             and batch_idx == 0
             and dataloader_idx == 0
@@ -282,18 +286,18 @@ class ScaleMonitor(Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.reporter.flush()
+        self.reporter.close()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._abort(pl_module)
         self._anomaly.reset()
-        self.reporter.flush()
+        self.reporter.close()
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._abort(pl_module)
-        self.reporter.flush()
+        self.reporter.close()
 
     @override
     def state_dict(self) -> Dict[str, Any]:
@@ -309,66 +313,43 @@ class ScaleMonitor(Callback):
         if stage == "fit":
             self.last_tracked_step = -1  # a resumed checkpoint restores it after setup
             self._anomaly.start_fit()
-        if any(cap.module is not target for cap in self._captures.values()):
-            self._captures.clear()
-            self._step_labels.clear()
-            self._verification.clear()
-            self._disabled = None
+        self.captures.forget_unless_of(target)
 
     # ---- capture -------------------------------------------------------------------------
 
     def _target(self, pl_module: pl.LightningModule) -> nn.Module:
         return resolve_submodule(pl_module, self.submodule) if self.submodule else pl_module
 
-    def _capture(self, target: nn.Module, train: bool, announce: bool = False) -> Optional[Capture]:
-        flags = {m: m.training for m in target.modules()}
-        if train and not target.training:
-            target.train()
-        key = tuple(m.training for m in target.modules())
-        try:
-            if key not in self._captures:
-                self._captures[key] = self._new_capture(target)
-                if announce:
-                    rank_zero_info(f"ScaleMonitor: captured {type(target).__name__}: {self._captures[key].describe()}")
-            return self._captures[key]
-        except Exception as err:  # noqa: BLE001 - a model we cannot capture trains untracked
-            self._disable(f"could not capture {type(target).__name__} ({type(err).__name__}: {err})")
-            return None
-        finally:
-            for m, flag in flags.items():
-                m.training = flag
-
-    def _new_capture(self, target: nn.Module, mode: Optional[str] = None) -> Capture:
-        units = fsdp_units(target)
-        return capture(target, mode or self.capture_mode, leaf_modules=self.leaf_modules, units=units)
-
-    def _replace_capture(self, old: Capture, new: Capture) -> None:
-        self._captures = {k: (new if v is old else v) for k, v in self._captures.items()}
-
-    def _disable(self, why: str) -> None:
-        self._disabled = why
-        rank_zero_warn(f"ScaleMonitor: {why}; training continues untracked.")
-
     # ---- a tracked step ------------------------------------------------------------------
 
     def _begin(self, pl_module: pl.LightningModule, step: int, prefix: str) -> None:
         target = self._target(pl_module)
-        cap = self._capture(target, train=False)
+        cap = self.captures.of(target, train=False)
         if cap is None:
             return
         rec = Recorder(self.groups)
         if self.value_histograms is not None:
-            rec.histogram_keys = Matching(self.value_histograms)  # type: ignore[assignment]  # dynamo labels appear as it compiles
+            # (a pattern, not a set: dynamo labels appear as it compiles)
+            rec.histogram_keys = Matching(self.value_histograms)  # type: ignore[assignment]
         self._active = TrackedStep(step, prefix, cap, rec)
-        trainer = pl_module.trainer
-        verify = (
-            self._verification.verifier(target, lambda ok: _agree(trainer, ok))
-            if self._verification.probes(cap, type(trainer.strategy).__name__)
-            else None
+        strategy = type(pl_module.trainer.strategy).__name__
+        self._active.install(
+            target, self.captures.verifier(target, cap, strategy, lambda ok: _agree(pl_module.trainer, ok))
         )
-        self._active.install(target, verify)
         if prefix == "":
             self.last_tracked_step = step
+
+    def _name_skipped(self, active: TrackedStep) -> None:
+        """Tensors the step saw but could not record (sparse layouts): counted in the
+        capture's coverage, and named once per run."""
+        if not active.recorder.skipped:
+            return
+        named = active.capture.add_skipped(active.recorder.skipped)
+        self.reporter.warn_once(
+            "skipped",
+            f"ScaleMonitor: {skipped_line(named)} at step {active.step}: statistics are taken of strided tensors "
+            "only; the rest of the step is recorded",
+        )
 
     def _abort(self, pl_module: pl.LightningModule) -> None:
         self._updates.clear()
@@ -382,10 +363,12 @@ class ScaleMonitor(Callback):
         active, self._active = self._active, None
         assert active is not None
         active.uninstall()
+        self.captures.act_on(active.check)
         if active.untracked:  # the fidelity probe fell back to the user's forward
             self._updates.clear()
             active.recorder.clear()
             return
+        self._name_skipped(active)
         try:
             self._report(trainer, active)
         finally:
@@ -393,7 +376,7 @@ class ScaleMonitor(Callback):
 
     def _report(self, trainer: pl.Trainer, active: TrackedStep) -> None:
         cap = active.capture
-        labels, replicated = self._labels_of(cap, trainer)
+        labels, replicated = self.captures.labels_of(cap, self._target(trainer.lightning_module))
         data = StepData(
             active.step,
             active.prefix,
@@ -420,17 +403,6 @@ class ScaleMonitor(Callback):
                 "report",
                 f"ScaleMonitor: reporting step {active.step} failed ({type(err).__name__}: {err}); training continues",
             )
-
-    def _labels_of(self, cap: Capture, trainer: pl.Trainer) -> Tuple[list, "set[str]"]:
-        """The selected labels of ``cap`` and the replicated ones (parameters, buffers),
-        computed once per capture (~0.5 ms of module walks a tracked step otherwise),
-        again when a recompile adds graphs to it."""
-        size = sum(len(labels) for labels in cap.labels)
-        seen = self._step_labels.get(id(cap))
-        if seen is None or seen[0] is not cap or seen[1] != size:
-            target = self._target(trainer.lightning_module)
-            seen = self._step_labels[id(cap)] = (cap, size, self.selection.labels(cap), replicated_labels(target))
-        return seen[2], seen[3]
 
     # ---- anomaly-triggered tracking and update ratios (lightning_scale.step.anomaly, .updates)
 

@@ -652,7 +652,7 @@ def test_untraceable_model_is_tracked_with_dynamo(tmp_path: Path) -> None:
         "scale/fwd/mul",
     } <= series.keys()
     assert [e.step for e in acc.Histograms("values_log2/fwd/fc1/linear")] == [0, 2]
-    assert all(c.mode == "dynamo" for c in monitor._captures.values())
+    assert all(c.mode == "dynamo" for c in monitor.captures.values())
 
 
 def test_include_exclude_prune_views(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -62,3 +63,36 @@ def test_cli_config_sets_up_scale_monitor(tmp_path: Path, monkeypatch: pytest.Mo
     assert not [t for t in tags if "blocks.1." in t]  # outside `include`
     assert {e.step for t in tags for e in acc.Scalars(t)} == {0}
     assert "scale_hist/fwd" in acc.Tags()["histograms"]
+
+
+def _parser() -> Any:
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(ScaleMonitor, "monitor")
+    return parser
+
+
+def _build(parser: Any, yaml: str) -> ScaleMonitor:
+    cfg = parser.parse_string(yaml)
+    build = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49
+    return build(cfg).monitor
+
+
+def test_yaml_lists_and_nulls_reach_scale_monitor_as_lists_and_none() -> None:
+    """jsonargparse passes YAML lists as lists: the type hints of `__init__` still parse, and
+    the values pass the argument checks."""
+    parser = _parser()
+    yaml = "monitor:\n  every_n_steps: null\n  steps: [1, 4]\n  statistics: [std, absmax]\n"
+    monitor = _build(parser, yaml + "  leaf_modules: [blocks.0]\n  exclude: 'fc\\d'\n  submodule: model\n")
+    assert monitor.schedule.every_n_steps is None and monitor.schedule.steps == [1, 4]
+    assert monitor.statistics == ["std", "absmax"] and monitor.leaf_modules == ["blocks.0"]
+    assert monitor.exclude is not None and monitor.exclude.pattern == r"fc\d" and monitor.submodule == "model"
+
+
+def test_a_bad_yaml_value_is_a_value_error_naming_the_argument() -> None:
+    parser = _parser()
+    with pytest.raises(ValueError, match=r"`statistics` must name each item once, got \['std', 'std'\]"):
+        _build(parser, "monitor:\n  statistics: [std, std]\n")
+    with pytest.raises(ValueError, match=r"`anomaly_factor` must be a finite number above 1, got inf"):
+        _build(parser, "monitor:\n  anomaly_factor: .inf\n")

@@ -147,7 +147,7 @@ def scale_tags(run: Run, steps: int = STEPS) -> Dict[str, Dict[int, float]]:
 
 def modes(monitor: ScaleMonitor) -> List[str]:
     """Capture modes ScaleMonitor used (one capture per train/eval flag pattern)."""
-    return sorted({c.mode for c in monitor._captures.values()})
+    return sorted({c.mode for c in monitor.captures.values()})
 
 
 def param_hooks(module: nn.Module) -> int:
@@ -901,7 +901,7 @@ class AuxNet(Net):
 def test_attribute_written_in_forward_routes_auto_to_dynamo(tmp_path: Any) -> None:
     run, monitor = train_both(tmp_path, lambda: AuxNet(AuxRouter()), dense(8), figure=False)
     assert modes(monitor) == ["dynamo"] and run.warnings == []
-    cap = next(iter(monitor._captures.values()))
+    cap = next(iter(monitor.captures.values()))
     assert "net.aux_loss` assigned in forward at" in cap.reason and "test_reliability.py" in cap.reason
     assert isinstance(run.module.net.aux_loss, Tensor) and not isinstance(run.module.net.aux_loss, torch.fx.Proxy)
     model = AuxRouter()
@@ -929,7 +929,7 @@ class WithCompiledBlock(nn.Module):
 def test_compiled_submodule_runs_as_compiled_on_tracked_steps(tmp_path: Any, mode: str) -> None:
     run, monitor = train_both(tmp_path, lambda: Net(WithCompiledBlock()), dense(8), capture=mode, figure=False)
     assert run.warnings == []
-    cap = next(iter(monitor._captures.values()))
+    cap = next(iter(monitor.captures.values()))
     assert not any("_orig_mod" in label for label in cap.tags)
     # (dynamo: the call is a graph break, and a module whose last op ends a graph at a
     # break may go on in the next graph: `net.fc` has only its op label there)
@@ -958,7 +958,7 @@ def test_checkpointed_dropout_under_dynamo_trains_bit_identically(tmp_path: Any,
         tmp_path, lambda: Net(CheckpointedDropout(reentrant)), dense(8), capture="dynamo", figure=False
     )
     assert run.warnings == []
-    labels = next(iter(monitor._captures.values())).node_labels
+    labels = next(iter(monitor.captures.values())).node_labels
     assert {"net.blocks.0.0/linear", "net.blocks.1.0/linear", "net.blocks.1.1/dropout"} <= set(labels)
 
 

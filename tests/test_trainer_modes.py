@@ -175,7 +175,10 @@ def test_writer_errors_are_warned_and_training_is_unchanged(tmp_path: Path) -> N
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         trainer(tmp_path, [monitor()], logger=Exploding(), max_steps=3).fit(model, loader())
-    assert ours(record) == ["ScaleMonitor: writing step 0 failed (OSError: disk full); training continues"]  # once
+    assert ours(record) == [  # once, and writing to that logger stops
+        "ScaleMonitor: writing to Exploding failed at step 0 (OSError: disk full); it writes nothing more to that "
+        "logger this run: its scale scalars from step 0 on are lost. Training continues."
+    ]
     assert all(torch.equal(a, b) for a, b in zip(plain.losses, model.losses)) and len(model.losses) == 3
 
 

@@ -9,8 +9,9 @@ paths, and a coverage report of what was and was not recorded.
 Two routes: symbolic tracing with a deep tracer (``tracer``), or TorchDynamo with a backend
 of our own (``dynamo``, ``frames``) where fx cannot trace. ``fidelity`` proves, on a
 capture's first tracked step, that its forward is the model's own bit for bit (or picks
-the other route, or none). ``interpreter`` is the one-off
-scale-tracking interpreter with the reference library's API. Imports only ``record``.
+the other route, or none). ``forward_swap`` swaps a module's ``forward`` and puts back
+exactly what was there. ``interpreter`` is the one-off scale-tracking interpreter with the
+reference library's API. Imports only ``record``.
 """
 
 from lightning_scale.capture.graphs import CAPTURE_MODES, Capture, CaptureError, DeepTracer, capture

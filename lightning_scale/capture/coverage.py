@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_scale.capture.frames import strip_compiled
 
-__all__ = ["THRESHOLD", "CoverageReport", "measure", "percent"]
+__all__ = ["THRESHOLD", "CoverageReport", "measure", "percent", "skipped_line"]
 
 THRESHOLD = 0.9
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
@@ -40,6 +40,7 @@ class CoverageReport:
         covered_modules: those whose output or an op inside has a record.
         uncovered: (module path, parameter elements, why) of the largest uncovered modules.
         opaque: compiled submodule path -> module calls inside it (not in ``modules``).
+        skipped: tensors seen but not recorded (``"emb.weight grad"``) -> why (``"sparse_coo layout"``).
     """
 
     elements: int
@@ -48,6 +49,7 @@ class CoverageReport:
     covered_modules: int
     uncovered: List[Tuple[str, int, str]] = field(default_factory=list)
     opaque: Dict[str, int] = field(default_factory=dict)
+    skipped: Dict[str, str] = field(default_factory=dict)
 
     @property
     def parameter_fraction(self) -> float:
@@ -64,10 +66,13 @@ class CoverageReport:
         unrecorded = f" ({missed:,} of {self.elements:,} unrecorded)" if missed else ""
         text = (
             f"coverage: {percent(self.covered_elements, self.elements)} of parameter elements{unrecorded}, "
-            f"{percent(self.covered_modules, self.modules)} of module calls ({self.covered_modules}/{self.modules}) recorded"
+            f"{percent(self.covered_modules, self.modules)} of module calls "
+            f"({self.covered_modules}/{self.modules}) recorded"
         )
         for path, n in self.opaque.items():
             text += f"; {n} module calls inside compiled `{path}` run its compiled code, recorded at its output only"
+        if self.skipped:
+            text += f"; {skipped_line(self.skipped)}"
         return text
 
     def warning(self) -> Optional[str]:
@@ -76,6 +81,17 @@ class CoverageReport:
             return None
         missing = "; ".join(f"`{path}` ({n} parameter elements: {why})" for path, n, why in self.uncovered)
         return f"ScaleMonitor: low coverage ({self.line()}); largest unrecorded modules: {missing}"
+
+
+def skipped_line(skipped: Dict[str, str]) -> str:
+    """``1 node skipped: sparse_coo layout (emb.weight grad)``: what was seen but not
+    recorded, by reason (``skipped``: tensor -> why)."""
+    by_reason: Dict[str, List[str]] = {}
+    for what, why in skipped.items():
+        by_reason.setdefault(why, []).append(what)
+    n = len(skipped)
+    parts = [f"{why} ({', '.join(whats[:5])}{', ...' if len(whats) > 5 else ''})" for why, whats in by_reason.items()]
+    return f"{n} node{'s' if n != 1 else ''} skipped: " + "; ".join(parts)
 
 
 def percent(part: int, whole: int) -> str:
@@ -108,6 +124,7 @@ def measure(
     why: Callable[[str], str] = lambda path: "no op of it recorded",
     largest: int = 5,
     compiled: Sequence[str] = (),
+    skipped: Optional[Dict[str, str]] = None,
 ) -> CoverageReport:
     """Coverage of ``root`` given the labels that got records.
 
@@ -118,6 +135,7 @@ def measure(
         why: module path -> why it has no record (fallback reason, graph break, ...).
         largest: how many uncovered modules the report names.
         compiled: paths of compiled submodules (opaque: recorded at their output only).
+        skipped: tensors seen on the tracked step but not recorded -> why (named in the line).
     """
     labels = set(recorded)
     prefixes = _prefixes(labels)
@@ -152,6 +170,7 @@ def measure(
         len(modules) - len(missing),
         sorted(named, key=lambda t: -t[1])[:largest],
         opaque_calls,
+        dict(skipped or {}),
     )
 
 

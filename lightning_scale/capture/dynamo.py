@@ -23,6 +23,7 @@ import torch
 from torch import fx, nn
 
 from lightning_scale.capture import frames
+from lightning_scale.capture.forward_swap import ForwardSwap
 from lightning_scale.capture.interpreter import instrument
 from lightning_scale.capture.labels import view_aliases
 from lightning_scale.record import recorder
@@ -110,8 +111,8 @@ def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
         cap = weak()
         if cap is None or recorder.active() is None:
             return fn(*args)
-        known = frames.anchored_roots(anchors, args, cap._tensor_paths())
-        scope = frames.scope_of(frames.calling_frame(sys._getframe(1)), roots, cap._paths(), known)
+        known = frames.anchored_roots(anchors, args, cap.tensor_paths())
+        scope = frames.scope_of(frames.calling_frame(sys._getframe(1)), roots, cap.module_paths(), known)
         with frames.running(_table(cap, graph, scope)):
             return fn(*args)
 
@@ -121,10 +122,10 @@ def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
 def _table(cap: "Capture", graph: frames.FrameGraph, scope: Tuple[str, ...]) -> Dict[str, str]:
     """Observed node -> label for ``graph`` run by ``scope``; registers new labels in ``cap``."""
     key = (id(graph), scope)
-    known = cap._tables.get(key)
+    known = cap.frame_table(key)
     if known is not None:
         return known
-    table = frames.table_for(graph, scope, cap._labeller)
+    table = frames.table_for(graph, scope, cap.labeller)
     aliases = {table[v]: table[s] for v, s in graph.views.items() if v in table and s in table}
     listed = dict(table)
     where = dict(zip(graph.roots(), scope[1:]))
@@ -134,28 +135,26 @@ def _table(cap: "Capture", graph: frames.FrameGraph, scope: Tuple[str, ...]) -> 
         if (
             source is None
             or full in ("", scope[0])
-            or full in cap._labeller
+            or full in cap.labeller
             or full in cap.aliases
-            or any(full in t.values() for t in cap.labels)
+            or cap.has_label(full)
         ):
             continue
         aliases[full] = aliases.get(source, source)
         listed[MODULE_KEY + full] = full
-    new = {k: v for k, v in listed.items() if not any(v in t.values() for t in cap.labels)}
+    new = {k: v for k, v in listed.items() if not cap.has_label(v)}
     if new:
-        cap.graphs.append(graph.gm)
-        cap.labels.append(new)
-    for alias, source in aliases.items():
-        cap.aliases.setdefault(alias, source)
+        cap.add_graph(graph.gm, new)
+    cap.add_aliases(aliases)
     observed = {k: v for k, v in table.items() if v not in cap.aliases}
-    cap._tables[key] = observed
+    cap.add_frame_table(key, observed)
     return observed
 
 
 def opaque_module_paths(cap: "Capture") -> List[str]:
     """Paths of the modules a tracked dynamo call runs opaque: compiled submodules, and
     RNNs (dynamo refuses to trace RNN, GRU and LSTM) outside compiled ones."""
-    return [cap._paths()[id(m)] for m in _opaque_modules(cap.module)]
+    return [cap.module_paths()[id(m)] for m in _opaque_modules(cap.module)]
 
 
 def _opaque_modules(root: nn.Module) -> List[nn.Module]:
@@ -179,27 +178,14 @@ def _opaque_modules(root: nn.Module) -> List[nn.Module]:
 def opaque_compiled(cap: "Capture") -> Iterator[None]:
     """Compiled submodules run their own compiled code, and RNNs run eagerly (as dynamo
     would after a graph break), each recorded at its output under its path."""
-    paths = cap._paths()
-    saved: List[Tuple[nn.Module, Any]] = []
-    for m in _opaque_modules(cap.module):
-        if not any(paths[id(m)] in t.values() for t in cap.labels):
-            cap.graphs.append(fx.GraphModule(nn.Module(), fx.Graph()))  # no graph of its own
-            cap.labels.append({COMPILED_KEY + paths[id(m)]: paths[id(m)]})  # a record of its own
-        previous = m.__dict__.get("forward", _MISSING)
-        saved.append((m, previous))
-        forward = previous if previous is not _MISSING else type(m).forward.__get__(m)
-        m.__dict__["forward"] = _recorded_at_output(forward, paths[id(m)])
-    try:
+    paths = cap.module_paths()
+    with ForwardSwap() as swap:
+        for m in _opaque_modules(cap.module):
+            if not cap.has_label(paths[id(m)]):
+                # no graph of its own, a record of its own
+                cap.add_graph(fx.GraphModule(nn.Module(), fx.Graph()), {COMPILED_KEY + paths[id(m)]: paths[id(m)]})
+            swap.replace(m, _recorded_at_output(swap.original(m), paths[id(m)]))
         yield
-    finally:
-        for m, forward in saved:
-            if forward is _MISSING:
-                del m.__dict__["forward"]
-            else:
-                m.__dict__["forward"] = forward
-
-
-_MISSING = object()
 
 
 def _recorded_at_output(forward: Callable[..., Any], label: str) -> Callable[..., Any]:
@@ -256,6 +242,6 @@ def tracked_forward(cap: "Capture", compiled: Callable[..., Any]) -> Callable[..
             with opaque_compiled(cap), _dynamo_settings():
                 return compiled(*args, **kwargs)
         finally:  # graph-break reasons, for the coverage report
-            cap._breaks.extend(str(k).splitlines()[0][:160] for k in breaks if k not in before)
+            cap.add_graph_breaks(str(k).splitlines()[0][:160] for k in breaks if k not in before)
 
     return run

@@ -40,7 +40,7 @@ from lightning_scale.capture.graphs import Capture
 from lightning_scale.capture.module_state import Snapshot
 from lightning_scale.capture.tracer import failure_reason
 
-__all__ = ["NOISE_FACTOR", "Outcome", "Verdict", "compare", "verify"]
+__all__ = ["NOISE_FACTOR", "Outcome", "ProbeInterrupted", "Verdict", "compare", "verify"]
 
 _DEPTH = 6  # how deep outputs are searched for tensors (nested tuples, dicts, objects)
 
@@ -63,11 +63,20 @@ class Verdict:
             return f"{self.route}: {self.error}"
         if self.matches and self.within_noise:
             where = ", ".join(self.within_noise[:3]) + (", ..." if len(self.within_noise) > 3 else "")
-            return f"{self.route}: bit-identical but where the eager forward does not reproduce itself ({where}: within {NOISE_FACTOR:g}x its spread)"
+            return (
+                f"{self.route}: bit-identical but where the eager forward does not reproduce itself "
+                f"({where}: within {NOISE_FACTOR:g}x its spread)"
+            )
         if self.matches:
             return f"{self.route}: bit-identical"
         more = f" (and {len(self.differences) - 3} more)" if len(self.differences) > 3 else ""
         return f"{self.route}: " + "; ".join(self.differences[:3]) + more
+
+
+class ProbeInterrupted(RuntimeError):
+    """The probe could not conclude: the model's own forward raised (its error is the
+    cause: the step's real forward will raise it too), or the ranks could not compare their
+    verdicts (a collective failed: another rank has failed). Nothing is known of the capture."""
 
 
 @dataclass
@@ -103,8 +112,15 @@ def _leaves(x: Any, name: str, depth: int = 0) -> Iterator[Tuple[str, Any]]:
                 yield from _leaves(value, f"{name}.{key}" if name else key, depth + 1)
 
 
+def _comparable(t: Tensor) -> Tensor:
+    """A detached copy, dense: comparisons (``==``, ``isnan``) exist for strided tensors only
+    (a sparse embedding's gradient, a sparse buffer)."""
+    t = t.detach()
+    return t.to_dense() if t.layout != torch.strided else t.clone()
+
+
 def _snapshot(x: Any) -> Dict[str, Any]:
-    return {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in _leaves(x, "")}
+    return {k: _comparable(v) if isinstance(v, Tensor) else v for k, v in _leaves(x, "")}
 
 
 #: A route may differ from the reference where the eager forward differs from itself
@@ -169,7 +185,7 @@ def _gradients(root: nn.Module, out: Any) -> Dict[str, Any]:
         )
     except RuntimeError as err:  # reentrant checkpointing refuses `autograd.grad`
         raise _NoGradients(str(err)) from err
-    return {n: g for (n, _), g in zip(named, grads) if g is not None}
+    return {n: _comparable(g) for (n, _), g in zip(named, grads) if g is not None}
 
 
 class _NoGradients(RuntimeError):
@@ -177,7 +193,7 @@ class _NoGradients(RuntimeError):
 
 
 def _buffers(root: nn.Module) -> Dict[str, Any]:
-    return {name: b.detach().clone() for name, b in root.named_buffers()}
+    return {name: _comparable(b) for name, b in root.named_buffers()}
 
 
 _Run = Tuple[Dict[str, Any], Dict[str, Any], Dict[str, Any]]  # outputs, buffers, gradients
@@ -224,14 +240,21 @@ class _Reference:
         self._noise: Optional[Dict[str, float]] = None
         self.gradients = True
         try:
-            self.expected = self._restored(eager)
+            self.expected = self._restored(eager, own=True)
         except _NoGradients:  # (reentrant checkpointing) outputs and buffers only, for every route
             self.gradients = False
-            self.expected = self._restored(eager)
+            self.expected = self._restored(eager, own=True)
 
-    def _restored(self, forward: Callable[..., Any]) -> _Run:
+    def _restored(self, forward: Callable[..., Any], own: bool = False) -> _Run:
+        """``forward``'s run from the saved state, then the state put back. ``own``: the
+        model's own forward, whose error interrupts the probe (it is the step's error)."""
         try:
-            out = forward(*self.args, **self.kwargs)
+            try:
+                out = forward(*self.args, **self.kwargs)
+            except Exception as err:
+                if own:
+                    raise ProbeInterrupted(f"the model's own forward raised {failure_reason(err)}") from err
+                raise
             return _snapshot(out), _buffers(self.root), _gradients(self.root, out) if self.gradients else {}
         finally:
             self.state.restore()
@@ -275,6 +298,9 @@ def verify(
     Returns:
         An ``Outcome``: the matching capture (None if none matches) and every verdict.
         Random number generators and module state are as they were before the call.
+
+    Raises:
+        ProbeInterrupted: ``eager`` raised, or ``agree`` did (the ranks cannot agree).
     """
     reference = _Reference(root, eager, args, kwargs)
     verdicts: List[Verdict] = []
@@ -286,6 +312,14 @@ def verify(
         else:
             verdict = reference.check(route, cap.tracked())
         verdicts.append(verdict)
-        if agree(verdict.matches) and cap is not None:
+        if _agreed(agree, verdict.matches) and cap is not None:
             return Outcome(cap, verdicts)
     return Outcome(None, verdicts)
+
+
+def _agreed(agree: Callable[[bool], bool], ok: bool) -> bool:
+    try:
+        return agree(ok)
+    except Exception as err:  # noqa: BLE001 - a collective that fails: a rank left (its error ends the fit)
+        why = f"{type(err).__name__}: {str(err).strip()[:200]}"
+        raise ProbeInterrupted(f"the ranks could not compare verdicts ({why}); another rank has likely failed") from err

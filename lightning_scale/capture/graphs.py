@@ -27,7 +27,22 @@ import math
 import operator
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Set, Tuple, Type, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Hashable,
+    Iterable,
+    List,
+    Literal,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    Type,
+    Union,
+)
 
 import torch
 from torch import fx, nn
@@ -37,6 +52,7 @@ from lightning_scale.capture.dynamo import MODULE_KEY, WeakBackend, opaque_modul
 from lightning_scale.capture.interpreter import instrument
 from lightning_scale.capture.labels import label_graph, view_aliases
 from lightning_scale.capture.tracer import DEFAULT_LEAF_TYPES, DeepTracer, failure_reason, trace_module
+from lightning_scale.record.recorder import BACKWARD
 
 __all__ = ["CAPTURE_MODES", "Capture", "CaptureError", "DeepTracer", "capture", "label_graph"]
 
@@ -84,8 +100,10 @@ class Capture:
     _module_paths: Optional[Dict[int, str]] = None
     _tensor_names: Optional[Dict[int, List[str]]] = None
     _breaks: List[str] = field(default_factory=list)
+    _skipped: Dict[str, str] = field(default_factory=dict)  # "label" / "label grad" -> why not recorded
 
-    def _tensor_paths(self) -> Dict[int, List[str]]:
+    def tensor_paths(self) -> Dict[int, List[str]]:
+        """``id`` of each parameter and buffer -> its paths in the module (tied ones have several)."""
         if self._tensor_names is None:
             named = [
                 *self.module.named_parameters(remove_duplicate=False),
@@ -96,10 +114,50 @@ class Capture:
                 self._tensor_names.setdefault(id(t), []).append(frames.strip_compiled(name))
         return self._tensor_names
 
-    def _paths(self) -> Dict[int, str]:
+    def module_paths(self) -> Dict[int, str]:
+        """``id`` of each submodule -> its path (compiled wrappers' ``_orig_mod`` left out)."""
         if self._module_paths is None:
             self._module_paths = frames.module_paths(self.module)
         return self._module_paths
+
+    # ---- what the dynamo backend adds as graphs compile (``dynamo.py``)
+
+    @property
+    def labeller(self) -> frames.Labeller:
+        """The labels given so far to dynamo nodes (unique across graphs and frames)."""
+        return self._labeller
+
+    def frame_table(self, key: Tuple[int, Tuple[str, ...]]) -> Optional[Dict[str, str]]:
+        """The node -> label table of (a frame graph's id, the scope that runs it), if made."""
+        return self._tables.get(key)
+
+    def add_frame_table(self, key: Tuple[int, Tuple[str, ...]], table: Dict[str, str]) -> None:
+        self._tables[key] = table
+
+    def add_graph(self, gm: fx.GraphModule, labels: Dict[str, str]) -> None:
+        """A graph and its new labels (node key -> label), after those captured so far."""
+        self.graphs.append(gm)
+        self.labels.append(labels)
+
+    def add_aliases(self, aliases: Dict[str, str]) -> None:
+        """Label -> the label whose records it shares; a label already aliased keeps its source."""
+        for alias, source in aliases.items():
+            self.aliases.setdefault(alias, source)
+
+    def has_label(self, label: str) -> bool:
+        """Whether ``label`` names a node or module output of a graph captured so far."""
+        return any(label in labels.values() for labels in self.labels)
+
+    def add_skipped(self, skipped: Mapping[Tuple[Hashable, int], str]) -> Dict[str, str]:
+        """Tensors a tracked step saw but did not record (``Recorder.skipped``: (label,
+        direction) -> why), for the coverage report; returns them by name (``emb.weight grad``)."""
+        named = {f"{label}{' grad' if d == BACKWARD else ''}": why for (label, d), why in skipped.items()}
+        self._skipped.update(named)
+        return named
+
+    def add_graph_breaks(self, reasons: Iterable[str]) -> None:
+        """Dynamo's graph-break reasons seen on a tracked call, for the coverage report."""
+        self._breaks.extend(reasons)
 
     @property
     def node_labels(self) -> List[str]:
@@ -122,6 +180,22 @@ class Capture:
         module itself; separately captured units (FSDP) follow."""
         return [("", self.tracked()), *self._unit_fns]
 
+    # ---- what the fx route builds (``capture``)
+
+    def set_forward(self, fn: Callable[..., Any]) -> None:
+        """The instrumented forward of the whole module (fx): what ``tracked()`` returns."""
+        self._fns[:] = [fn]
+
+    def add_unit(self, path: str, unit: nn.Module, gm: fx.GraphModule, fallbacks: Dict[str, str]) -> None:
+        """A separately captured unit (FSDP) at ``path``: its graph, labelled within this
+        capture, and its instrumented forward (run through the unit's own ``__call__``)."""
+        labels = label_graph(gm, unit, self._taken, scope=path)
+        aliases = view_aliases(gm, labels)
+        self.add_graph(gm, labels)
+        self.aliases.update(aliases)
+        self.fallbacks.update({f"{path}.{k}": v for k, v in fallbacks.items()})
+        self._unit_fns.append((path, instrument(gm, _observed(labels, aliases), live=unit)))
+
     def tracked(self) -> Callable[..., Any]:
         """A function with the module's forward signature that runs the captured graphs.
 
@@ -141,7 +215,9 @@ class Capture:
         tracked step) cover; ``.line()`` for the log, ``.warning()`` below 90%."""
         compiled = self._opaque_compiled()
         opaque = [frames.strip_compiled(p) for p in self.leaves] + compiled + self._opaque_rnns()
-        return coverage.measure(self.module, recorded, opaque, self._why_missing, compiled=compiled)
+        return coverage.measure(
+            self.module, recorded, opaque, self._why_missing, compiled=compiled, skipped=self._skipped
+        )
 
     def _opaque_rnns(self) -> List[str]:
         """RNN modules dynamo runs eagerly and ``opaque_modules`` records at their output."""
@@ -237,7 +313,7 @@ def _fx_capture(
     aliases = view_aliases(gm, labels)
     labels = _with_module_outputs(gm, labels, aliases, tracer.passthrough)
     cap = Capture("fx", module, [gm], [labels], list(tracer.leaves), dict(tracer.fallbacks), aliases, _taken=taken)
-    cap._fns.append(instrument(gm, _observed(labels, aliases), live=module))
+    cap.set_forward(instrument(gm, _observed(labels, aliases), live=module))
     return cap
 
 
@@ -254,14 +330,7 @@ def _add_units(
         unit = root.get_submodule(path)
         inner = tuple(u[len(path) + 1 :] for u in units if u.startswith(path + "."))
         tracer = DeepTracer(autowrap_modules, autowrap_functions, leaves + inner)
-        gm = trace_module(unit, tracer)
-        labels = label_graph(gm, unit, cap._taken, scope=path)
-        aliases = view_aliases(gm, labels)
-        cap.graphs.append(gm)
-        cap.labels.append(labels)
-        cap.aliases.update(aliases)
-        cap.fallbacks.update({f"{path}.{k}": v for k, v in tracer.fallbacks.items()})
-        cap._unit_fns.append((path, instrument(gm, _observed(labels, aliases), live=unit)))
+        cap.add_unit(path, unit, trace_module(unit, tracer), tracer.fallbacks)
 
 
 def _with_module_outputs(

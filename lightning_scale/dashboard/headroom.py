@@ -1,7 +1,8 @@
 """Headroom of a tensor's scale to the edges of each floating-point format, in octaves.
 
 Pure maths shared by the writer (per-step summary scalars, the top-k text table) and the
-dashboard server (the worst-nodes ranking), so both rank the same way.
+dashboard server (the worst-nodes ranking), so both rank the same way: one value at a time
+(``headroom``, ``rank``) or on arrays (``rooms``, ``order``), with one ordering (``order``).
 
 For a format with smallest normal ``n`` and largest finite value ``M``, a tensor with
 standard deviation ``s`` and largest magnitude ``a`` has
@@ -16,11 +17,13 @@ standard deviation ``s`` and largest magnitude ``a`` has
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
 
 from lightning_scale.record.stats import FORMATS
 
-__all__ = ["FORMAT_NAMES", "below_normal_counts", "drift", "headroom", "log2", "rank"]
+__all__ = ["FORMAT_NAMES", "below_normal_counts", "drift", "headroom", "log2", "log2_array", "order", "rank", "rooms"]
 
 FORMAT_NAMES = tuple(FORMATS)
 
@@ -58,12 +61,37 @@ def drift(series: Mapping[int, float]) -> float:
     return log2(series[steps[-1]]) - log2(series[steps[0]])
 
 
+def log2_array(values: np.ndarray) -> np.ndarray:
+    """``log2`` on an array: NaN where not positive and finite."""
+    ok = (values > 0) & np.isfinite(values)
+    return np.where(ok, np.log2(np.where(ok, values, 1.0)), np.nan)
+
+
+def rooms(std: np.ndarray, absmax: np.ndarray, fmt: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``headroom`` on arrays: (under, over, headroom), NaN where unknown.
+
+    Raises:
+        ValueError: ``fmt`` is not one of ``FORMAT_NAMES``.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"`fmt` must be one of {list(FORMAT_NAMES)}, got {fmt!r}")
+    f = FORMATS[fmt]
+    log_std, top = log2_array(std), log2_array(absmax)
+    top = np.where(np.isnan(top), log_std, top)
+    under, over = log_std - math.log2(f.min_normal), math.log2(f.max) - top
+    return under, over, np.minimum(under, over)  # NaN where either is
+
+
+def order(keys: np.ndarray) -> np.ndarray:
+    """The indices that sort ``keys`` ascending: NaN last, ties in input (execution) order."""
+    return np.argsort(np.asarray(keys, dtype=np.float64), kind="stable")  # numpy sorts NaN last
+
+
 def rank(rows: Iterable[Dict[str, float]], key: str, descending: bool = False) -> List[Dict[str, float]]:
-    """Rows sorted by ``row[key]`` (NaN last), ties kept in input (execution) order."""
+    """Rows sorted by ``row[key]`` (NaN last), ties kept in input (execution) order (``order``)."""
     rows = list(rows)
-    ok = [r for r in rows if not math.isnan(r[key])]
-    bad = [r for r in rows if math.isnan(r[key])]
-    return sorted(ok, key=lambda r: -r[key] if descending else r[key]) + bad
+    keys = np.array([r[key] for r in rows], dtype=np.float64)
+    return [rows[i] for i in order(-keys if descending else keys)]
 
 
 def below_normal_counts(std: Sequence[float], absmax: Sequence[float]) -> Dict[str, int]:

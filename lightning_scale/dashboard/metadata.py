@@ -1,4 +1,7 @@
-"""What the writer stores for the dashboard besides scalars: the node list and the records.
+"""What the writer stores for the dashboard besides scalars, shared by writer and reader.
+
+As TensorBoard's ``plugins/scalar/metadata.py``: the names, the format and its decoding;
+``summaries`` (beside it) builds the summaries, ``plugin`` / ``data`` read them.
 
 Scalar tags sort alphabetically, carry no structure and are capped by ``max_tags``; the
 dashboard needs every node, in execution order. The writer stores, as ``tensor``
@@ -20,57 +23,25 @@ summaries with ``plugin_name="scales"``:
 from __future__ import annotations
 
 import json
-from typing import Any, Collection, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict
 
-__all__ = ["CHUNK", "PLUGIN_NAME", "RECORDS", "TAG", "chunk_tag", "decode", "nodes_summary", "records_summary"]
+__all__ = ["CHUNK", "PLUGIN_NAME", "RECORDS", "TAG", "VERSION", "chunk_tag", "decode", "summary_metadata"]
 
 PLUGIN_NAME = "scales"
 TAG = "scale_nodes"
 RECORDS = "scale_records"
 CHUNK = 10  # TensorBoard's default reservoir for a third-party plugin's tensors
-_VERSION = 1
+VERSION = 1  # of the node list document
 
 
-def _summary(tag: str, tensor: Any, content: bytes) -> Any:
-    from tensorboard.compat.proto.summary_pb2 import DATA_CLASS_TENSOR, Summary, SummaryMetadata
+def summary_metadata() -> Any:
+    """The ``SummaryMetadata`` of every tensor summary of this plugin (``summaries`` writes them)."""
+    from tensorboard.compat.proto.summary_pb2 import DATA_CLASS_TENSOR, SummaryMetadata
 
     # DATA_CLASS_TENSOR: TensorBoard's data providers serve it through `read_tensors`
-    meta = SummaryMetadata(
-        plugin_data=SummaryMetadata.PluginData(plugin_name=PLUGIN_NAME, content=content), data_class=DATA_CLASS_TENSOR
+    return SummaryMetadata(
+        plugin_data=SummaryMetadata.PluginData(plugin_name=PLUGIN_NAME, content=b"1"), data_class=DATA_CLASS_TENSOR
     )
-    return Summary(value=[Summary.Value(tag=tag, metadata=meta, tensor=tensor)])
-
-
-def nodes_summary(
-    tag: str,
-    labels: Sequence[str],
-    parameters: Collection[str] = (),
-    statistics: Sequence[str] = (),
-    aliases: Optional[Mapping[str, str]] = None,
-) -> Any:
-    """A ``Summary`` holding the node list (execution order), the parameter labels among it,
-    the statistics of the records that follow and the aliases among the labels."""
-    import numpy as np
-    from tensorboard.util import tensor_util
-
-    params, present = set(parameters), set(labels)
-    same = {a: s for a, s in (aliases or {}).items() if a in present and s in present}
-    doc = {
-        "version": _VERSION,
-        "labels": list(labels),
-        "parameters": [l for l in labels if l in params],
-        "statistics": list(statistics),
-        "aliases": same,
-    }
-    return _summary(tag, tensor_util.make_tensor_proto(np.array(json.dumps(doc).encode(), dtype=object)), b"1")
-
-
-def records_summary(tag: str, values: Any) -> Any:
-    """A ``Summary`` holding one step's ``[nodes, 2, statistics]`` array (stored as float32)."""
-    import numpy as np
-    from tensorboard.util import tensor_util
-
-    return _summary(tag, tensor_util.make_tensor_proto(np.ascontiguousarray(values, dtype=np.float32)), b"1")
 
 
 def decode(value: Any) -> Dict[str, Any]:
@@ -85,7 +56,7 @@ def decode(value: Any) -> Dict[str, Any]:
         doc = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
     except (ValueError, AttributeError) as e:
         raise ValueError(f"not a scales node list: {str(raw)[:80]!r}") from e
-    if not isinstance(doc, dict) or doc.get("version") != _VERSION:
+    if not isinstance(doc, dict) or doc.get("version") != VERSION:
         raise ValueError(
             f"unsupported scales node list version: {doc.get('version') if isinstance(doc, dict) else doc!r}"
         )

@@ -73,6 +73,8 @@ class Recorder:
         self.histogram_keys: set = set()
         self.histograms: Dict[Tuple[Hashable, int], Tensor] = {}
         self.device: Optional[torch.device] = None
+        #: (key, FORWARD or BACKWARD) -> why its tensor was not recorded (``"sparse_coo layout"``)
+        self.skipped: Dict[Tuple[Hashable, int], str] = {}
 
     @property
     def keys(self) -> List[Hashable]:
@@ -86,21 +88,27 @@ class Recorder:
         return self._slots[key]
 
     def observe(self, key: Hashable, x: Tensor) -> None:
-        """Record ``x`` (forward) now and its gradient (backward) when it arrives."""
+        """Record ``x`` (forward) now and its gradient (backward) when it arrives. A tensor
+        of another layout than strided (sparse, mkldnn) is not recorded: ``skipped`` says so."""
         slot = self._slots.get(key)  # (one lookup: this runs after every node of a tracked step)
         if slot is None:
             slot = self.slot(key)
-        prev = self._previous
-        version = -1 if x.is_inference() else x._version  # inference tensors have no counter
-        if prev is not None and prev[0]() is x and prev[1] == version >= 0 and prev[2] != slot:
-            # The node returned its input itself (dropout with p=0, .contiguous(), .to()
-            # to the same dtype): same values, same gradient. Reuse, do not recompute.
-            self._same.setdefault(prev[2], []).append(slot)
-            return
-        self._previous = (weakref.ref(x), version, slot)
-        self._add(slot, FORWARD, x)
-        if not (x.requires_grad and torch.is_grad_enabled()):
-            return
+        if x.layout is not torch.strided:
+            self._skip(slot, FORWARD, x)
+        else:
+            prev = self._previous
+            version = -1 if x.is_inference() else x._version  # inference tensors have no counter
+            if prev is not None and prev[0]() is x and prev[1] == version >= 0 and prev[2] != slot:
+                # The node returned its input itself (dropout with p=0, .contiguous(), .to()
+                # to the same dtype): same values, same gradient. Reuse, do not recompute.
+                self._same.setdefault(prev[2], []).append(slot)
+                return
+            self._previous = (weakref.ref(x), version, slot)
+            self._add(slot, FORWARD, x)
+        if x.requires_grad and torch.is_grad_enabled():
+            self._hook_gradient(slot, x)
+
+    def _hook_gradient(self, slot: int, x: Tensor) -> None:
         if not x.is_leaf:
             x.register_hook(functools.partial(self._on_grad, slot))
             return
@@ -122,12 +130,19 @@ class Recorder:
         for key, row in zip(keys, rows.unbind(0)):
             self._rows.append((self.slot(key), direction, row))
 
+    def _skip(self, slot: int, direction: int, x: Tensor) -> None:
+        """No statistics for ``x``: they are defined here for strided tensors only."""
+        self.skipped[(self._keys[slot], direction)] = f"{str(x.layout).replace('torch.', '')} layout"
+
     def _on_leaf_grad(self, slot: int, box: List[Any], grad: Tensor) -> None:
         box[0].remove()
         self._on_grad(slot, grad)
 
     def _on_grad(self, slot: int, grad: Tensor) -> None:
         if self.error is not None:
+            return
+        if grad.layout is not torch.strided:  # (a sparse embedding's weight gradient)
+            self._skip(slot, BACKWARD, grad)
             return
         try:
             # Autograd hands the very same gradient tensor to several nodes (an add passes
@@ -257,6 +272,7 @@ class Recorder:
         self._short.clear()
         self._buffer.clear()
         self.histograms.clear()
+        self.skipped.clear()
         self.error = None
         self.remove_hooks()
 

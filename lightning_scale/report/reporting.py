@@ -7,18 +7,19 @@ result to the writing rank in one device-to-host transfer. ``Reporter.report`` t
 decides, on the training thread, what little must be decided there (anomaly warnings,
 which nodes to write; all on the pooled host copy) and hands the rest (unscaling,
 annotated code, scalars, histograms, figure, text, the dashboard's records, update
-ratios) to a ``Worker`` for TensorBoard loggers; ``max_tags`` caps the per-node scalars
-only (``ScaleWriter``), the dashboard's records hold every node.
+ratios) to a ``Worker``, which writes them for TensorBoard loggers to the callback's own
+event file in each run directory (``event_file``: a failure or ``max_log_bytes`` stops it
+with one warning, never the fit; ``close`` at fit end); ``max_tags`` caps the per-node
+scalars only (``ScaleWriter``), the dashboard's records hold every node.
 ``Reporter.log_anomaly`` queues an anomaly event there too. Other loggers (CSV, W&B,
 MLflow, ...) are not safe to call from a second thread while Lightning logs: they get
-their scalars through ``log_metrics`` on the training thread. Nothing here imports
-Lightning: the callback passes loggers, the rank
-and the accumulation factor in.
+their scalars through ``log_metrics`` on the training thread (``loggers.LoggerOutput``: its
+first failure stops it, with one warning). Nothing here imports Lightning: the callback
+passes loggers, the rank and the accumulation factor in.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -32,7 +33,10 @@ from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder
 from lightning_scale.report import pool
 from lightning_scale.report.anomalies import AnomalyWatch
 from lightning_scale.report.code import annotate_code
-from lightning_scale.report.tensorboard import ScaleWriter, is_tensorboard
+from lightning_scale.report.event_file import Budget, EventFile
+from lightning_scale.report.loggers import LoggerOutput, is_tensorboard, log_dir_of
+from lightning_scale.report.options import ReportOptions
+from lightning_scale.report.tensorboard import ScaleWriter
 from lightning_scale.report.worker import Worker
 
 __all__ = ["PooledStep", "Reporter", "StepData", "UpdateRows", "scale_backward"]
@@ -92,48 +96,50 @@ class Reporter:
     """Pools, checks and writes tracked steps; the writing runs on a background worker.
 
     Args:
-        statistics: statistic names written as scalars.
-        histograms, figure, figure_every, code, rank_spread, max_tags, unscale_gradients,
-            value_histograms: as ``ScaleMonitor``'s arguments of the same names.
+        options: what to pool and write (``ReportOptions``: ``ScaleMonitor``'s arguments).
         warn: how to warn (the callback passes Lightning's ``rank_zero_warn``).
         info: how to log a line (``rank_zero_info``): the coverage of the first tracked step.
-        coverage: report coverage (off when ``include`` / ``exclude`` select nodes).
     """
 
     def __init__(
         self,
-        statistics: Sequence[str],
-        histograms: bool,
-        figure: bool,
-        figure_every: int,
-        code: bool,
-        rank_spread: bool,
-        max_tags: int,
-        unscale_gradients: bool,
-        value_histograms: Optional["re.Pattern[str]"],
+        options: ReportOptions,
+        *,
         warn: Callable[[str], None],
         info: Callable[[str], None] = lambda message: None,
-        coverage: bool = True,
     ) -> None:
-        self.statistics = list(statistics)
-        self.histograms, self.figure, self.figure_every, self.code = histograms, figure, figure_every, code
-        self.rank_spread, self.max_tags, self.unscale_gradients = rank_spread, max_tags, unscale_gradients
-        self.value_histograms = value_histograms
+        self.options = options
+        self.statistics = list(options.statistics)
+        self.rank_spread, self.max_tags, self.code = options.rank_spread, options.max_tags, options.code
+        self.unscale_gradients, self.value_histograms = options.unscale_gradients, options.value_histograms
         self.warn, self.info = warn, info
-        self.report_coverage = coverage
+        self.report_coverage = options.coverage
         self.worker = Worker()
         self.anomalies = AnomalyWatch()
         self._warned: Dict[str, bool] = {}
         self._writers: Dict[str, ScaleWriter] = {}
+        self._outputs: Dict[Any, Any] = {}  # a run's EventFile per log dir, LoggerOutput per logger
+        self._budget = Budget(options.max_log_bytes)
 
     def start_run(self) -> None:
-        """A new fit/validate: finish the previous run's writing, forget its loggers."""
-        self.worker.flush()
-        self._writers.clear()
+        """A new fit/validate: finish the previous run's writing, forget its loggers and files."""
+        self.close()
 
     def flush(self) -> None:
         """Block until every submitted step is written."""
+        if self._outputs:
+            self.worker.submit("flush", _flush, list(self._outputs.values()))
         self.worker.flush()
+
+    def close(self) -> None:
+        """Write every submitted step, close this run's event files (the fit ends or failed);
+        a later step opens new ones. Never raises: failures are warned by the files."""
+        outputs, self._outputs = list(self._outputs.values()), {}
+        if outputs:
+            self.worker.submit("closing the event files", _close, outputs)
+        self.worker.close()
+        self._writers.clear()
+        self._budget = Budget(self.options.max_log_bytes)
 
     # ---- on the training thread ----------------------------------------------------------
 
@@ -240,13 +246,11 @@ class Reporter:
         boards, others = _split(loggers)
         if boards:
             writer = self._writer(boards, data.prefix, data.parameters, "boards")
-            self.worker.submit(
-                f"step {data.step}", _write, writer, job, boards, {l: i for i, l in enumerate(labels)}, records
-            )
+            self.worker.submit(f"step {data.step}", _write, writer, job, {l: i for i, l in enumerate(labels)}, records)
         if others:  # not thread-safe: their scalars go out here, now
             writer = self._writer(others, data.prefix, data.parameters, "others")
             self.worker.run_now(
-                f"step {data.step}", _write, writer, replace(job, code=None, histograms={}), others, {}, records
+                f"step {data.step}", _write, writer, replace(job, code=None, histograms={}), {}, records
             )
 
     def log_anomaly(self, loggers: Sequence[Any], step: int, loss: float, text: str) -> None:
@@ -254,9 +258,11 @@ class Reporter:
         ``step`` (queued for TensorBoard, at once for other loggers)."""
         boards, others = _split(loggers)
         if boards:
-            self.worker.submit(f"anomaly at step {step}", _write_anomaly, boards, step, loss, text)
+            writer = self._writer(boards, "", (), "anomaly boards")
+            self.worker.submit(f"anomaly at step {step}", _write_anomaly, writer, step, loss, text)
         if others:
-            self.worker.run_now(f"anomaly at step {step}", _write_anomaly, others, step, loss, text)
+            writer = self._writer(others, "", (), "anomaly others")
+            self.worker.run_now(f"anomaly at step {step}", _write_anomaly, writer, step, loss, text)
 
     def _coverage(self, data: StepData, recorded: List[str]) -> None:
         """Once per run, after the first tracked training step (dynamo compiles lazily)."""
@@ -283,18 +289,36 @@ class Reporter:
                 f"(raise `max_tags`, or narrow with `include` / `exclude` / `prune_views`) as scalars; the SCALES dashboard shows all {nodes}",
             )
 
+    def _outputs_of(self, loggers: Sequence[Any]) -> List[Any]:
+        """This run's output for each logger: one ``EventFile`` per TensorBoard log dir,
+        a ``LoggerOutput`` per other logger (each stops at its first failure)."""
+        out = []
+        for logger in loggers:
+            log_dir = log_dir_of(logger) if is_tensorboard(logger) else None
+            key = ("dir", log_dir) if log_dir is not None else ("logger", id(logger))
+            if key not in self._outputs:
+                self._outputs[key] = (
+                    EventFile(log_dir, self.warn, self._budget)
+                    if log_dir is not None
+                    else LoggerOutput(logger, self.warn)
+                )
+            if self._outputs[key] not in out:
+                out.append(self._outputs[key])
+        return out
+
     def _writer(self, loggers: Sequence[Any], prefix: str, parameters: Collection[str], kind: str) -> ScaleWriter:
         """One writer per tag prefix and kind: ``boards`` is used on the worker only,
         ``others`` on the training thread only (neither shares its caches across threads)."""
         key = f"{kind}:{prefix}"
         if key not in self._writers:
+            o = self.options
             self._writers[key] = ScaleWriter(
-                loggers,
-                self.statistics,
-                self.histograms,
-                self.figure,
-                prefix,
-                self.figure_every,
+                self._outputs_of(loggers),
+                statistics=self.statistics,
+                histograms=o.histograms,
+                figure=o.figure,
+                prefix=prefix,
+                figure_every=o.figure_every,
                 parameters=parameters,
                 max_tags=self.max_tags,
             )
@@ -302,40 +326,48 @@ class Reporter:
 
 
 def _split(loggers: Sequence[Any]) -> Tuple[List[Any], List[Any]]:
-    """(TensorBoard loggers, the others). A ``SummaryWriter`` may be written from the worker
-    while Lightning logs from the training thread; other loggers may not (Lightning's
-    ``CSVLogger.save()`` on the training thread fails if a row with new columns arrives
-    from another thread while it writes), so they are only called on the training thread."""
+    """(TensorBoard loggers with a log dir, the others). Our own event file in a log dir is
+    written from the worker; other loggers may not be (Lightning's ``CSVLogger.save()`` on
+    the training thread fails if a row with new columns arrives from another thread while
+    it writes), so they are only called on the training thread."""
     boards: List[Any] = []
     others: List[Any] = []
     for logger in loggers:
-        (boards if is_tensorboard(logger) else others).append(logger)
+        (boards if is_tensorboard(logger) and log_dir_of(logger) is not None else others).append(logger)
     return boards, others
 
 
 # ---- on the worker (TensorBoard), or on the training thread (other loggers) ---------------
 
 
-def _write(writer: ScaleWriter, job: _Written, loggers: List[Any], index: Dict[str, int], all_records: Tensor) -> None:
+def _write(writer: ScaleWriter, job: _Written, index: Dict[str, int], all_records: Tensor) -> None:
     code = _code(job.code, index, all_records) if job.code is not None else None
     writer.write(job.step, job.labels, job.records, code, job.spread, job.aliases)
     if job.loss_scale is not None:
-        for logger in loggers:
-            logger.log_metrics({f"{job.prefix}scale_loss/loss_scale": job.loss_scale}, step=job.step)
+        writer.write_metrics({f"{job.prefix}scale_loss/loss_scale": job.loss_scale}, job.step)
     if job.histograms:
         writer.write_value_histograms(job.step, job.histograms)
     if job.updates is not None:
-        ratios = updates.ratios(*job.updates, job.prefix)
-        for logger in loggers:
-            logger.log_metrics(ratios, step=job.step)
+        writer.write_metrics(updates.ratios(*job.updates, job.prefix), job.step)
+    writer.flush()
 
 
-def _write_anomaly(loggers: List[Any], step: int, loss: float, text: str) -> None:
-    for logger in loggers:
-        logger.log_metrics({"anomaly/loss": loss}, step=step)
-        add_text = getattr(logger.experiment, "add_text", None)  # TensorBoard's SummaryWriter
-        if add_text is not None:
-            add_text("anomaly/event", text, step)
+def _write_anomaly(writer: ScaleWriter, step: int, loss: float, text: str) -> None:
+    writer.write_metrics({"anomaly/loss": loss}, step)
+    writer.write_text("anomaly/event", text, step)
+    writer.flush()
+
+
+def _flush(outputs: List[Any]) -> None:
+    for output in outputs:
+        if isinstance(output, EventFile):
+            output.flush()
+
+
+def _close(outputs: List[Any]) -> None:
+    for output in outputs:
+        if isinstance(output, EventFile):
+            output.close()
 
 
 def _updates(data: StepData, step: PooledStep) -> Optional[Tuple[List[str], Tensor]]:

@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_scale import arguments
+
 __all__ = ["Anomaly", "AnomalyDetector", "AnomalyTrigger", "LATENCY", "judge"]
 
 #: Steps between the step whose loss is anomalous and the first step it triggers, minus one.
@@ -131,12 +133,13 @@ class AnomalyDetector:
     """
 
     def __init__(self, steps: int, factor: float = 10.0, window: int = 32, min_history: int = 4) -> None:
-        check_arguments(steps, factor)
-        if steps <= 0:
+        steps, factor = check_arguments(steps, factor)
+        if steps == 0:
             raise ValueError(f"`anomaly_steps` must be positive for a detector, got {steps!r}")
-        if not 1 <= min_history <= window:
+        window = arguments.positive_int("window", window)
+        if arguments.positive_int("min_history", min_history) > window:
             raise ValueError(f"`min_history` must be in [1, window={window}], got {min_history!r}")
-        self.steps, self.factor = steps, float(factor)
+        self.steps, self.factor = steps, factor
         self.losses = _LossWindow(window, min_history)
         self.anomalies: List[Anomaly] = []
         self.stalls = 0  # reads that found their copy unfinished and waited for it
@@ -209,8 +212,8 @@ class AnomalyTrigger:
     """
 
     def __init__(self, steps: int, factor: float, on_error: Callable[[Exception], None]) -> None:
-        check_arguments(steps, factor)
-        self.steps, self.factor, self.on_error = steps, float(factor), on_error
+        self.steps, self.factor = check_arguments(steps, factor)
+        self.on_error = on_error
         self.detector: Optional[AnomalyDetector] = None
         self._scale_before: Optional[Tensor] = None
         self._batch_step = -1
@@ -263,12 +266,10 @@ class AnomalyTrigger:
         self.on_error(err)
 
 
-def check_arguments(steps: int, factor: float) -> None:
-    """Raise a ``ValueError`` naming ``anomaly_steps`` or ``anomaly_factor`` if either is invalid."""
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-        raise ValueError(f"`anomaly_steps` must be a non-negative integer (0 turns detection off), got {steps!r}")
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1:
-        raise ValueError(f"`anomaly_factor` must be a number above 1, got {factor!r}")
+def check_arguments(steps: int, factor: float) -> Tuple[int, float]:
+    """``(steps, factor)`` checked, or a ``ValueError`` naming ``anomaly_steps`` or ``anomaly_factor``."""
+    checked = arguments.non_negative_int("anomaly_steps", steps, note="0 turns detection off")
+    return checked, arguments.number("anomaly_factor", factor, above=1)
 
 
 def _payload(loss: Tensor, scale_before: Optional[Tensor], scale_after: Optional[Tensor]) -> Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
+from lightning_scale import arguments
+
 __all__ = ["Schedule"]
 
 
@@ -14,7 +16,7 @@ class Schedule:
 
     Args:
         every_n_steps: track every n-th optimizer step from ``start_step``; ``None`` for none.
-        steps: explicit steps to track (sorted, non-negative), in addition.
+        steps: explicit steps to track (a list or tuple, sorted, non-negative), in addition.
         start_step: first step considered.
         stop_step: no step at or after it is tracked; ``None`` for no end.
 
@@ -28,22 +30,19 @@ class Schedule:
     stop_step: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if self.every_n_steps is not None and (not _is_int(self.every_n_steps) or self.every_n_steps <= 0):
-            raise ValueError(f"`every_n_steps` must be a positive integer or None, got {self.every_n_steps!r}")
-        if self.steps is not None:
-            bad = [s for s in self.steps if not _is_int(s) or s < 0]
-            if bad:
-                raise ValueError(f"`steps` must hold non-negative integers, got {bad!r} in {self.steps!r}")
-            if list(self.steps) != sorted(set(self.steps)):
-                raise ValueError(f"`steps` must be sorted and free of repeats, got {self.steps!r}")
-        if not _is_int(self.start_step) or self.start_step < 0:
-            raise ValueError(f"`start_step` must be a non-negative integer, got {self.start_step!r}")
-        if self.stop_step is not None and (not _is_int(self.stop_step) or self.stop_step <= self.start_step):
-            raise ValueError(
-                f"`stop_step` must be an integer above `start_step` ({self.start_step}) or None, got {self.stop_step!r}"
-            )
-        if self.every_n_steps is None and not self.steps:
+        # frozen: the checked values (plain ints, a list for a tuple) replace what was given
+        every = arguments.integer("every_n_steps", self.every_n_steps, minimum=1, allow_none=True)
+        steps = arguments.int_list("steps", self.steps, minimum=0, allow_none=True)
+        if steps is not None and steps != sorted(set(steps)):
+            raise ValueError(f"`steps` must be sorted and free of repeats, got {self.steps!r}")
+        start = arguments.non_negative_int("start_step", self.start_step)
+        stop = arguments.integer("stop_step", self.stop_step, allow_none=True)
+        if stop is not None and stop <= start:
+            raise ValueError(f"`stop_step` must be an integer above `start_step` ({start}) or None, got {stop!r}")
+        if every is None and not steps:
             raise ValueError("Nothing to track: give `every_n_steps` or a non-empty `steps` list")
+        for field, value in (("every_n_steps", every), ("steps", steps), ("start_step", start), ("stop_step", stop)):
+            object.__setattr__(self, field, value)
 
     def is_tracked(self, step: int) -> bool:
         """Whether optimizer step ``step`` is tracked."""
@@ -52,7 +51,3 @@ class Schedule:
         if self.steps and step in self.steps:
             return True
         return self.every_n_steps is not None and (step - self.start_step) % self.every_n_steps == 0
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python

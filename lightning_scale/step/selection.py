@@ -9,23 +9,20 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Collection, Optional
+from typing import Collection, Optional, Sequence
 
 from torch import nn
 
+from lightning_scale import arguments
 from lightning_scale.capture import Capture
 
-__all__ = ["Matching", "Selection", "compile_pattern", "resolve_submodule"]
+__all__ = ["Matching", "Selection", "check_leaf_modules", "compile_pattern", "resolve_submodule"]
 
 
 def compile_pattern(name: str, pattern: Optional[str]) -> Optional["re.Pattern[str]"]:
-    """``pattern`` compiled, or None; a ``ValueError`` naming argument ``name`` if it is no regex."""
-    if pattern is None:
-        return None
-    try:
-        return re.compile(pattern)
-    except re.error as err:
-        raise ValueError(f"`{name}` must be a valid regular expression, got {pattern!r} ({err})") from err
+    """``pattern`` compiled, or None; a ``ValueError`` naming argument ``name`` if it is no
+    str regex (a bytes pattern cannot search str labels)."""
+    return arguments.regex(name, pattern)
 
 
 class Matching:
@@ -55,7 +52,7 @@ class Selection:
     def __init__(self, include: Optional[str] = None, exclude: Optional[str] = None, prune_views: bool = True) -> None:
         self.include = compile_pattern("include", include)
         self.exclude = compile_pattern("exclude", exclude)
-        self.prune_views = bool(prune_views)
+        self.prune_views = arguments.boolean("prune_views", prune_views)
 
     @property
     def narrowed(self) -> bool:
@@ -83,7 +80,23 @@ def resolve_submodule(root: nn.Module, path: str) -> nn.Module:
     try:
         return root.get_submodule(path)
     except AttributeError:
-        names = [n for n, _ in root.named_modules() if n]
-        near = difflib.get_close_matches(path, names, n=5, cutoff=0.3)
-        hint = f"; nearest: {near}" if near else f"; submodules include {names[:8]}"
-        raise ValueError(f"`submodule` {path!r} is not a submodule of {type(root).__name__}{hint}") from None
+        raise ValueError(
+            f"`submodule` {path!r} is not a submodule of {type(root).__name__}{_hint(root, [path])}"
+        ) from None
+
+
+def check_leaf_modules(root: nn.Module, names: Sequence[str]) -> None:
+    """A ``ValueError`` naming ``leaf_modules`` if one of ``names`` is no submodule of
+    ``root`` (the captured module, whose qualified names they are), with the nearest."""
+    known = {n for n, _ in root.named_modules() if n}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(
+            f"`leaf_modules` must name submodules of {type(root).__name__}, got unknown {unknown}{_hint(root, unknown)}"
+        )
+
+
+def _hint(root: nn.Module, paths: Sequence[str]) -> str:
+    names = [n for n, _ in root.named_modules() if n]
+    near = [m for path in paths for m in difflib.get_close_matches(path, names, n=5, cutoff=0.3)]
+    return f"; nearest: {list(dict.fromkeys(near))}" if near else f"; submodules include {names[:8]}"

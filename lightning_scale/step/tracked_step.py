@@ -6,34 +6,43 @@ each captured part (the target module, or its FSDP units) by the captured graph 
 under a :class:`~lightning_scale.record.recorder.Recorder`, and ``uninstall`` restores exactly
 what was there (an instance attribute, or none so the class's ``forward`` shows through).
 On a capture's first tracked step the first call checks the capture first
-(``lightning_scale.capture.fidelity``).
+(``lightning_scale.capture.fidelity``); the outcome is kept in ``check`` for the callback.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional
 
 from torch import Tensor, nn
 
 from lightning_scale.capture import Capture
+from lightning_scale.capture.forward_swap import ForwardSwap
 from lightning_scale.record.recorder import Recorder, recording
+from lightning_scale.step.verification import CaptureCheck, Verify
 
-__all__ = ["TrackedStep", "Verify", "fsdp_units", "replicated_labels"]
-
-_MISSING = object()
-
-#: (capture, the user's forward, args, kwargs) -> the capture to track with, or None
-Verify = Callable[[Capture, Callable[..., Any], Tuple[Any, ...], Dict[str, Any]], Optional[Capture]]
+__all__ = ["TrackedStep", "fsdp_units", "replicated_labels"]
 
 
 class TrackedStep:
-    """What one tracked step swapped in, and how to put it back."""
+    """What one tracked step swapped in, and how to put it back.
+
+    Args:
+        step: the optimizer step.
+        prefix: ``""`` for a training step, ``"val_"`` for validation.
+        cap: the capture to track with (the callback's; a probe may choose another).
+        recorder: where the step's statistics go.
+    """
 
     def __init__(self, step: int, prefix: str, cap: Capture, recorder: Recorder) -> None:
         self.step, self.prefix, self.capture, self.recorder = step, prefix, cap, recorder
         self.loss_scale: Optional[Tensor] = None
-        self.untracked = False  # the fidelity probe found no route that keeps training as it is
-        self._saved: List[Tuple[nn.Module, Any]] = []
+        self.check: Optional[CaptureCheck] = None  # the fidelity probe's outcome, for the callback to act on
+        self._swap = ForwardSwap()
+
+    @property
+    def untracked(self) -> bool:
+        """The step ran the user's own forward: the probe found no capture to track with."""
+        return self.check is not None and self.check.capture is None
 
     def install(self, target: nn.Module, verify: Optional[Verify] = None) -> None:
         """Swap the recording forwards in. With ``verify``, the first call of the target's
@@ -42,34 +51,27 @@ class TrackedStep:
         parts = self.capture.parts()
         for path, fn in parts:
             module = target.get_submodule(path) if path else target
-            self._saved.append((module, module.__dict__.get("forward", _MISSING)))
-            module.forward = _recording(fn, self.recorder)  # type: ignore[method-assign]
+            self._swap.replace(module, _recording(fn, self.recorder))
         if verify is not None and len(parts) == 1:  # (FSDP units run inside the target's forward: not probed)
-            target.forward = self._verifying(target, verify)  # type: ignore[method-assign]
+            self._swap.replace(target, self._verifying(target, verify))
 
     def _verifying(self, target: nn.Module, verify: Verify) -> Callable[..., Any]:
-        previous = self._saved[0][1]
-        eager = previous if previous is not _MISSING else type(target).forward.__get__(target)
+        eager = self._swap.original(target)
 
         def first_call(*args: Any, **kwargs: Any) -> Any:
-            chosen = verify(self.capture, eager, args, kwargs)
+            self.check = verify(self.capture, eager, args, kwargs)
+            chosen = self.check.capture
             if chosen is None:
-                self.untracked = True
-                target.forward = eager  # type: ignore[method-assign]
+                self._swap.replace(target, eager)
                 return eager(*args, **kwargs)
             self.capture = chosen
-            target.forward = _recording(chosen.tracked(), self.recorder)  # type: ignore[method-assign]
+            self._swap.replace(target, _recording(chosen.tracked(), self.recorder))
             return target.forward(*args, **kwargs)
 
         return first_call
 
     def uninstall(self) -> None:
-        for module, previous in reversed(self._saved):
-            if previous is _MISSING:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = previous  # type: ignore[method-assign]
-        self._saved.clear()
+        self._swap.restore()
 
 
 def _recording(fn: Any, rec: Recorder) -> Any:

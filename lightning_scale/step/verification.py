@@ -1,51 +1,110 @@
-"""Which captures the fidelity probe checks, and what its verdict does to tracking.
+"""Which captures the fidelity probe checks, and the outcome it hands the callback.
 
 The probe itself (``capture.fidelity``) compares a captured forward with the eager one.
 ``Verification`` decides when it runs (once per capture, on the first tracked step that
-uses it, not under strategies whose backward hooks expect one backward per forward) and
-turns its outcome into the capture to track with, or into tracking switched off with
-one message. Nothing here imports Lightning: the callback passes how ranks agree.
+uses it, not under strategies whose backward hooks expect one backward per forward);
+``check_capture`` runs it and returns a ``CaptureCheck``: verified, switched to the other
+route, failed (tracking would change training, or the check itself broke), or
+interrupted (the model's own forward raised, or another rank failed, during the check:
+nothing is concluded). The callback acts on it, as Lightning's ``ModelSummary`` is
+computed by a utility and used by its callback. Nothing here imports Lightning: the
+callback passes how ranks agree and how a capture of another route is built.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Literal, Optional, Tuple
 
 from torch import nn
 
 from lightning_scale.capture import Capture, fidelity
-from lightning_scale.step.tracked_step import Verify
 
-__all__ = ["ONE_BACKWARD_STRATEGIES", "Verification"]
+__all__ = ["ONE_BACKWARD_STRATEGIES", "CaptureCheck", "Verification", "Verify", "check_capture"]
 
 #: Strategies whose backward hooks expect one backward per forward (the probe runs two).
 ONE_BACKWARD_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
 
+CheckKind = Literal["verified", "switched", "failed", "interrupted"]
+
+
+@dataclass(frozen=True)
+class CaptureCheck:
+    """What the fidelity probe concluded about one capture.
+
+    Attributes:
+        kind: ``"verified"``: ``checked`` reproduces the model's forward; ``"switched"``:
+            the other route does, track with ``capture``; ``"failed"``: no route does, or
+            the check itself broke (tracking off, ``why`` says why); ``"interrupted"``:
+            the model's own forward raised, or the ranks could not compare verdicts
+            (another rank failed), so nothing is concluded and the step runs the model's
+            own forward.
+        checked: the capture the step was going to track with.
+        capture: the capture to track with (``verified``, ``switched``), else None.
+        why: the line to log (``verified``, ``switched``), or the reason (``failed``,
+            ``interrupted``).
+    """
+
+    kind: CheckKind
+    checked: Capture
+    capture: Optional[Capture]
+    why: str
+
+
+#: (capture, the user's forward, args, kwargs) -> what the probe concluded
+Verify = Callable[[Capture, Callable[..., Any], Tuple[Any, ...], Dict[str, Any]], CaptureCheck]
+
+
+def check_capture(
+    target: nn.Module,
+    cap: Capture,
+    eager: Callable[..., Any],
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    *,
+    build: Callable[[str], Capture],
+    agree: Callable[[bool], bool],
+) -> CaptureCheck:
+    """Run the fidelity probe on ``target``'s capture ``cap``: its route first, then the
+    other (a capture of it from ``build(route)``). ``eager``, ``args``, ``kwargs``: the
+    user's forward and the step's inputs; ``agree`` turns this rank's verdict into every
+    rank's. Never raises: every failure is an outcome."""
+    other = "fx" if cap.mode == "dynamo" else "dynamo"
+    routes = [(cap.mode, lambda: cap), (other, lambda: build(other))]
+    name = type(target).__name__
+    try:
+        outcome = fidelity.verify(target, eager, routes, args, kwargs, agree)
+    except fidelity.ProbeInterrupted as err:
+        return CaptureCheck("interrupted", cap, None, f"the check of the capture of {name} was interrupted ({err})")
+    except Exception as err:  # noqa: BLE001 - the state is put back: the step runs the user's forward
+        why = f"checking the capture of {name} failed ({type(err).__name__}: {err})"
+        return CaptureCheck("failed", cap, None, why)
+    if outcome.capture is None:
+        why = (
+            f"the captured forward of {name} does not reproduce its own forward bit for bit, so tracking "
+            f"would change training ({outcome.describe()}); pass `verify_capture=False` to track it anyway"
+        )
+        return CaptureCheck("failed", cap, None, why)
+    line = f"ScaleMonitor: capture of {name} verified ({outcome.describe()}); tracking with {outcome.capture.mode}"
+    return CaptureCheck("switched" if outcome.switched else "verified", cap, outcome.capture, line)
+
 
 class Verification:
-    """The fidelity probe's bookkeeping for one callback.
+    """Which captures the fidelity probe has checked, for one callback.
 
     Args:
         enabled: ``ScaleMonitor(verify_capture=...)``.
-        new_capture: builds a capture of a module with a given route (``"fx"`` / ``"dynamo"``).
-        replace: called with (the capture, the one the probe chose instead) on a switch.
-        disable: switches tracking off for the run, with the reason.
-        info: logs one line (rank zero).
+
+    Raises:
+        ValueError: ``enabled`` is not a bool.
     """
 
-    def __init__(
-        self,
-        enabled: bool,
-        new_capture: Callable[[nn.Module, str], Capture],
-        replace: Callable[[Capture, Capture], None],
-        disable: Callable[[str], None],
-        info: Callable[[str], None],
-    ) -> None:
+    def __init__(self, enabled: bool) -> None:
         if not isinstance(enabled, bool):
             raise ValueError(f"`verify_capture` must be True or False, got {enabled!r}")
         self.enabled = enabled
-        self.new_capture, self.replace, self.disable, self.info = new_capture, replace, disable, info
-        self.verified: "set[int]" = set()  # ids of the captures the probe has checked
+        self.verified: "set[int]" = set()  # ids of the captures a settled check covers
 
     def clear(self) -> None:
         self.verified.clear()
@@ -54,32 +113,16 @@ class Verification:
         """Whether this step checks ``cap`` first (``strategy``: the strategy's class name)."""
         return self.enabled and id(cap) not in self.verified and strategy not in ONE_BACKWARD_STRATEGIES
 
-    def verifier(self, target: nn.Module, agree: Callable[[bool], bool]) -> Verify:
-        """The probe for ``target``'s capture: its route first, then the other. ``agree``
-        turns this rank's verdict into every rank's."""
+    def verifier(self, target: nn.Module, build: Callable[[str], Capture], agree: Callable[[bool], bool]) -> Verify:
+        """``check_capture`` for ``target``, to be called with the step's forward and inputs."""
+        return functools.partial(check_capture, target, build=build, agree=agree)
 
-        def verify(cap: Capture, eager: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Capture]:
-            other = "fx" if cap.mode == "dynamo" else "dynamo"
-            routes = [(cap.mode, lambda: cap), (other, lambda: self.new_capture(target, other))]
-            name = type(target).__name__
-            self.verified.add(id(cap))
-            try:
-                outcome = fidelity.verify(target, eager, routes, args, kwargs, agree)
-            except Exception as err:  # noqa: BLE001 - the state is put back: the step runs the user's forward
-                self.disable(f"checking the capture of {name} failed ({type(err).__name__}: {err})")
-                return None
-            if outcome.capture is None:
-                self.disable(
-                    f"the captured forward of {name} does not reproduce its own forward bit for bit, so tracking "
-                    f"would change training ({outcome.describe()}); pass `verify_capture=False` to track it anyway"
-                )
-                return None
-            if outcome.switched:
-                self.replace(cap, outcome.capture)
-                self.verified.add(id(outcome.capture))
-            self.info(
-                f"ScaleMonitor: capture of {name} verified ({outcome.describe()}); tracking with {outcome.capture.mode}"
-            )
-            return outcome.capture
-
-        return verify
+    def settle(self, check: CaptureCheck) -> None:
+        """The callback acted on ``check``: its captures are not probed again. An
+        interrupted check (or one whose step raised before it was acted on) is not settled,
+        so the capture is probed again on its next tracked step."""
+        if check.kind == "interrupted":
+            return
+        self.verified.add(id(check.checked))
+        if check.capture is not None:
+            self.verified.add(id(check.capture))

@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torch import Tensor, fx, nn
 
+from lightning_scale import arguments
 from lightning_scale.capture import DEFAULT_LEAF_TYPES, DeepTracer
 from lightning_scale.capture.interpreter import ScaleTrackingInterpreter
 from lightning_scale.record import stats
@@ -38,7 +39,12 @@ def analyse_module(
             which needs a scalar output).
         recurse_modules: trace into submodules (else every submodule is a leaf).
         syntax_highlight: colour the code for a terminal (needs pygments).
-        autowrap_modules, autowrap_functions, leaf_modules: passed to the tracer.
+        autowrap_modules, autowrap_functions, leaf_modules: passed to the tracer
+            (``leaf_modules``: a list or tuple of module types or qualified names).
+
+    Raises:
+        ValueError: ``recurse_modules`` or ``syntax_highlight`` is not a bool, or
+            ``leaf_modules`` is a single str or not a sequence.
 
     Example::
 
@@ -51,6 +57,10 @@ def analyse_module(
             linear = torch._C._nn.linear(input_1, weight, bias);  (-> 0.688, <- 1.16)
             return linear
     """
+    arguments.booleans(recurse_modules=recurse_modules, syntax_highlight=syntax_highlight)
+    if isinstance(leaf_modules, (str, bytes)) or not isinstance(leaf_modules, Sequence):
+        allowed = "a list or tuple of module types or qualified names"
+        raise ValueError(f"`leaf_modules` must be {allowed}, got {leaf_modules!r} ({type(leaf_modules).__name__})")
     leaves = leaf_modules if recurse_modules else (nn.Module,)
     tracer = DeepTracer(autowrap_modules, autowrap_functions, leaves)
     gm = fx.GraphModule(module, tracer.trace(module))

@@ -43,6 +43,7 @@ from lightning.fabric.utilities.seed import seed_everything
 from lightning.pytorch.loggers import Logger
 from typing_extensions import override
 
+from lightning_scale import arguments
 from lightning_scale.callback import ScaleMonitor
 
 __all__ = ["CoordCheck", "CoordRow", "coord_check", "op_type"]
@@ -226,7 +227,7 @@ def _pattern(group: Union[str, Pattern[str]]) -> Pattern[str]:
     if isinstance(group, re.Pattern):
         return group
     if not isinstance(group, str):
-        raise TypeError(f"`group` must be 'node', 'op', a regex or a callable, got {group!r}")
+        raise ValueError(f"`group` must be 'node', 'op', a regex or a callable, got {group!r} ({type(group).__name__})")
     try:
         return re.compile(group)
     except re.error as err:
@@ -313,7 +314,8 @@ def coord_check(
         A ``CoordCheck``: ``rows``, ``to_csv()``, ``slopes()``, ``plot()``.
 
     Raises:
-        TypeError, ValueError: an argument outside what is allowed (the message names it).
+        ValueError: an argument outside what is allowed (the message names it).
+        TypeError: ``make_module`` returned something else than a ``LightningModule``.
         RuntimeError: a width recorded nothing, or not every step (see the warnings of
             ``ScaleMonitor``).
 
@@ -339,29 +341,24 @@ def coord_check(
 
 
 def _check_widths(widths: Any) -> List[int]:
-    allowed = "a sequence of at least 2 distinct positive integers"
-    if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence):
-        raise TypeError(f"`widths` must be {allowed}, got {widths!r}")
-    if any(isinstance(w, bool) or not isinstance(w, int) or w <= 0 for w in widths):
-        raise ValueError(f"`widths` must be {allowed}, got {list(widths)!r}")
-    if len(set(widths)) != len(widths) or len(widths) < 2:
-        raise ValueError(f"`widths` must be {allowed} (none repeated), got {list(widths)!r}")
-    return list(widths)
+    checked = arguments.int_list("widths", widths, minimum=1)
+    if len(set(checked)) != len(checked) or len(checked) < 2:
+        raise ValueError(
+            f"`widths` must be a sequence of at least 2 distinct positive integers (none repeated), got {checked!r}"
+        )
+    return checked
 
 
 def _check_arguments(make_module: Any, steps: Any, batches: Any, seed: Any, trainer_options: Any) -> None:
     if not callable(make_module):
-        raise TypeError(f"`make_module` must be a callable width -> LightningModule, got {make_module!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"`steps` must be an integer >= 1, got {steps!r}")
+        raise ValueError(f"`make_module` must be a callable width -> LightningModule, got {make_module!r}")
+    arguments.positive_int("steps", steps)
     if batches is not None and not callable(batches) and not hasattr(batches, "__iter__"):
-        raise TypeError(
-            f"`batches` must be a DataLoader (iterable), a callable width -> DataLoader, or None, got {type(batches).__name__}"
-        )
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"`seed` must be an integer, got {seed!r}")
+        allowed = "a DataLoader (iterable), a callable width -> DataLoader, or None"
+        raise ValueError(f"`batches` must be {allowed}, got {batches!r} ({type(batches).__name__})")
+    arguments.integer("seed", seed)
     if trainer_options is not None and not isinstance(trainer_options, dict):
-        raise TypeError(f"`trainer_options` must be a dict of Trainer arguments, got {type(trainer_options).__name__}")
+        raise ValueError(f"`trainer_options` must be a dict of Trainer arguments, got {type(trainer_options).__name__}")
     clash = sorted(set(trainer_options or {}) & set(_RESERVED))
     if clash:
         raise ValueError(f"`trainer_options` must not set {clash}: coord_check sets {list(_RESERVED)}")
@@ -414,9 +411,8 @@ def _rows(metrics: Dict[int, Dict[str, float]], width: int, steps: int) -> List[
                 rows.append(CoordRow(m.group(2), m.group(1), width, step, float(value)))
     seen = sorted({r.step for r in rows})
     if seen != list(range(steps)):
-        raise RuntimeError(
-            f"coord_check: at width {width} ScaleMonitor recorded steps {seen}, expected 0..{steps - 1}; see its warnings"
-        )
+        expected = f"expected 0..{steps - 1}; see its warnings"
+        raise RuntimeError(f"coord_check: at width {width} ScaleMonitor recorded steps {seen}, {expected}")
     return rows
 
 

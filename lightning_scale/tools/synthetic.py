@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from lightning_scale.record import stats
+from lightning_scale.report.event_file import EventFile
 from lightning_scale.report.tensorboard import ScaleWriter
 
 __all__ = ["labels_of", "main", "records_of"]
@@ -46,27 +47,21 @@ def records_of(nodes: int, step: int, seed: int = 0) -> torch.Tensor:
     return records
 
 
-class _Logger:
-    def __init__(self, writer: object) -> None:
-        self.experiment = writer
-
-
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--logdir", required=True)
     args = parser.parse_args(argv)
-    from torch.utils.tensorboard import SummaryWriter
-
-    tb = SummaryWriter(args.logdir)
+    file = EventFile(args.logdir, warn=print)
     labels = labels_of(args.nodes)
     writer = ScaleWriter(
-        [_Logger(tb)], ["std", "absmax"], histograms=True, figure=False, parameters=[l for l in labels if "/" not in l]
+        [file], statistics=["std", "absmax"], figure=False, parameters=[l for l in labels if "/" not in l]
     )
     for k in range(args.steps):
         writer.write(k * 50, labels, records_of(args.nodes, k, seed=k))
-    tb.close()
+        writer.flush()
+    file.close()
     print(f"{args.nodes} nodes x {args.steps} steps written to {args.logdir}")
 
 

@@ -14,6 +14,7 @@ from torch import Tensor, fx, nn
 
 from lightning_scale.record import stats
 from lightning_scale.capture import Capture, CaptureError, DeepTracer, capture
+from lightning_scale.capture.coverage import CoverageReport, skipped_line
 from lightning_scale.capture.interpreter import ScaleTrackingInterpreter
 from lightning_scale.tools.models import GPT, GPTConfig
 from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder, recording
@@ -695,3 +696,15 @@ def test_fx_refuses_a_trace_that_draws_random_numbers(source: str, generator: st
         and before[2] == random.getstate()
     )
     assert capture(model, "auto").mode == "dynamo"
+
+
+def test_skipped_tensors_are_counted_and_named_by_reason() -> None:
+    names = {f"emb{i}.weight grad": "sparse_coo layout" for i in range(6)}
+    names["mask"] = "sparse_csr layout"
+    assert skipped_line(names) == (
+        "7 nodes skipped: sparse_coo layout (emb0.weight grad, emb1.weight grad, emb2.weight grad, "
+        "emb3.weight grad, emb4.weight grad, ...); sparse_csr layout (mask)"
+    )
+    report = CoverageReport(10, 10, 2, 2, skipped={"mask": "sparse_coo layout"})
+    assert report.line().endswith("(2/2) recorded; 1 node skipped: sparse_coo layout (mask)")
+    assert report.warning() is None  # full coverage: the skip is named by its own warning

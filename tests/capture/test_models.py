@@ -408,7 +408,7 @@ def test_training_is_bit_identical_and_warns_about_nothing(tmp_path: Any, name: 
     assert [w for w in tracked.warned if w not in plain.warned] == []
     for (key, a), b in zip(plain.state_dict().items(), tracked.state_dict().values()):
         assert torch.equal(a, b), key
-    cap = next(iter(monitor._captures.values()))
+    cap = next(iter(monitor.captures.values()))
     assert {f"model.{p}" for p in paths} <= set(cap.tags)  # module outputs under their paths
 
 
@@ -418,9 +418,9 @@ def test_the_probe_switches_to_the_route_that_keeps_the_forward(tmp_path: Any) -
     make, loss, _ = PROBED["is-compiling-branch"]
     plain, _, _ = fit(tmp_path, "plain", make, loss, monitor=False)
     _, warned, monitor = fit(tmp_path, "probed", make, loss, monitor=True)
-    assert warned == [] and [c.mode for c in monitor._captures.values()] == ["fx"]
+    assert warned == [] and [c.mode for c in monitor.captures.values()] == ["fx"]
     unverified, warned, monitor = fit(tmp_path, "unverified", make, loss, monitor=True, verify_capture=False)
-    assert warned == [] and [c.mode for c in monitor._captures.values()] == ["dynamo"]
+    assert warned == [] and [c.mode for c in monitor.captures.values()] == ["dynamo"]
     assert not same_state(plain, unverified)
 
 
@@ -450,7 +450,7 @@ def test_a_model_no_route_reproduces_trains_untracked_with_one_warning(tmp_path:
         in warned[0]
     )
     assert warned[0].endswith("pass `verify_capture=False` to track it anyway; training continues untracked.")
-    assert monitor._disabled and monitor._captures  # one capture, its probe failed: no other step tracked
+    assert monitor.captures.disabled and list(monitor.captures.values())  # one capture, its probe failed: no other step tracked
 
 
 def hook_reference(model: nn.Module, paths: List[str], run: Callable[[], Tensor]) -> Dict[str, Tuple[float, float]]:

@@ -23,7 +23,7 @@ from werkzeug.test import Client
 from lightning_scale.capture import capture
 from lightning_scale.dashboard import headroom, metadata
 from lightning_scale.dashboard.layout import PER_CHART, custom_scalar_layout, module_group
-from lightning_scale.report.tensorboard import WORST_COLUMNS
+from lightning_scale.report.tables import WORST_COLUMNS
 from lightning_scale.dashboard.plugin import ScalesPlugin
 
 FP16_MIN, FP16_MAX = 2.0**-14, 65504.0
@@ -142,18 +142,13 @@ def test_custom_scalar_layout_has_a_hard_limit_on_charts() -> None:
 
 
 def test_records_hold_every_node_whatever_max_tags(tmp_path: Path) -> None:
-    from torch.utils.tensorboard import SummaryWriter
-
     from lightning_scale.record import stats
+    from lightning_scale.report.event_file import EventFile
     from lightning_scale.report.tensorboard import ScaleWriter
 
-    class Logger:
-        def __init__(self, writer: Any) -> None:
-            self.experiment = writer
-
     labels = [f"blocks.{i // 4}.fc/op_{i % 4}" for i in range(30)]
-    tb = SummaryWriter(str(tmp_path))
-    writer = ScaleWriter([Logger(tb)], ["std", "absmax"], histograms=False, figure=False, max_tags=10)
+    file = EventFile(str(tmp_path), warn=pytest.fail)
+    writer = ScaleWriter([file], statistics=["std", "absmax"], histograms=False, figure=False, max_tags=10)
     written = {}
     for step in range(12):
         records = torch.zeros(30, 2, len(stats.FIELDS), dtype=torch.float64)
@@ -162,8 +157,9 @@ def test_records_hold_every_node_whatever_max_tags(tmp_path: Path) -> None:
         records[..., stats.FIELDS.index("absmax")] = torch.rand(30, 2, dtype=torch.float64) * 3
         records[5, 1, 0] = 0.0  # node 5 has no gradient
         writer.write(step, labels, records, aliases={labels[1]: labels[0]})
+        writer.flush()
         written[step] = records
-    tb.close()
+    file.close()
     acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     assert {t.split("/", 2)[2] for t in acc.Tags()["scalars"] if t.startswith("scale/")} == set(labels[:10])  # the cap
@@ -183,6 +179,19 @@ def test_records_hold_every_node_whatever_max_tags(tmp_path: Path) -> None:
         assert np.isnan(got[5, 1]).all() and not np.isnan(np.delete(got.reshape(60, 2), 11, 0)).any()
         ok = ~np.isnan(got)
         assert got[ok] == pytest.approx(want.numpy().astype(np.float32)[ok])
+
+
+def test_lightnings_scalars_and_ours_are_read_from_one_run_dir(run: Tuple[Path, Any, Any]) -> None:
+    """ScaleMonitor writes its own event file beside the logger's; TensorBoard reads both as one run."""
+    from lightning_scale.report.event_file import SUFFIX
+
+    log_dir, acc, scalars = run
+    files = sorted(p.name for p in log_dir.glob("events.out.tfevents.*"))
+    assert len(files) == 2 and sum(name.endswith(SUFFIX) for name in files) == 1
+    assert set(scalars["val_loss"]) == {1, 3}  # logged by Lightning (validation every 2 batches)
+    assert sorted(scalars["update_ratio/blocks.0.0.weight"]) == [0, 1, 2, 3]  # through the logger's SummaryWriter
+    assert sorted(scalars["scale/fwd/head/linear"]) == list(range(STEPS))  # ours
+    assert metadata.TAG in acc.Tags()["tensors"]
 
 
 def test_worst_table_text_lists_the_least_headroom_first(run: Tuple[Path, Any, Any], plugin: ScalesPlugin) -> None:
@@ -228,7 +237,7 @@ def test_writer_rejects_a_bad_top_k() -> None:
     from lightning_scale.report.tensorboard import ScaleWriter
 
     with pytest.raises(ValueError, match="`top_k` must be a positive integer, got 0"):
-        ScaleWriter([], ["std"], top_k=0)
+        ScaleWriter([], statistics=["std"], top_k=0)
 
 
 def test_module_groups() -> None:

@@ -117,3 +117,48 @@ def test_shared_gradient_tensor_reuses_record_exactly(monkeypatch) -> None:  # t
     torch.testing.assert_close(records[fc2, BACKWARD], records[add, BACKWARD], rtol=0, atol=0, equal_nan=True)
     present = int((records[..., 0] > 0).sum())
     assert len(grads) == present - 1  # fc2's output gradient: add's, reused; fc1's: new values, computed
+
+
+class SparseEmbedding(nn.Module):
+    """A sparse embedding (its weight's gradient is sparse, its output dense) into a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6, sparse=True)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, i: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(i)).square().mean()
+
+
+def test_sparse_tensors_are_skipped_per_node_and_the_rest_recorded() -> None:
+    torch.manual_seed(0)
+    model, i = SparseEmbedding(), torch.tensor([1, 4, 4, 7])
+    labels, records, _ = _run(model, i)
+    cap = capture(model, "fx")
+    rec = Recorder()
+    with recording(rec):
+        cap.tracked()(i).backward()
+    assert rec.error is None
+    assert rec.skipped == {("emb.weight", BACKWARD): "sparse_coo layout"}  # the sparse gradient only
+    index = {l: k for k, l in enumerate(labels)}
+    count = records[..., stats.FIELDS.index("count")]
+    assert float(count[index["emb.weight"], FORWARD]) == 60 and float(count[index["emb.weight"], BACKWARD]) == 0
+    # The dense nodes are recorded in both directions; the embedding output against float64.
+    emb = model.emb.weight.detach().double()[i]
+    std = stats.statistic(records, "std")
+    assert abs(float(std[index["emb/embedding"], FORWARD]) / float(emb.std()) - 1) < 1e-6
+    assert float(count[index["emb/embedding"], BACKWARD]) == 24 and float(count[index["fc.weight"], BACKWARD]) == 18
+    rec.clear()
+    assert rec.skipped == {}
+
+
+def test_a_sparse_value_is_skipped_in_its_direction() -> None:
+    rec = Recorder()
+    dense = torch.randn(4, 3)
+    rec.observe("sparse", dense.to_sparse())
+    rec.observe("csr", dense.to_sparse_csr())
+    rec.observe("dense", dense)
+    assert rec.skipped == {("sparse", FORWARD): "sparse_coo layout", ("csr", FORWARD): "sparse_csr layout"}
+    count = rec.records(["sparse", "csr", "dense"])[..., stats.FIELDS.index("count")]
+    assert count[:, FORWARD].tolist() == [0, 0, 12]

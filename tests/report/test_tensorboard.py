@@ -2,13 +2,17 @@
 per-value definitions (``dashboard.headroom``) and protobuf's own encoding."""
 
 import math
+from pathlib import Path
 
+import pytest
 import torch
 from tensorboard.compat.proto.summary_pb2 import Summary
 
 from lightning_scale.record import stats
 from lightning_scale.dashboard import headroom
-from lightning_scale.report.tensorboard import DIRECTIONS, _summary_bytes, scalar_metrics, summary_metrics, worst_table
+from lightning_scale.report.event_file import SUFFIX, EventFile, masked_crc32c
+from lightning_scale.report.scalars import DIRECTIONS, scalar_metrics, summary_bytes, summary_metrics
+from lightning_scale.report.tables import worst_table
 
 
 def _records() -> torch.Tensor:
@@ -70,21 +74,33 @@ def test_summary_counts_and_worst_table_follow_headroom() -> None:
 def test_summary_bytes_are_protobufs_encoding() -> None:
     tags = ["scale/fwd/a", "x" * 300 + "/\u00e9", "t"]
     values = [1.5, 1e300, math.nan]
-    ours = _summary_bytes(tags, values)
+    ours = summary_bytes(tags, values)
     reference = Summary(value=[Summary.Value(tag=t, simple_value=v) for t, v in zip(tags, values)])
     assert ours == reference.SerializeToString()
     assert Summary.FromString(ours).value[1].simple_value == math.inf
 
 
-def test_fast_record_checksums_equal_tensorboards_own() -> None:
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+def test_our_event_files_checksums_are_tensorboards_and_leave_its_writer_alone(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader as EventFileLoader
+    from tensorboard.compat.tensorflow_stub import pywrap_tensorflow
     from tensorboard.summary.writer import record_writer
-
-    from lightning_scale.report.tensorboard import _masked_crc32c, fast_record_checksums
 
     torch.manual_seed(0)
     for n in (0, 1, 12, 1000):
         data = bytes(torch.randint(0, 256, (n,), dtype=torch.uint8).tolist())
-        assert _masked_crc32c(data) == masked_crc32c(data)
-    if fast_record_checksums():
-        assert record_writer.masked_crc32c is _masked_crc32c
+        assert masked_crc32c(data) == pywrap_tensorflow.masked_crc32c(data)
+    file = EventFile(str(tmp_path), warn=pytest.fail)
+    file.add_summary(summary_bytes(["scale/fwd/a", "scale/bwd/a"], [0.25, 2.0**-20]), step=3)
+    file.close()
+    assert file.path is not None and file.path.endswith(SUFFIX) and "tfevents" in Path(file.path).name
+    events = list(EventFileLoader(file.path).Load())  # TensorBoard's reader checks every record's CRC
+    assert events[0].file_version == "brain.Event:2" and events[1].step == 3
+    assert [(v.tag, v.simple_value) for v in events[1].summary.value] == [
+        ("scale/fwd/a", 0.25),
+        ("scale/bwd/a", 2.0**-20),
+    ]
+    raw = bytearray(Path(file.path).read_bytes())
+    raw[-3] ^= 1  # one flipped bit in the last record's data CRC: TensorBoard's reader drops that record
+    Path(file.path).write_bytes(bytes(raw))
+    assert len(list(EventFileLoader(file.path).Load())) == 1
+    assert record_writer.masked_crc32c is pywrap_tensorflow.masked_crc32c  # nothing of TensorBoard's is replaced

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import pytest
 import torch
@@ -113,9 +113,11 @@ def test_describe_gives_step_loss_reason_and_tracked_steps() -> None:
         (-1, 10, r"`anomaly_steps` must be a non-negative integer \(0 turns detection off\), got -1"),
         (True, 10, r"`anomaly_steps` must be a non-negative integer .*got True"),
         (2.0, 10, r"`anomaly_steps` must be a non-negative integer .*got 2.0"),
-        (2, 1, r"`anomaly_factor` must be a number above 1, got 1"),
-        (2, "10", r"`anomaly_factor` must be a number above 1, got '10'"),
-        (2, math.nan, r"`anomaly_factor` must be a number above 1, got nan"),
+        (2, 1, r"`anomaly_factor` must be a finite number above 1, got 1"),
+        (2, "10", r"`anomaly_factor` must be a finite number above 1, got '10' \(str\)"),
+        (2, math.nan, r"`anomaly_factor` must be a finite number above 1, got nan"),
+        (2, math.inf, r"`anomaly_factor` must be a finite number above 1, got inf"),
+        (2, True, r"`anomaly_factor` must be a finite number above 1, got True \(bool\)"),
     ],
 )
 def test_bad_arguments_are_named(steps: object, factor: object, match: str) -> None:
@@ -128,6 +130,10 @@ def test_a_detector_needs_positive_steps_and_a_valid_history() -> None:
         AnomalyDetector(0)
     with pytest.raises(ValueError, match=r"`min_history` must be in \[1, window=4\], got 5"):
         AnomalyDetector(1, window=4, min_history=5)
+    with pytest.raises(ValueError, match=r"`min_history` must be a positive integer, got 0"):
+        AnomalyDetector(1, window=4, min_history=0)
+    with pytest.raises(ValueError, match=r"`window` must be a positive integer, got 2.0 \(float\)"):
+        AnomalyDetector(1, window=2.0)  # type: ignore[arg-type]
 
 
 # ---- two ranks over gloo -------------------------------------------------------------
@@ -244,8 +250,8 @@ def _tracked_steps(acc: EventAccumulator) -> List[int]:
     return [e.step for e in acc.Scalars(tag)]
 
 
-def _monitor(**kwargs: object) -> ScaleMonitor:
-    return ScaleMonitor(every_n_steps=None, steps=[0], histograms=False, figure=False, code=False, **kwargs)  # type: ignore[arg-type]
+def _monitor(**kwargs: Any) -> ScaleMonitor:
+    return ScaleMonitor(every_n_steps=None, steps=[0], histograms=False, figure=False, code=False, **kwargs)
 
 
 def test_a_loss_spike_triggers_tracking_and_is_logged(tmp_path: Path) -> None:
@@ -288,5 +294,5 @@ def test_training_is_bit_identical_with_detection_and_update_ratios(tmp_path: Pa
 def test_callback_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match=r"`anomaly_steps` must be a non-negative integer"):
         ScaleMonitor(anomaly_steps=-2)
-    with pytest.raises(ValueError, match=r"`anomaly_factor` must be a number above 1, got 0.5"):
+    with pytest.raises(ValueError, match=r"`anomaly_factor` must be a finite number above 1, got 0.5"):
         ScaleMonitor(anomaly_steps=2, anomaly_factor=0.5)

@@ -209,19 +209,29 @@ def test_plot_draws_one_line_per_group_and_names_the_extra(monkeypatch: Any) -> 
         (dict(widths=[16, 16]), ValueError, r"`widths`.*none repeated"),
         (dict(widths=[0, 4]), ValueError, "`widths`"),
         (dict(widths=[4, True]), ValueError, "`widths`"),
-        (dict(widths=16), TypeError, "`widths`"),
-        (dict(steps=0), ValueError, "`steps` must be an integer >= 1, got 0"),
-        (dict(steps=1.5), ValueError, "`steps`"),
-        (dict(make_module=3), TypeError, "`make_module` must be a callable"),
+        (dict(widths=16), ValueError, r"`widths` must be a list of positive integers, got 16 \(int\)"),
+        (dict(widths="816"), ValueError, r"`widths` must be a list of positive integers, got '816' \(str\)"),
+        (dict(steps=0), ValueError, "`steps` must be a positive integer, got 0"),
+        (dict(steps=1.5), ValueError, r"`steps` must be a positive integer, got 1.5 \(float\)"),
+        (dict(steps=True), ValueError, r"`steps` must be a positive integer, got True \(bool\)"),
+        (dict(make_module=3), ValueError, "`make_module` must be a callable"),
         (
             dict(make_module=lambda w: nn.Linear(w, w)),
             TypeError,
             "`make_module` must return a LightningModule, got Linear",
         ),
-        (dict(batches=5), TypeError, "`batches` must be a DataLoader"),
-        (dict(seed="0"), TypeError, "`seed`"),
+        (dict(batches=5), ValueError, r"`batches` must be a DataLoader .*got 5 \(int\)"),
+        (dict(seed="0"), ValueError, r"`seed` must be an integer, got '0' \(str\)"),
+        (dict(seed=False), ValueError, r"`seed` must be an integer, got False \(bool\)"),
+        (dict(trainer_options=[1]), ValueError, "`trainer_options` must be a dict of Trainer arguments, got list"),
         (dict(trainer_options={"logger": False}), ValueError, r"`trainer_options` must not set \['logger'\]"),
         (dict(include="("), ValueError, "`include` must be a valid regular expression"),
+        (
+            dict(exclude=b"fc"),
+            ValueError,
+            r"`exclude` must be a regular expression \(a str\) or None, got b'fc' \(bytes\)",
+        ),
+        (dict(prune_views="no"), ValueError, r"`prune_views` must be True or False, got 'no' \(str\)"),
     ],
 )
 def test_arguments_are_checked(kwargs: Dict[str, Any], error: type, match: str) -> None:
@@ -236,6 +246,8 @@ def test_result_arguments_are_checked() -> None:
         _synthetic().slopes(step=3)
     with pytest.raises(ValueError, match="`group` must be 'node', 'op' or a valid regular expression"):
         _synthetic().curves(group="(")
+    with pytest.raises(ValueError, match=r"`group` must be 'node', 'op', a regex or a callable, got 5 \(int\)"):
+        _synthetic().curves(group=5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="`axes` must be two matplotlib axes"):
         _synthetic().plot(axes=[None])
 
