@@ -15,30 +15,34 @@ backend on it:
 So the statistics compile, and fuse where the compiler can, with the model's own kernels;
 nothing runs in Python per node. The gradients and outputs the model computes are the
 ones the user's compiled version computes, bit for bit (the test checks it on a GPT).
-``CompiledRoute.collect`` hands a step's rows to a ``Recorder``: forward rows as they come,
-the probes' gradients once backward has run. Labels are the uncompiled dynamo route's
-(``compiled_labels``).
+A tracked run hands its rows to the active ``Recorder``: forward rows as they come, the
+probes' gradients when the recorder is read, after backward. Labels are the uncompiled
+dynamo route's (``compiled_labels``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import operator
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, fx, nn
 
+from lightning_scale.capture import frames
 from lightning_scale.capture.compiled_labels import CompiledLabels
+from lightning_scale.capture.forward_swap import ForwardSwap
 from lightning_scale.record import recorder as recording
-from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder
+from lightning_scale.record.recorder import BACKWARD, FORWARD
 from lightning_scale.record.stats import FIELDS
 from lightning_scale.record.stats.traceable import traceable_record
 
-__all__ = ["CompiledRoute", "InstrumentingBackend", "Probe", "UserCompile", "user_compile"]
+__all__ = ["CompiledRoute", "InstrumentingBackend", "Probe", "UserCompile", "compiled_modules", "user_compile"]
 
 _Optimized = torch._dynamo.eval_frame.OptimizedModule
 
@@ -128,7 +132,9 @@ def instrument_graph(
     returned = set(result) if isinstance(result, (tuple, list)) else {result}
     outputs = tuple(result) if isinstance(result, (tuple, list)) else (result,)
     output = graph.output(outputs)  # (first: a probe replaces the node in it too)
-    rows = [_instrument_node(graph, n, i, probes, _example(n, inputs), n in returned, groups) for i, n in enumerate(nodes)]
+    rows = [
+        _instrument_node(graph, n, i, probes, _example(n, inputs), n in returned, groups) for i, n in enumerate(nodes)
+    ]
     with graph.inserting_before(output):
         stacked = graph.call_function(torch.stack, (rows,))
     output.args = ((*output.args[0], stacked),)
@@ -197,39 +203,45 @@ class InstrumentingBackend:
         return run
 
 
-@dataclass
-class _Call:
-    """One run of an instrumented graph in a tracked step: the recorder, labels, rows."""
+def compiled_modules(root: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """(path, module) of the outermost compiled submodules of ``root``:
+    ``OptimizedModule``s and modules compiled in place (``module.compile()``)."""
+    found: List[Tuple[str, nn.Module]] = []
 
-    recorder: Recorder
-    keys: List[str]
-    index: Tensor
-    probe: Tensor
+    def walk(path: str, m: nn.Module) -> None:
+        if path and user_compile(m) is not None:  # (a compiled root: not supported)
+            found.append((frames.strip_compiled(path), m))
+            return
+        for name, child in m.named_children():
+            walk(f"{path}.{name}" if path else name, child)
+
+    walk("", root)
+    return found
 
 
-@dataclass
 class CompiledRoute:
-    """Statistics of a compiled module's graphs, compiled with them.
+    """Statistics of the compiled modules in a captured module, compiled with them.
 
-    ``forward_for(compiled)`` gives the instrumented version of a compiled module (compiled
-    on its first call, once); call it under ``recorder.recording(rec)``, run backward, then
-    ``collect()``: forward rows reach ``rec`` as each graph runs, gradient rows then.
+    ``forward_for(compiled)`` is the instrumented version of one compiled module (compiled
+    on its first call, once, by the user's backend); ``swapped()`` runs each compiled module
+    through its instrumented version for a while. Runs under ``recorder.recording(rec)``
+    hand their rows to ``rec``: forward rows at once, gradient rows when ``rec`` is read.
 
     Args:
         module: the captured module (labels are paths in it).
-        groups: statistic groups of each row (``Recorder.groups``).
+        groups: statistic groups of each row (``Recorder.groups``; ``fp8`` stays NaN).
+        labels: where the labels go (a capture's ``CompiledLabels``; new by default).
     """
 
-    module: nn.Module
-    groups: Tuple[str, ...] = ("moments", "range")
-    compile_seconds: float = 0.0
-    labels: CompiledLabels = field(init=False)
-    _forwards: Dict[int, Callable[..., Any]] = field(default_factory=dict)
-    _pending: List[_Call] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.labels = CompiledLabels(self.module)
-        self.groups = tuple(self.groups)
+    def __init__(
+        self, module: nn.Module, groups: Sequence[str] = ("moments", "range"), labels: Optional[CompiledLabels] = None
+    ) -> None:
+        self.module = module
+        self.groups = tuple(groups)
+        self.labels = CompiledLabels(module) if labels is None else labels
+        self.compile_seconds = 0.0  # spent compiling the instrumented graphs (the user's backend included)
+        self.targets = compiled_modules(module)
+        self._forwards: Dict[int, Callable[..., Any]] = {}
 
     def forward_for(self, compiled: nn.Module) -> Callable[..., Any]:
         """The instrumented version of ``compiled`` (an ``OptimizedModule``, or a module
@@ -243,18 +255,31 @@ class CompiledRoute:
             return known
         how = user_compile(compiled)
         if how is None:
-            raise ValueError(f"`compiled` must be an OptimizedModule or compiled in place, got {type(compiled).__name__}")
-        target = compiled._orig_mod if isinstance(compiled, _Optimized) else compiled
+            raise ValueError(
+                f"`compiled` must be an OptimizedModule or compiled in place, got {type(compiled).__name__}"
+            )
         backend = InstrumentingBackend(self, how.backend)
-        if isinstance(compiled, _Optimized):
-            forward = torch.compile(target, backend=backend, dynamic=how.dynamic, fullgraph=how.fullgraph)
-        else:
-            forward = torch.compile(target._call_impl, backend=backend, dynamic=how.dynamic, fullgraph=how.fullgraph)
+        if isinstance(compiled, _Optimized):  # (a new wrapper of the same module: its hooks run as the user's)
+            target: Any = compiled._orig_mod
+        else:  # as ``nn.Module.compile`` does
+            target = compiled._call_impl
+        forward = torch.compile(target, backend=backend, dynamic=how.dynamic, fullgraph=how.fullgraph)
         self._forwards[id(compiled)] = forward
         return forward
 
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        """Each compiled module runs its instrumented version in this block."""
+        with ForwardSwap() as swap, _CompiledCallSwap() as in_place:
+            for _, m in self.targets:
+                if isinstance(m, _Optimized):
+                    swap.replace(m, self.forward_for(m))
+                else:
+                    in_place.replace(m, self.forward_for(m))
+            yield
+
     def called(self, graph: Any, names: List[str], args: Tuple[Any, ...], rows: Tensor, probe: Tensor) -> None:
-        """A run of an instrumented graph: its forward rows go to the active recorder now."""
+        """A run of an instrumented graph: its rows go to the active recorder, if any."""
         rec = recording.active()
         if rec is None:
             return
@@ -264,12 +289,37 @@ class CompiledRoute:
         index = torch.tensor(kept, dtype=torch.long).to(rows.device, non_blocking=True)
         rec.add_rows(keys, FORWARD, rows.index_select(0, index))
         if probe.requires_grad:
-            self._pending.append(_Call(rec, keys, index, probe))
+            rec.add_rows_later(keys, BACKWARD, functools.partial(_gradient_rows, probe, index))
 
-    def collect(self) -> None:
-        """Hand the gradient rows of the runs since the last call to their recorders (after
-        backward; a run whose outputs got no gradient has none)."""
-        for call in self._pending:
-            if call.probe.grad is not None:
-                call.recorder.add_rows(call.keys, BACKWARD, call.probe.grad.index_select(0, call.index))
-        self._pending.clear()
+    def describe(self) -> str:
+        """``compiled=<paths>`` and the tracked version's compile time so far."""
+        paths = ", ".join(p or "<root>" for p, _ in self.targets)
+        return f"compiled modules: {paths} (tracked version compiled in {self.compile_seconds:.1f} s so far)"
+
+
+def _gradient_rows(probe: Tensor, index: Tensor) -> Optional[Tensor]:
+    """The probe's gradient: its nodes' gradient rows (None: no backward reached them)."""
+    return None if probe.grad is None else probe.grad.index_select(0, index)
+
+
+class _CompiledCallSwap:
+    """Swaps what ``module.compile()`` installed (the compiled ``_call_impl`` that
+    ``nn.Module.__call__`` runs) for a while, and puts the user's back: the same entry
+    of ``module.__dict__``, as ``ForwardSwap`` does for ``forward``."""
+
+    _KEY = "_compiled_call_impl"
+
+    def __init__(self) -> None:
+        self._saved: List[Tuple[nn.Module, Any]] = []
+
+    def replace(self, module: nn.Module, call: Callable[..., Any]) -> None:
+        self._saved.append((module, module.__dict__[self._KEY]))
+        module.__dict__[self._KEY] = call
+
+    def __enter__(self) -> "_CompiledCallSwap":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for module, call in reversed(self._saved):
+            module.__dict__[self._KEY] = call
+        self._saved.clear()

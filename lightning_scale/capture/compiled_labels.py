@@ -34,17 +34,29 @@ def graph_op(node: fx.Node) -> str:
 class CompiledLabels:
     """Node labels of dynamo graphs for the modules that run them, by call.
 
+    Args:
+        module: the captured module (labels are paths in it).
+        graphs, labels, aliases: the lists and map to add to (a capture's own); new ones
+            by default.
+
     Attributes:
         graphs: each graph that recorded something new, in the order first run.
         labels: per graph, node name (or ``MODULE_OUTPUT + path``) -> label, in graph order.
         aliases: label -> label with the same record (views, module outputs).
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        graphs: Optional[List[fx.GraphModule]] = None,
+        labels: Optional[List[Dict[str, str]]] = None,
+        aliases: Optional[Dict[str, str]] = None,
+    ) -> None:
+        # (a capture passes its own lists: the compiled graphs' labels join its labels)
         self.module = module
-        self.graphs: List[fx.GraphModule] = []
-        self.labels: List[Dict[str, str]] = []
-        self.aliases: Dict[str, str] = {}
+        self.graphs: List[fx.GraphModule] = [] if graphs is None else graphs
+        self.labels: List[Dict[str, str]] = [] if labels is None else labels
+        self.aliases: Dict[str, str] = {} if aliases is None else aliases
         self._labeller = frames.Labeller()
         self._tables: Dict[Tuple[int, Tuple[str, ...]], Dict[str, str]] = {}
         self._paths = frames.module_paths(module)

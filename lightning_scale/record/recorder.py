@@ -13,7 +13,7 @@ import functools
 import os
 import weakref
 from contextlib import contextmanager
-from typing import Any, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -75,6 +75,8 @@ class Recorder:
         self.device: Optional[torch.device] = None
         #: (key, FORWARD or BACKWARD) -> why its tensor was not recorded (``"sparse_coo layout"``)
         self.skipped: Dict[Tuple[Hashable, int], str] = {}
+        # rows known only after backward (a compiled graph's gradient rows): taken at ``flush()``
+        self._later: List[Tuple[List[Hashable], int, Callable[[], Optional[Tensor]]]] = []
 
     @property
     def keys(self) -> List[Hashable]:
@@ -129,6 +131,13 @@ class Recorder:
         self._host_only = False
         for key, row in zip(keys, rows.unbind(0)):
             self._rows.append((self.slot(key), direction, row))
+
+    def add_rows_later(self, keys: Sequence[Hashable], direction: int, rows: Callable[[], Optional[Tensor]]) -> None:
+        """As ``add_rows``, with rows that exist only once backward has run: ``rows()`` is
+        called by ``flush()`` (and so by ``records()``); None means no rows (no backward)."""
+        for key in keys:
+            self.slot(key)
+        self._later.append((list(keys), direction, rows))
 
     def _skip(self, slot: int, direction: int, x: Tensor) -> None:
         """No statistics for ``x``: they are defined here for strided tensors only."""
@@ -239,6 +248,11 @@ class Recorder:
             return
         try:
             self._short.flush()
+            later, self._later = self._later, []
+            for keys, direction, rows in later:
+                taken = rows()
+                if taken is not None:
+                    self.add_rows(keys, direction, taken)
         except Exception as err:  # noqa: BLE001 - reported by the owner of the recorder
             self.error = err
 
@@ -273,6 +287,7 @@ class Recorder:
         self._buffer.clear()
         self.histograms.clear()
         self.skipped.clear()
+        self._later.clear()
         self.error = None
         self.remove_hooks()
 

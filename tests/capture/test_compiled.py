@@ -136,7 +136,7 @@ class Run:
         self.eager = Holder(Block(cfg))
         self.holder = Holder(torch.compile(copy.deepcopy(self.eager.model)))
         self.route = CompiledRoute(self.holder, GROUPS)
-        self.x = 100 + 0.1 * torch.randn(2, 8, 32)  # the residual stream: |mean| / std ~ 1000
+        self.x = 1000 + 0.1 * torch.randn(2, 8, 32)  # the residual stream: |mean| / std ~ 3000
         self.records: List[Tensor] = []
         self.graphs: List[int] = []
 
@@ -150,7 +150,6 @@ def run_step(run: Run, forward: Callable[[Tensor], Tensor], tracked: bool) -> Tu
     with recording(rec) if tracked else contextlib.nullcontext():
         out = forward(run.x)
     loss_of(out).backward()
-    run.route.collect()
     if tracked:
         run.records.append(rec.records(run.route.labels.tags, run.route.labels.aliases))
     grads = [p.grad.clone() for p in run.holder.parameters()]
@@ -236,10 +235,10 @@ def test_rows_equal_float64_statistics_of_the_eager_tensors(block_run: Run) -> N
         assert_close_summary(row_summary(row[FORWARD]), float64_summary(p), 1e-12, name)
         assert_close_summary(row_summary(row[BACKWARD]), float64_summary(p.grad), 1e-4, name + " grad")
     assert len(values) >= 8
-    # |mean| >> std (the block's output carries the input's mean of 100, spread ~0.1), as
+    # |mean| >> std (the block's output carries the input's mean of 1000, spread ~0.3), as
     # tests/record/test_stats.py's accuracy case; a one-pass float32 formula misses it.
     out = values["model"].detach()
-    assert abs(float(out.double().mean())) > 500 * float(out.double().std())
+    assert abs(float(out.double().mean())) > 1000 * float(out.double().std())
     got = row_summary(records[tags.index("model"), FORWARD])["std"]
     assert got == pytest.approx(float(out.double().std()), rel=1e-4)
     naive = math.sqrt(max(float((out * out).mean() - out.mean() ** 2), 0.0))
