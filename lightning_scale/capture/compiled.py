@@ -242,6 +242,7 @@ class CompiledRoute:
         self.compile_seconds = 0.0  # spent compiling the instrumented graphs (the user's backend included)
         self.targets = compiled_modules(module)
         self._forwards: Dict[int, Callable[..., Any]] = {}
+        self._backends: List[InstrumentingBackend] = []
 
     def forward_for(self, compiled: nn.Module) -> Callable[..., Any]:
         """The instrumented version of ``compiled`` (an ``OptimizedModule``, or a module
@@ -258,7 +259,7 @@ class CompiledRoute:
             raise ValueError(
                 f"`compiled` must be an OptimizedModule or compiled in place, got {type(compiled).__name__}"
             )
-        backend = InstrumentingBackend(self, how.backend)
+        backend = self._backend_for(how.backend)
         if isinstance(compiled, _Optimized):  # (a new wrapper of the same module: its hooks run as the user's)
             target: Any = compiled._orig_mod
         else:  # as ``nn.Module.compile`` does
@@ -266,6 +267,15 @@ class CompiledRoute:
         forward = torch.compile(target, backend=backend, dynamic=how.dynamic, fullgraph=how.fullgraph)
         self._forwards[id(compiled)] = forward
         return forward
+
+    def _backend_for(self, user: Callable[..., Any]) -> "InstrumentingBackend":
+        """One instrumenting backend per distinct user backend (Inductor's compare by their
+        options): blocks compiled one by one share compiled graphs where dynamo's guards allow."""
+        for known in self._backends:
+            if known.backend == user:
+                return known
+        self._backends.append(InstrumentingBackend(self, user))
+        return self._backends[-1]
 
     @contextlib.contextmanager
     def swapped(self) -> Iterator[None]:
