@@ -2,7 +2,7 @@
 
 The same measurement as ``tests/record/test_stats_property.py``'s
 ``test_format_counts_need_at_most_20_bytes_per_element``: ``torch.profiler`` with
-``profile_memory`` around ``stats._format_counts_device`` on a float32 tensor of 2**20
+``profile_memory`` around ``stats.format_counts_device`` on a float32 tensor of 2**20
 standard-normal elements, on CPU (the device path runs there with the same ops); every
 allocation counted once and frees ignored, so the figure is an upper bound of the peak.
 
@@ -25,7 +25,7 @@ def measure(numel: int = 1 << 20) -> float:
     x = torch.randn(numel, generator=torch.Generator().manual_seed(3))
     nan = torch.isnan(x).sum()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        formats._format_counts_device(x, nan)  # noqa: SLF001 - the path measured
+        formats.format_counts_device(x, nan)  # noqa: SLF001 - the path measured
     allocated = sum(e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0)
     return allocated / numel
 

@@ -1,6 +1,6 @@
 """Collectives, bytes per rank and host memory of ``pool_step`` at 2 to 16 gloo ranks.
 
-``python benchmarks/pool_scale.py [NODES]``: the table of docs/distributed.md. For each
+``python benchmarks/pool_scale.py [NODES] [--worlds 2 4 ...]``: the table of docs/distributed.md. For each
 world size, ``tests/dist_scripts/run_pool.py`` runs that many processes (CPU, gloo, no
 Lightning) on a synthetic record of NODES nodes (default 2,178: the node labels of the
 32-layer Llama-like model under dynamo capture), with ``rank_spread``, every tenth node
@@ -15,13 +15,14 @@ here, not on a cluster).
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 import torch
 
@@ -52,11 +53,11 @@ def run(world: int, nodes: int) -> List[Dict[str, Any]]:
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def main(nodes: int) -> None:
+def main(nodes: int, worlds: Sequence[int] = WORLDS) -> None:
     print(f"{nodes} nodes")
     print("| ranks | collectives | bytes per rank | peak RSS added, largest rank | rank 0 | pool time, rank 0 |")
     print("|---:|---|---:|---:|---:|---:|")
-    for world in WORLDS:
+    for world in worlds:
         ranks = run(world, nodes)
         calls = ranks[0]["calls"]
         assert all(r["calls"] == calls for r in ranks)
@@ -69,4 +70,8 @@ def main(nodes: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if sys.argv[1:] else 2178)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("nodes", nargs="?", type=int, default=2178, help="nodes in the synthetic record (2178)")
+    parser.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS), help="world sizes (2 4 8 16)")
+    args = parser.parse_args()
+    main(args.nodes, args.worlds)

@@ -26,10 +26,10 @@ from lightning_scale.capture import CAPTURE_MODES
 from lightning_scale.capture.coverage import skipped_line
 from lightning_scale.record import kernels, native, stats
 from lightning_scale.record.recorder import Recorder
-from lightning_scale.record.updates import UpdateTracker
+from lightning_scale.record.updates import UpdateStats, UpdateTracker
 from lightning_scale.report import pool
 from lightning_scale.report.options import ReportOptions
-from lightning_scale.report.reporting import Reporter, StepData, UpdateRows
+from lightning_scale.report.reporting import Reporter, StepData
 from lightning_scale.step.anomaly import AnomalyTrigger
 from lightning_scale.step.schedule import Schedule
 from lightning_scale.step.selection import Matching, Selection, check_leaf_modules, compile_pattern, resolve_submodule
@@ -91,6 +91,10 @@ class ScaleMonitor(Callback):
             extra forwards, see docs/benchmarks.md). See ``lightning_scale.capture.fidelity``.
         max_log_bytes: the most bytes the callback's event files take per run (None: no cap);
             reaching it stops its writing with one warning (docs/usage.md: bytes per step).
+        strict_ranks: when ranks capture different graphs on a tracked step (a rank's
+            forward takes another branch), raise ``RankMismatchError`` on every rank, ending
+            the fit. Off by default: the nodes every rank has are pooled and logged, the
+            others are not, and one warning names the first differing nodes.
 
     Raises:
         ValueError: an argument outside what is allowed (the message names it).
@@ -127,6 +131,7 @@ class ScaleMonitor(Callback):
         update_ratios: bool = False,
         verify_capture: bool = True,
         max_log_bytes: Optional[int] = None,
+        strict_ranks: bool = False,
     ) -> None:
         self.schedule = Schedule(every_n_steps, steps, start_step, stop_step)
         self.capture_mode = check.one_of("capture", capture, CAPTURE_MODES)
@@ -146,6 +151,7 @@ class ScaleMonitor(Callback):
         self.anomaly_steps, self.anomaly_factor = self._anomaly.steps, self._anomaly.factor
         self.update_ratios = check.boolean("update_ratios", update_ratios)
         self.verify_capture = check.boolean("verify_capture", verify_capture)
+        self.strict_ranks = check.boolean("strict_ranks", strict_ranks)
         self._updates = UpdateTracker()
         self.groups = sorted({stats.STATISTICS[s] for s in self.statistics} | {"moments"})
         self.last_tracked_step = -1
@@ -379,23 +385,34 @@ class ScaleMonitor(Callback):
         cap = active.capture
         labels, replicated = self.captures.labels_of(cap, self._target(trainer.lightning_module))
         data = StepData(
-            active.step,
-            active.prefix,
-            cap,
-            active.recorder,
-            labels,
-            self.submodule or "",
-            active.loss_scale,
-            self._update_rows(trainer, active),
-            replicated,
+            step=active.step,
+            prefix=active.prefix,
+            capture=cap,
+            recorder=active.recorder,
+            labels=labels,
+            target=self.submodule or "",
+            loss_scale=active.loss_scale,
+            updates=self._update_rows(trainer, active),
+            parameters=replicated,
         )
         try:
-            pooled = self.reporter.pool(data, trainer.strategy.root_device, replicated)
+            pooled = self.reporter.pool(data, trainer.strategy.root_device, strict=self.strict_ranks)
         except pool.RankFailedError as err:  # raised on every rank alike
             error = active.recorder.error
             here = f"; here: {error!r}" if error is not None else ""
             self.reporter.warn_once("error", f"ScaleMonitor: {err} at step {active.step}{here}; nothing logged for it")
             return
+        except pool.RankMismatchError as err:  # raised on every rank alike
+            if self.strict_ranks:
+                raise
+            self.reporter.warn_once("ranks", f"ScaleMonitor: {err} at step {active.step}; nothing logged for it")
+            return
+        if pooled is not None and pooled.unshared is not None:
+            self.reporter.warn_once(
+                "unshared",
+                f"ScaleMonitor: step {active.step}: {pooled.unshared.describe()} "
+                "(warned once; `strict_ranks=True` raises instead)",
+            )
         loggers = _writable_loggers(trainer) if trainer.is_global_zero else []
         try:
             self.reporter.report(data, pooled, trainer.is_global_zero, loggers, trainer.accumulate_grad_batches)
@@ -428,10 +445,10 @@ class ScaleMonitor(Callback):
         assert self._active is not None
         return self.update_ratios and trainer.global_step == self._active.step
 
-    def _update_rows(self, trainer: pl.Trainer, active: TrackedStep) -> Optional[UpdateRows]:
+    def _update_rows(self, trainer: pl.Trainer, active: TrackedStep) -> Optional[UpdateStats]:
         if active.prefix or not self._updates.pending or self._updates.step != active.step:
             return None
-        rows = UpdateRows(*self._updates.rows(self._target(trainer.lightning_module).named_parameters()))
+        rows = self._updates.rows(self._target(trainer.lightning_module).named_parameters())
         if self._updates.error is not None and active.recorder.error is None:
             active.recorder.error = self._updates.error  # pooled as this rank's failure flag: every rank drops the step
         return rows

@@ -78,7 +78,8 @@ def uses_triton(x: Tensor, kernel: Optional[str] = None) -> bool:
         )
     if x.device.type == "cpu" and not _interpreted():
         raise RuntimeError(
-            f"`{ENV}=triton` on a CPU tensor needs Triton's interpreter: set TRITON_INTERPRET=1 before triton is imported"
+            f"`{ENV}=triton` on a CPU tensor needs Triton's interpreter: "
+            "set TRITON_INTERPRET=1 before triton is imported"
         )
     return True
 

@@ -8,7 +8,7 @@ record of the step in one set of numpy reductions over their concatenation: mome
 float64 by two passes (each mean first, then the squared deviations from it: no
 cancellation, and float32 data can neither overflow nor underflow there), absmax, and the
 zeros / min_nonzero / format counts from one sorted search and one histogram, as
-``stats._format_counts_device`` buckets them. The fields mean what ``stats.record_of``'s
+``stats.format_counts_device`` buckets them. The fields mean what ``stats.record_of``'s
 do, with the same NaN/Inf conventions. Nothing here imports Lightning.
 """
 
@@ -23,14 +23,14 @@ from torch import Tensor
 
 from lightning_scale.record import stats
 from lightning_scale.record.stats import formats
+from lightning_scale.record.stats.fields import FORMAT_COUNTS_SPAN
 
 __all__ = ["MAX_ELEMENTS", "ShortRecords", "batchable", "records_of_many"]
 
 #: Tensors up to this many elements are batched (above, one pass per statistic is cheaper).
 MAX_ELEMENTS = 4096
 _GROUPS = frozenset(("moments", "range", "formats"))  # fp8 scales each tensor by itself: not batched
-_IX = {name: i for i, name in enumerate(stats.FIELDS)}
-_FMT = [_IX[f"{kind}_{fmt}"] for fmt in stats.FORMATS for kind in ("underflow", "below_normal", "overflow")]
+_IX = stats.IX
 
 
 def batchable(x: Tensor, groups: Collection[str]) -> bool:
@@ -115,7 +115,7 @@ def _format_fields(
     a: "np.ndarray", starts: "np.ndarray", sizes: List[int], nan: "np.ndarray", out: "np.ndarray"
 ) -> None:
     """zeros, min_nonzero and the format counts into ``out``, from |x| (float32)."""
-    bounds = formats._BOUNDS[torch.float32][0]  # noqa: SLF001 - the one definition of the boundaries
+    bounds = formats.BOUNDS[torch.float32][0]  # (the one definition of the boundaries)
     clean = np.where(np.isnan(a), np.float32(0), a)  # NaN joins the zeros' bucket; subtracted below
     bucket = np.searchsorted(np.asarray(bounds, dtype=np.float32), clean, side="right")
     width = len(bounds) + 1
@@ -124,4 +124,4 @@ def _format_fields(
     zeros = cum[:, 0] - nan  # cum[:, k] = #{|x| < bounds[k]}: bounds[0] is the smallest positive float32
     out[:, _IX["zeros"]] = zeros
     out[:, _IX["min_nonzero"]] = np.minimum.reduceat(np.where(clean > 0, clean, np.float32(math.inf)), starts)
-    out[:, _FMT] = formats._format_fields_of_cumulative(cum, torch.float32)  # noqa: SLF001 - shared with record_of's host path
+    out[:, FORMAT_COUNTS_SPAN] = formats.format_fields_of_cumulative(cum, torch.float32)

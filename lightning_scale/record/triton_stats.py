@@ -43,16 +43,18 @@ where Triton is importable (``lightning_scale.record.kernels`` decides).
 from __future__ import annotations
 
 import functools
-from typing import Collection, Dict, Optional, Tuple
+import math
+from typing import Collection, Dict, Optional
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_scale.record.stats.fields import FIELDS, FORMATS
+from lightning_scale.record.stats.fields import FIELDS, FORMAT_FIELDS, FORMATS, FP8_DTYPES, FP8_SPAN, IX, Col
+from lightning_scale.record.stats.layout import strided_grid
 
-__all__ = ["GPU_BLOCK", "INTERPRETER_BLOCK", "interpreted", "record_into"]
+__all__ = ["GPU_BLOCK", "INTERPRETER_BLOCK", "interpreted", "record_into", "tile_index"]
 
 GPU_BLOCK = 4096
 INTERPRETER_BLOCK = 65536
@@ -61,9 +63,29 @@ _PW = 32  # width of a partial row of _tiles_kernel
 _PW8 = 8  # ... of _fp8_kernel
 _CH = 64  # partial rows the finishing kernels take at a time
 _F = len(FIELDS)
-_FP80 = FIELDS.index("fp8_e4m3_sq_err")
-_INF32 = 0x7F800000
-assert _F <= 32 and FIELDS[:8] == ("count", "mean", "m2", "absmax", "nan", "inf", "zeros", "min_nonzero")
+_FP80 = FP8_SPAN.start
+
+# Slots of a partial row of _tiles_kernel: the record's own columns, the finite values'
+# count, mean, m2 and max |x| in those of count, mean, m2 and absmax, and the +Inf count
+# in the first column the kernel leaves free (fp8's: _fp8_kernel's sums go elsewhere).
+_COUNT, _MEAN, _M2, _ABSMAX = (tl.constexpr(c) for c in (Col.COUNT, Col.MEAN, Col.M2, Col.ABSMAX))
+_NAN, _INF, _ZEROS, _MINNZ = (tl.constexpr(c) for c in (Col.NAN, Col.INF, Col.ZEROS, Col.MIN_NONZERO))
+_PINF = tl.constexpr(FP8_SPAN.start)
+_FMT0 = tl.constexpr(IX[FORMAT_FIELDS[0]])  # per format, three slots: underflow, below_normal, overflow
+_NFMT = tl.constexpr(len(FORMATS))
+assert _F <= _PW and FORMAT_FIELDS == tuple(
+    f"{k}_{f}" for f in FORMATS for k in ("underflow", "below_normal", "overflow")
+)
+# Slots of a partial row of _fp8_kernel: FP8_FIELDS order (per format: sq_err, sq, flushed).
+_E4, _E5 = (tl.constexpr(IX[f"fp8_{fmt}_sq_err"] - _FP80) for fmt in ("e4m3", "e5m2"))
+_E4_MAX, _E5_MAX = (tl.constexpr(FORMATS[fmt].max) for fmt in ("e4m3", "e5m2"))
+# least normal exponent and mantissa bits of each: 2**EMIN the least normal, 2**-MBITS of it the least subnormal
+_E4_EMIN, _E5_EMIN = (tl.constexpr(int(math.log2(FORMATS[fmt].min_normal))) for fmt in ("e4m3", "e5m2"))
+_E4_MBITS, _E5_MBITS = (
+    tl.constexpr(int(math.log2(FORMATS[fmt].min_normal / FORMATS[fmt].min_subnormal))) for fmt in ("e4m3", "e5m2")
+)
+_NFP8 = tl.constexpr(FP8_SPAN.stop - FP8_SPAN.start)
+assert tuple(FP8_DTYPES) == ("e4m3", "e5m2") and _NFP8 <= _PW8
 
 
 @triton.jit
@@ -73,6 +95,61 @@ def _load(x_ptr, offsets, valid, BF16: tl.constexpr):
     if BF16:
         return (tl.load(x_ptr + offsets, mask=valid, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     return tl.load(x_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def tile_index(t, tiles_n, r, c, BR: tl.constexpr, BC: tl.constexpr):
+    """Row and column (int64) of the elements of tile ``t`` in a grid of tiles of ``BR x
+    BC``, ``tiles_n`` tiles a row: ``r`` (BR, 1) and ``c`` (1, BC) their place in the tile.
+    64-bit before any product with the tile index: a row of 2**31 elements or more (a
+    slice of a large logits tensor) would wrap in int32."""
+    t64 = tl.cast(t, tl.int64)  # (a Python int in the interpreter's loops)
+    tm = t64 // tiles_n
+    return tm * BR + r.to(tl.int64), (t64 - tm * tiles_n) * BC + c.to(tl.int64)
+
+
+@triton.jit
+def _tile_moments(v, fin):
+    """(count, mean, m2) of the finite values of a tile (float64), and the bits of their
+    max |x|: scaled by a power of two, shifted by their float32 mean (module docstring)."""
+    ab = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    tile_top = tl.max(tl.where(fin, ab, 0))
+    # s = 2**-e, e = exponent of the tile's max |x|, kept a normal power of two
+    e = tl.minimum(tl.maximum((tile_top >> 23) - 127, -126), 126)
+    s = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    y = tl.where(fin, v * s, 0.0)
+    k = tl.sum(fin.to(tl.int32)).to(tl.float64)
+    kk = tl.maximum(k, 1.0)
+    shift = (tl.sum(tl.sum(y, axis=1).to(tl.float64), axis=0) / kk).to(tl.float32)
+    d = tl.where(fin, y - shift, 0.0)
+    sd = tl.sum(tl.sum(d, axis=1).to(tl.float64), axis=0)
+    sd2 = tl.sum(tl.sum(d * d, axis=1).to(tl.float64), axis=0)
+    s64 = s.to(tl.float64)
+    return k, (shift.to(tl.float64) + sd / kk) / s64, tl.maximum(sd2 - sd * (sd / kk), 0.0) / s64 / s64, tile_top
+
+
+@triton.jit
+def _count(mask):
+    return tl.sum(mask.to(tl.int32)).to(tl.float64)
+
+
+@triton.jit
+def _tile_counts(bits, valid, nonzero, bounds_ptr, slot, FORMATS: tl.constexpr):
+    """The tile's counts at their partial-row slots: NaN, ±Inf, +Inf, zeros, formats."""
+    ab = bits & 0x7FFFFFFF  # |x|'s bits: ordered as |x|, NaN above inf
+    inf = valid & (ab == 0x7F800000)
+    got = tl.where(slot == _NAN, _count(valid & (ab > 0x7F800000)), 0.0)
+    got = tl.where(slot == _INF, _count(inf), got)
+    got = tl.where(slot == _PINF, _count(inf & (bits > 0)), got)
+    if FORMATS:
+        got = tl.where(slot == _ZEROS, _count(valid & (ab == 0)), got)
+        for f in tl.static_range(_NFMT):  # per format, FIELDS order: underflow, below_normal, overflow
+            u = _count(nonzero & (ab < tl.load(bounds_ptr + 3 * f)))
+            b = _count(nonzero & (ab < tl.load(bounds_ptr + 3 * f + 1)))
+            o = _count(nonzero & (ab > tl.load(bounds_ptr + 3 * f + 2)))
+            at = _FMT0 + 3 * f
+            got = tl.where(slot == at, u, tl.where(slot == at + 1, b, tl.where(slot == at + 2, o, got)))
+    return got
 
 
 @triton.jit
@@ -104,29 +181,12 @@ def _tiles_kernel(
     low = tl.cast(0x7F800000, tl.int32)  # bits of least nonzero |x| (NaN left out; inf if none)
     counts = tl.zeros([PW], dtype=tl.float64)
     for t in range(pid, ntiles, tl.num_programs(0)):
-        tm = t // tiles_n
-        i = (tm * BR + r).to(tl.int64)  # (BR, 1)
-        j = ((t - tm * tiles_n) * BC + c).to(tl.int64)  # (1, BC)
+        i, j = tile_index(t, tiles_n, r, c, BR, BC)  # (BR, 1), (1, BC)
         valid = (i < M) & (j < N) & (i * N + j < n)
         v = _load(x_ptr, i * s0 + j * s1, valid, BF16)
         bits = v.to(tl.int32, bitcast=True)
-        ab = bits & 0x7FFFFFFF  # |x|'s bits: ordered as |x|, NaN above inf
-        fin = valid & (ab < 0x7F800000)
-        inf = valid & (ab == 0x7F800000)
-        tile_top = tl.max(tl.where(fin, ab, 0))
-        # s = 2**-e, e = exponent of the tile's max |x|, kept a normal power of two
-        e = tl.minimum(tl.maximum((tile_top >> 23) - 127, -126), 126)
-        s = ((127 - e) << 23).to(tl.float32, bitcast=True)
-        y = tl.where(fin, v * s, 0.0)
-        k = tl.sum(fin.to(tl.int32)).to(tl.float64)
-        kk = tl.maximum(k, 1.0)
-        shift = (tl.sum(tl.sum(y, axis=1).to(tl.float64), axis=0) / kk).to(tl.float32)
-        d = tl.where(fin, y - shift, 0.0)
-        sd = tl.sum(tl.sum(d, axis=1).to(tl.float64), axis=0)
-        sd2 = tl.sum(tl.sum(d * d, axis=1).to(tl.float64), axis=0)
-        s64 = s.to(tl.float64)
-        tile_mean = (shift.to(tl.float64) + sd / kk) / s64
-        tile_m2 = tl.maximum(sd2 - sd * (sd / kk), 0.0) / s64 / s64
+        ab = bits & 0x7FFFFFFF
+        k, tile_mean, tile_m2, tile_top = _tile_moments(v, valid & (ab < 0x7F800000))
         total = cnt + k  # Chan, Golub and LeVeque: merge the tile into the running moments
         delta = tile_mean - mean
         w = k / tl.maximum(total, 1.0)
@@ -136,27 +196,10 @@ def _tiles_kernel(
         top = tl.maximum(top, tile_top)
         nonzero = valid & (ab > 0) & (ab <= 0x7F800000)
         low = tl.minimum(low, tl.min(tl.where(nonzero, ab, 0x7F800000)))
-        # counts at their FIELDS slots (nan 4, inf 5, zeros 6, formats from 8); +inf at 20
-        got = tl.where(slot == 4, tl.sum((valid & (ab > 0x7F800000)).to(tl.int32)).to(tl.float64), 0.0)
-        got = tl.where(slot == 5, tl.sum(inf.to(tl.int32)).to(tl.float64), got)
-        got = tl.where(slot == 20, tl.sum((inf & (bits > 0)).to(tl.int32)).to(tl.float64), got)
-        if FORMATS:
-            got = tl.where(slot == 6, tl.sum((valid & (ab == 0)).to(tl.int32)).to(tl.float64), got)
-            for f in tl.static_range(4):  # per format, FIELDS order: underflow, below_normal, overflow
-                sub = tl.load(bounds_ptr + 3 * f)
-                nrm = tl.load(bounds_ptr + 3 * f + 1)
-                big = tl.load(bounds_ptr + 3 * f + 2)
-                u = tl.sum((nonzero & (ab < sub)).to(tl.int32)).to(tl.float64)
-                b = tl.sum((nonzero & (ab < nrm)).to(tl.int32)).to(tl.float64)
-                o = tl.sum((nonzero & (ab > big)).to(tl.int32)).to(tl.float64)
-                got = tl.where(
-                    slot == 8 + 3 * f, u, tl.where(slot == 9 + 3 * f, b, tl.where(slot == 10 + 3 * f, o, got))
-                )
-        counts += got
-    # the partial row: FIELDS slots, with the finite values' count, mean, m2 and max |x| in 0-3
-    row = tl.where(slot == 0, cnt, tl.where(slot == 1, mean, tl.where(slot == 2, m2, counts)))
-    row = tl.where(slot == 3, top.to(tl.float32, bitcast=True).to(tl.float64), row)
-    row = tl.where(slot == 7, low.to(tl.float32, bitcast=True).to(tl.float64), row)
+        counts += _tile_counts(bits, valid, nonzero, bounds_ptr, slot, FORMATS)
+    row = tl.where(slot == _COUNT, cnt, tl.where(slot == _MEAN, mean, tl.where(slot == _M2, m2, counts)))
+    row = tl.where(slot == _ABSMAX, top.to(tl.float32, bitcast=True).to(tl.float64), row)
+    row = tl.where(slot == _MINNZ, low.to(tl.float32, bitcast=True).to(tl.float64), row)
     tl.store(part_ptr + pid * PW + slot, row)
 
 
@@ -186,35 +229,35 @@ def _finish_kernel(
         p = start + rows
         part = tl.load(part_ptr + p[:, None] * PW + f[None, :], mask=(p < P)[:, None], other=0.0)
         sums += tl.sum(part, axis=0)
-        cnt = tl.load(part_ptr + p * PW, mask=p < P, other=0.0)
-        weighted += tl.sum(cnt * tl.load(part_ptr + p * PW + 1, mask=p < P, other=0.0), axis=0)
-        top = tl.maximum(top, tl.max(tl.load(part_ptr + p * PW + 3, mask=p < P, other=0.0), axis=0))
-        least = tl.minimum(least, tl.min(tl.load(part_ptr + p * PW + 7, mask=p < P, other=inf_), axis=0))
-    total = tl.sum(tl.where(f == 0, sums, 0.0), axis=0)
+        cnt = tl.load(part_ptr + p * PW + _COUNT, mask=p < P, other=0.0)
+        weighted += tl.sum(cnt * tl.load(part_ptr + p * PW + _MEAN, mask=p < P, other=0.0), axis=0)
+        top = tl.maximum(top, tl.max(tl.load(part_ptr + p * PW + _ABSMAX, mask=p < P, other=0.0), axis=0))
+        least = tl.minimum(least, tl.min(tl.load(part_ptr + p * PW + _MINNZ, mask=p < P, other=inf_), axis=0))
+    total = tl.sum(tl.where(f == _COUNT, sums, 0.0), axis=0)
     mean = weighted / tl.maximum(total, 1.0)
-    m2 = tl.sum(tl.where(f == 2, sums, 0.0), axis=0)
+    m2 = tl.sum(tl.where(f == _M2, sums, 0.0), axis=0)
     for start in range(0, P, CH):  # Chan, Golub and LeVeque, all parts at once: m2 += sum(n_i (mean_i - mean)^2)
         p = start + rows
-        dev = tl.load(part_ptr + p * PW + 1, mask=p < P, other=0.0) - mean
-        m2 += tl.sum(tl.load(part_ptr + p * PW, mask=p < P, other=0.0) * dev * dev, axis=0)
-    nans = tl.sum(tl.where(f == 4, sums, 0.0), axis=0)
-    infs = tl.sum(tl.where(f == 5, sums, 0.0), axis=0)
-    pinf = tl.sum(tl.where(f == 20, sums, 0.0), axis=0)
+        dev = tl.load(part_ptr + p * PW + _MEAN, mask=p < P, other=0.0) - mean
+        m2 += tl.sum(tl.load(part_ptr + p * PW + _COUNT, mask=p < P, other=0.0) * dev * dev, axis=0)
+    nans = tl.sum(tl.where(f == _NAN, sums, 0.0), axis=0)
+    infs = tl.sum(tl.where(f == _INF, sums, 0.0), axis=0)
+    pinf = tl.sum(tl.where(f == _PINF, sums, 0.0), axis=0)
     # as torch.mean of the float64 values: NaN with a NaN or both infinities, else the infinity
     bad = (nans > 0) | ((pinf > 0) & (pinf < infs))
     mean = tl.where(bad, nan_, tl.where(pinf > 0, inf_, tl.where(infs > 0, -inf_, mean)))
-    row = tl.where(
-        f == 0, n.to(tl.float64), tl.where(f == 1, mean, tl.where(f == 2, tl.where(nans + infs > 0, nan_, m2), nan_))
-    )
-    row = tl.where((f == 4) | (f == 5), sums, row)
+    m2 = tl.where(nans + infs > 0, nan_, m2)
+    row = tl.where(f == _COUNT, n.to(tl.float64), tl.where(f == _MEAN, mean, tl.where(f == _M2, m2, nan_)))
+    row = tl.where((f == _NAN) | (f == _INF), sums, row)
     if RANGE:
-        row = tl.where(f == 3, tl.where(nans > 0, nan_, tl.where(infs > 0, inf_, top)), row)
+        row = tl.where(f == _ABSMAX, tl.where(nans > 0, nan_, tl.where(infs > 0, inf_, top)), row)
     if FORMATS:
-        row = tl.where((f == 6) | ((f >= 8) & (f < 20)), sums, tl.where(f == 7, least, row))
+        counts = (f == _ZEROS) | ((f >= _FMT0) & (f < _FMT0 + 3 * _NFMT))
+        row = tl.where(counts, sums, tl.where(f == _MINNZ, least, row))
     tl.store(out_ptr + f, row, mask=f < F)
     if FP8:  # per-tensor scale = fmt.max / amax rounded to float32 (from float64: correctly rounded), capped
         for k in tl.static_range(2):
-            fmax = 448.0 if k == 0 else 57344.0
+            fmax = _E4_MAX if k == 0 else _E5_MAX
             scale = (fmax / top).to(tl.float32)
             scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
             tl.store(scale_ptr + k, scale.to(tl.float64))
@@ -261,9 +304,7 @@ def _fp8_kernel(
     s5 = tl.load(scale_ptr + 1).to(tl.float32)
     acc = tl.zeros([PW], dtype=tl.float64)
     for t in range(pid, ntiles, tl.num_programs(0)):
-        tm = t // tiles_n
-        i = (tm * BR + r).to(tl.int64)
-        j = ((t - tm * tiles_n) * BC + c).to(tl.int64)
+        i, j = tile_index(t, tiles_n, r, c, BR, BC)
         valid = (i < M) & (j < N) & (i * N + j < n)
         v = _load(x_ptr, i * s0 + j * s1, valid, BF16)
         ab = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
@@ -271,16 +312,16 @@ def _fp8_kernel(
         xf = tl.where(fin, v, 0.0)  # non-finite values left out (zero error, not flushed)
         nonzero = fin & (ab > 0)
         x64 = xf.to(tl.float64)
-        q4 = _fp8_round(xf * s4, -6, 3)  # E4M3 (float8_e4m3fn)
-        q5 = _fp8_round(xf * s5, -14, 2)  # E5M2
+        q4 = _fp8_round(xf * s4, _E4_EMIN, _E4_MBITS)  # E4M3 (float8_e4m3fn)
+        q5 = _fp8_round(xf * s5, _E5_EMIN, _E5_MBITS)  # E5M2
         # error in scaled units, exact in float64 (x * s has 48 bits); back in x's units at the end
         e4 = q4.to(tl.float64) - x64 * s4.to(tl.float64)
         e5 = q5.to(tl.float64) - x64 * s5.to(tl.float64)
         sq = tl.sum(x64 * x64)
-        got = tl.where(slot == 0, tl.sum(e4 * e4), tl.where((slot == 1) | (slot == 4), sq, 0.0))
-        got = tl.where(slot == 2, tl.sum((nonzero & (q4 == 0)).to(tl.int32)).to(tl.float64), got)
-        got = tl.where(slot == 3, tl.sum(e5 * e5), got)
-        got = tl.where(slot == 5, tl.sum((nonzero & (q5 == 0)).to(tl.int32)).to(tl.float64), got)
+        got = tl.where(slot == _E4, tl.sum(e4 * e4), tl.where((slot == _E4 + 1) | (slot == _E5 + 1), sq, 0.0))
+        got = tl.where(slot == _E4 + 2, _count(nonzero & (q4 == 0)), got)
+        got = tl.where(slot == _E5, tl.sum(e5 * e5), got)
+        got = tl.where(slot == _E5 + 2, _count(nonzero & (q5 == 0)), got)
         acc += got
     tl.store(part_ptr + pid * PW + slot, acc)
 
@@ -295,60 +336,14 @@ def _fp8_finish_kernel(part_ptr, out_ptr, scale_ptr, P, CH: tl.constexpr, PW: tl
         sums += tl.sum(tl.load(part_ptr + p[:, None] * PW + f[None, :], mask=(p < P)[:, None], other=0.0), axis=0)
     s4 = tl.load(scale_ptr)
     s5 = tl.load(scale_ptr + 1)
-    row = tl.where(f == 0, sums / s4 / s4, tl.where(f == 3, sums / s5 / s5, sums))  # errors back in x's units
-    tl.store(out_ptr + f, row, mask=f < 6)  # FIELDS order: e4m3 sq_err, sq, flushed; e5m2 the same
+    row = tl.where(f == _E4, sums / s4 / s4, tl.where(f == _E5, sums / s5 / s5, sums))  # errors back in x's units
+    tl.store(out_ptr + f, row, mask=f < _NFP8)  # FP8_FIELDS order: e4m3 sq_err, sq, flushed; e5m2 the same
 
 
 def interpreted() -> bool:
     """Whether the kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` when
     triton was imported): on CPU tensors, with numpy."""
     return not isinstance(_tiles_kernel, triton.runtime.JITFunction)
-
-
-Layout = Tuple[Tensor, int, int, int, int, int]  # (tensor to read, n, M, N, s0, s1)
-
-
-def layout(x: Tensor, bc: int = _BC) -> Optional[Layout]:
-    """How the kernels read ``x`` in place: element (i, j) of an ``M x N`` grid at
-    ``i * s0 + j * s1`` from ``x``'s first element, for ``i * N + j < n``. A flat array
-    (contiguous, or dense in some order of its dimensions: a transpose) as rows of
-    ``bc``; else dimensions that collapse to at most two strided ones. None otherwise."""
-    n = x.numel()
-    step = _flat_step(x)
-    if step is not None:
-        return x, n, -(-n // bc), bc, bc * step, step
-    dims = _collapsed(x)
-    if dims is None:
-        return None
-    if len(dims) == 1:
-        ((size, stride),) = dims
-        return x, n, -(-n // bc), bc, bc * stride, stride
-    (m, a), (k, b) = dims
-    if abs(a) < abs(b):  # the faster-moving dimension inside a tile's rows
-        (m, a), (k, b) = (k, b), (m, a)
-    return x, n, m, k, a, b
-
-
-def _flat_step(x: Tensor) -> Optional[int]:
-    if x.is_contiguous():
-        return 1
-    if x.dim() < 2:
-        return None
-    order = sorted(range(x.dim()), key=lambda i: -x.stride(i))
-    return 1 if x.permute(order).is_contiguous() else None
-
-
-def _collapsed(x: Tensor) -> Optional[list]:
-    """(size, stride) of ``x``'s dimensions with size-1 ones dropped and neighbours that
-    address like one dimension merged; None if more than two remain."""
-    dims = [(s, st) for s, st in zip(x.shape, x.stride()) if s != 1]
-    out: list = []
-    for size, stride in dims:
-        if out and out[-1][1] == stride * size:
-            out[-1] = (out[-1][0] * size, stride)
-        else:
-            out.append((size, stride))
-    return out if 1 <= len(out) <= 2 else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -385,10 +380,10 @@ def record_into(x: Tensor, groups: Collection[str], row: Tensor, block: Optional
             return record_into(x, groups, row, block)
     block = block or (INTERPRETER_BLOCK if interpreted() else GPU_BLOCK)
     block = min(block, max(_BC, triton.next_power_of_2(x.numel())))  # (short tensors: no empty lanes)
-    lay = layout(x)
+    lay = strided_grid(x, _BC)
     if lay is None:  # (three or more dimensions that no stride order makes dense: rare)
         x = x.contiguous()
-        lay = layout(x)
+        lay = strided_grid(x, _BC)
         assert lay is not None
     t, n, m, k, s0, s1 = lay
     bc = min(_BC, triton.next_power_of_2(k))

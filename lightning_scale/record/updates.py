@@ -5,8 +5,10 @@ For one optimizer step and parameter ``w`` with gradient ``g`` (the one the opti
 * ``update_ratio = RMS(w_after - w_before) / RMS(w_before)``
 * ``grad_std = std(g)`` (Bessel-corrected, as ``torch.std``)
 
-Each parameter becomes one float64 row ``[2, len(stats.FIELDS)]``, so it travels as an
-extra row of what the callback pools (``report.pool.pool_step``), in the same collectives:
+Each parameter becomes one float64 row ``[2, len(stats.FIELDS)]``; a step's rows, with the
+parameters' names and whether each is sharded, are an ``UpdateStats``, which the callback
+pools as a named segment beside the node records (``report.pool.pool_step(...,
+updates=...)``), in the same collectives:
 
 * ``row[0, :3]`` = element count, sum of squared updates, sum of squared weights (before);
 * ``row[1, :3]`` = the gradient's element count, mean and sum of squared deviations (the
@@ -16,8 +18,8 @@ extra row of what the callback pools (``report.pool.pool_step``), in the same co
 Computed in float64 on the device, on the rank's local elements: a plain parameter (whole
 on every rank under data parallelism, equal after the gradient all-reduce) is counted
 once, from rank 0's row; a sharded one (an FSDP2 ``DTensor`` with a ``Shard`` placement)
-adds: sums add, moments merge (``report.pool.update_parts`` / ``pooled_updates``, with
-reductions; ``report.pool.merge_updates`` in one process).
+adds: sums add, moments merge (``report.update_pool``: ``split_updates`` / ``pooled_updates``
+with reductions, ``merge_updates`` in one process).
 
 Nothing here imports Lightning.
 """
@@ -25,20 +27,36 @@ Nothing here imports Lightning.
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from lightning_scale.record import stats
 
-__all__ = ["UpdateTracker", "is_sharded", "ratios", "row_of"]
+__all__ = ["GRAD", "USED", "UpdateStats", "UpdateTracker", "WEIGHT", "is_sharded", "ratios", "row_of"]
 
-_WEIGHT, _GRAD = 0, 1
+WEIGHT, GRAD = 0, 1  # a row's two directions: the weight's update sums, the gradient's moments
+USED = 3  # the columns a row uses in each direction; the others stay 0
 _COUNT, _SUM_D2, _SUM_W2 = 0, 1, 2
 _MEAN, _M2 = 1, 2
 
 NamedParameters = Iterable[Tuple[str, Tensor]]
+
+
+class UpdateStats(NamedTuple):
+    """One optimizer step's update statistics, per parameter (``UpdateTracker.rows``).
+
+    Attributes:
+        names: the parameters' names, the same order on every rank.
+        sharded: whether each is sharded over ranks (its rows add up) or whole on every
+            rank (rank 0's row counts).
+        rows: ``[k, 2, FIELDS]`` float64 (``row_of``), on the parameters' device.
+    """
+
+    names: List[str]
+    sharded: List[bool]
+    rows: Tensor
 
 
 def is_sharded(p: Tensor) -> bool:
@@ -56,15 +74,15 @@ def row_of(before: Tensor, after: Tensor, grad: "Tensor | None") -> Tensor:
     """The row ``[2, len(FIELDS)]`` of one parameter's update (local tensors, on their device)."""
     row = torch.zeros(2, len(stats.FIELDS), dtype=torch.float64, device=after.device)
     w = before.to(torch.float64)
-    row[_WEIGHT, _COUNT] = w.numel()
-    row[_WEIGHT, _SUM_D2] = (after.to(torch.float64) - w).square().sum()
-    row[_WEIGHT, _SUM_W2] = w.square().sum()
+    row[WEIGHT, _COUNT] = w.numel()
+    row[WEIGHT, _SUM_D2] = (after.to(torch.float64) - w).square().sum()
+    row[WEIGHT, _SUM_W2] = w.square().sum()
     if grad is not None and grad.numel() > 0:
         g = grad.to(torch.float64)
         mean = g.mean()  # two passes in float64: exact to rounding whatever the mean
-        row[_GRAD, _COUNT] = g.numel()
-        row[_GRAD, _MEAN] = mean
-        row[_GRAD, _M2] = (g - mean).square().sum()
+        row[GRAD, _COUNT] = g.numel()
+        row[GRAD, _MEAN] = mean
+        row[GRAD, _M2] = (g - mean).square().sum()
     return row
 
 
@@ -94,8 +112,8 @@ class UpdateTracker:
         self._before = {name: _local(p).clone() for name, p in params if p.requires_grad}
         self.step = step
 
-    def rows(self, params: NamedParameters) -> Tuple[List[str], List[bool], Tensor]:
-        """``(names, sharded, rows [n, 2, FIELDS])`` of the step since the snapshot; forgets it."""
+    def rows(self, params: NamedParameters) -> UpdateStats:
+        """The ``UpdateStats`` of the step since the snapshot; forgets it."""
         before, self._before = self._before, {}
         names: List[str] = []
         sharded: List[bool] = []
@@ -115,8 +133,8 @@ class UpdateTracker:
             names.append(name)
             sharded.append(is_sharded(p))
         if not out:
-            return names, sharded, torch.zeros(0, 2, len(stats.FIELDS), dtype=torch.float64)
-        return names, sharded, torch.stack(out)
+            return UpdateStats(names, sharded, torch.zeros(0, 2, len(stats.FIELDS), dtype=torch.float64))
+        return UpdateStats(names, sharded, torch.stack(out))
 
     def clear(self) -> None:
         """Drop a snapshot whose step will not complete (an exception, the end of a fit)."""

@@ -1,15 +1,23 @@
 """Pool statistics records across ranks with reductions: bytes per rank independent of the
 world size, no padding, exact.
 
-A tracked step pools in at most four collectives, each a fixed number of float64 entries
-per node whatever the world size:
+A tracked step travels as named segments: the node records ``[n, 2, FIELDS]``, their value
+histograms, and optionally the optimizer step's update statistics (``UpdateStats``:
+``update_pool`` cuts them into record rows, sums and rank 0's rows) and the loss scale
+(rank 0's). ``pool_step`` returns them pooled under the same names (``Pooled``). It pools
+in at most four collectives, each a fixed number of float64 entries per node whatever the
+world size:
 
-1. **Header**, ``all_reduce(MAX)`` of 8 numbers: the node count and the fingerprint of
-   the labels (and of the payload's layout), each with its negation, the histogram row
-   count likewise, and the highest and lowest failing rank. Equal on every rank exactly
-   when ``MAX(x) == -MAX(-x)``. A mismatch or a failure raises the same error on every
-   rank, before any collective whose size depends on the node count: ranks that captured
-   different graphs are refused, not left waiting, without padding.
+1. **Header**, ``all_reduce(MAX)`` of 8 numbers (``Header``): the row count, the
+   fingerprint of the labels (and of the payload's layout) and the histogram row count,
+   each sent with its negation (equal on every rank exactly when ``MAX(x) == -MAX(-x)``),
+   and the highest and lowest failing rank. A failure raises the same error on every
+   rank, before any collective whose size depends on the node count.
+   When the labels differ (a rank's forward took another branch), ``strict`` raises
+   ``RankMismatchError`` on every rank; otherwise the ranks agree on the labels they all
+   share (``shared_labels``: exact, only on this rare path, bytes per rank independent
+   of the world size) and pool those alone, after a second header; what is not shared is
+   not pooled, and ``Pooled.unshared`` says what (rank 0 names the first ones).
 2. **Extremes**, ``all_reduce(MAX)`` (``stats.merge_extremes``): absmax, minus the
    least nonzero value, NaN flags (a NaN is sent as a count, never as a value: MAX's NaN
    handling depends on the backend), the largest finite mean and minus the least; for
@@ -20,17 +28,17 @@ per node whatever the world size:
 3. **Sums**, ``all_reduce(SUM)`` (``stats.merge_sums``): count, count x (mean - c) with
    c the midpoint of the least and largest mean of stage 2 (rounding relative to the
    means' spread, not their size), NaN/Inf/zero and format counts, FP8 sums; the value
-   histograms, the caller's plain sums (sharded update sums) and rank 0's own values
-   (each other rank adds zeros: exact).
+   histograms, the sharded parameters' update sums and rank 0's own values (whole
+   parameters' update rows, the loss scale: each other rank adds zeros, exact).
 4. **M2**, a second ``SUM`` (``reduce`` to the writing rank when only it needs the
    result): ``m2_i + n_i (mean_i - mean)^2`` with the merged mean of stage 3
    (``stats.deviations``); more accurate than pairwise merging
    (``benchmarks/pool_accuracy.py``).
 
 No Python loop runs over ranks and nothing world-sized is kept. Everything stays on the
-device; the pooled record, histograms and spread come to the host in one copy, on the
-rank that writes (``dst``) or on every rank. The header's 64 bytes are read first: that
-read decides whether the other collectives may run at all.
+device; the pooled record, histograms, update rows, loss scale and spread come to the host
+in one copy, on the rank that writes (``dst``) or on every rank. The header's 64 bytes are
+read first: that read decides whether the other collectives may run at all.
 """
 
 from __future__ import annotations
@@ -44,30 +52,31 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_scale.record import stats
-
-FORWARD = (
-    0  # a record tensor's row [i, 0] is the forward record (``recorder.FORWARD``; not imported: it imports dynamo)
+from lightning_scale.record.updates import USED, UpdateStats
+from lightning_scale.report import update_pool
+from lightning_scale.report.pool_header import (
+    Header,
+    RankFailedError,
+    RankMismatchError,
+    exchange_header,
+    mismatch_error,
 )
+from lightning_scale.report.rank_spread import SPREAD, RankSpread, spread_of, spread_part
+from lightning_scale.report.replicated import count_once, replicated_part
+from lightning_scale.report.shared_labels import Unshared, shared_labels
 
 __all__ = [
     "Pooled",
     "RankFailedError",
     "RankMismatchError",
     "RankSpread",
+    "collective_bytes",
     "fingerprint",
     "pool",
     "pool_step",
     "rank",
     "world_size",
 ]
-
-
-class RankMismatchError(RuntimeError):
-    """Ranks recorded different nodes, so their statistics cannot be pooled."""
-
-
-class RankFailedError(RuntimeError):
-    """A rank's statistics failed on this step; raised on every rank, so all skip it."""
 
 
 def world_size() -> int:
@@ -86,39 +95,38 @@ def fingerprint(labels: Sequence[str]) -> float:
     return float(int.from_bytes(digest[:6], "big"))
 
 
-class RankSpread(NamedTuple):
-    """Each node's std over ranks (host): ``low`` and ``high`` ``[n, 2]`` are the least and
-    the largest of the ranks' own stds (NaN where a rank's is NaN), ``present`` ``[n, 2]``
-    whether every rank recorded the node in that direction."""
-
-    present: Tensor
-    low: Tensor
-    high: Tensor
-
-
 class Pooled(NamedTuple):
     """One tracked step pooled over all ranks, on the host.
 
     Attributes:
         records: ``[n, 2, FIELDS]``, the record of the concatenation of every rank's
-            tensors (a replicated tensor counted once).
+            tensors (a replicated tensor counted once), one row per label of ``labels``.
         histograms: ``[h, 2, bins]``, the sum of every rank's value histograms (a
-            replicated tensor's forward histogram counted once, as its record).
+            replicated tensor's forward histogram counted once, as its record), one row
+            per label of ``histogram_labels``.
+        labels: the labels pooled: the caller's, or where ranks captured different graphs
+            those every rank has, in rank 0's order.
+        histogram_labels: the histogram labels pooled, likewise.
         spread: the std's spread over ranks (``rank_spread``), or None.
-        sums: the caller's ``sums``, added over ranks, or None.
-        first: the caller's ``first`` as rank 0 sent it, or None.
+        updates: the pooled update rows ``[k, 2, FIELDS]`` of ``UpdateStats.names``, or None.
+        loss_scale: rank 0's loss scale, or None.
+        unshared: what the ranks did not share (not pooled), or None when they agreed.
     """
 
     records: Tensor
     histograms: Tensor
+    labels: List[str]
+    histogram_labels: List[str]
     spread: Optional[RankSpread] = None
-    sums: Optional[Tensor] = None
-    first: Optional[Tensor] = None
+    updates: Optional[Tensor] = None
+    loss_scale: Optional[float] = None
+    unshared: Optional[Unshared] = None
 
 
 def pool(records: Tensor, labels: Sequence[str], replicated: Collection[str] = (), failed: bool = False) -> Tensor:
-    """``pool_step``'s pooled records ``[n, 2, FIELDS]`` (host), without histograms, on every rank."""
-    out = pool_step(records, labels, replicated=replicated, failed=failed)
+    """``pool_step``'s pooled records ``[n, 2, FIELDS]`` (host), without histograms, on every
+    rank; ranks whose labels differ raise ``RankMismatchError`` (``strict``)."""
+    out = pool_step(records, labels, replicated=replicated, failed=failed, strict=True)
     assert out is not None
     return out.records
 
@@ -126,18 +134,21 @@ def pool(records: Tensor, labels: Sequence[str], replicated: Collection[str] = (
 def pool_step(
     records: Tensor,
     labels: Sequence[str],
+    *,
     replicated: Collection[str] = (),
     failed: bool = False,
     histograms: Optional[Tensor] = None,
     histogram_labels: Sequence[str] = (),
     spread: bool = False,
-    sums: Optional[Tensor] = None,
-    first: Optional[Tensor] = None,
+    updates: Optional[UpdateStats] = None,
+    loss_scale: Optional[Tensor] = None,
     dst: Optional[int] = None,
     groups: Optional[Collection[str]] = None,
+    strict: bool = False,
 ) -> Optional[Pooled]:
-    """Pool ``records`` ``[n, 2, FIELDS]`` and value ``histograms`` over all ranks, in at
-    most four collectives and one device-to-host transfer (see the module docstring).
+    """Pool ``records`` ``[n, 2, FIELDS]``, value ``histograms``, ``updates`` and the
+    ``loss_scale`` over all ranks, in at most four collectives and one device-to-host
+    transfer (see the module docstring).
 
     Args:
         records: this rank's records for ``labels``, on the device the collectives use.
@@ -151,89 +162,171 @@ def pool_step(
             records' device), or None for none.
         histogram_labels: the labels of the histogram rows, the same order on every rank.
         spread: also pool each node's least and largest std over ranks (``RankSpread``).
-        sums: float64 numbers to add over ranks (any shape, the same on every rank).
-        first: float64 numbers to take from rank 0 (any shape, the same on every rank).
+        updates: the optimizer step's update statistics (the same parameters on every
+            rank): whole parameters' rows from rank 0, sharded ones added and merged.
+        loss_scale: a one-element tensor; rank 0's is returned.
         dst: the rank that gets the result; None: every rank.
         groups: the ``stats.GROUPS`` the records were computed with (the same on every
             rank): only their fields travel, the others come back NaN (not computed).
             None: every field.
+        strict: ranks whose labels differ raise ``RankMismatchError``; otherwise the
+            labels every rank has are pooled and ``Pooled.unshared`` names the others.
 
     Returns:
         A ``Pooled`` on the host (the step's one device-to-host transfer), or None on a
         rank other than ``dst``.
 
     Raises:
-        RankMismatchError: ranks sent different labels, node counts or payload layouts.
+        RankMismatchError: ranks sent different labels, node counts or payload layouts
+            (labels: only with ``strict``).
         RankFailedError: a rank passed ``failed=True``.
     """
+
+    def payload(rows: Tensor, names: Sequence[str], hists: Optional[Tensor], hist_names: Sequence[str]) -> _Payload:
+        return _payload(rows, names, hists, hist_names, replicated, spread, updates, loss_scale, groups)
+
+    sent = payload(records, labels, histograms, histogram_labels)
+    if world_size() == 1:
+        if failed:
+            raise RankFailedError("statistics failed on rank(s) [0]")
+        return _one_rank(sent)
+    differ = _exchange_header(sent, failed).differences()
+    if not differ:
+        return _pool_payload(sent, dst)
+    if strict:
+        raise mismatch_error(differ)
+    shared = shared_labels(labels, histogram_labels, records.device)
+    rows, hist_rows = (stats.index_tensor(r, records.device) for r in (shared.rows, shared.histogram_rows))
+    sent = payload(
+        records[rows], shared.labels, None if histograms is None else histograms[hist_rows], shared.histogram_labels
+    )
+    differ = _exchange_header(sent, False).differences()
+    if differ:  # the labels agree now: something else differs
+        raise mismatch_error(differ)
+    out = _pool_payload(sent, dst)
+    return None if out is None else out._replace(unshared=shared.unshared)
+
+
+class _Payload(NamedTuple):
+    """One rank's side of a step, in the segments the collectives carry."""
+
+    records: Tensor  # [n + s, 2, FIELDS]: the nodes, then the sharded parameters' gradient moments
+    nodes: int  # n
+    hists: Tensor  # [h, 2, bins]
+    sums: Tensor  # [s * USED]: the sharded parameters' weight sums, added over ranks
+    first: Tensor  # [w * 2 * USED (+ 1)]: the whole parameters' update rows (, the loss scale): rank 0's
+    rep: List[int]  # the rows of replicated labels
+    rep_index: Optional[Tensor]  # the same on the device, None if none
+    hist_rep: List[Tuple[int, int]]  # (histogram row, its row among the replicated)
+    cols: "_Columns"
+    spread: bool
+    sharded: Optional[List[bool]]  # each update row's sharded flag; None: no update statistics
+    loss_scale: bool
+    labels: List[str]
+    histogram_labels: List[str]
+    fingerprint: float
+
+
+def _payload(
+    records: Tensor,
+    labels: Sequence[str],
+    histograms: Optional[Tensor],
+    histogram_labels: Sequence[str],
+    replicated: Collection[str],
+    spread: bool,
+    updates: Optional[UpdateStats],
+    loss_scale: Optional[Tensor],
+    groups: Optional[Collection[str]],
+) -> _Payload:
     device = records.device
     bins = stats.LOG2_HI - stats.LOG2_LO
     hists = torch.zeros(0, 2, bins, dtype=torch.float64, device=device) if histograms is None else histograms
-    given = (sums is not None, first is not None)
-    extra = [t if t is not None else torch.zeros(0, dtype=torch.float64, device=device) for t in (sums, first)]
+    rows, sums, first = records, records.new_zeros(0), [records.new_zeros(0)]
+    sharded: Optional[List[bool]] = None
+    tags: List[str] = []  # the update rows' names and kinds, in the fingerprint
+    if updates is not None and updates.names:
+        parts = update_pool.split_updates(updates, device)
+        rows, sums = torch.cat([records, parts.grads]), parts.sums.reshape(-1)  # sharded gradients merge as records
+        first.append(parts.whole.reshape(-1))
+        sharded, tags = list(updates.sharded), [f"{n}|{s}" for n, s in zip(updates.names, updates.sharded)]
+    if loss_scale is not None:
+        here = loss_scale if loss_scale.device == device else loss_scale.to(device)  # (no call that moves: no copy)
+        first.append(here.reshape(1).to(torch.float64))
+    whole = torch.cat(first)
     rep = [i for i, label in enumerate(labels) if label in replicated]
     rep_of = {labels[i]: k for k, i in enumerate(rep)}  # label -> its row among the replicated
-    hist_rep = [
-        (j, rep_of[label]) for j, label in enumerate(histogram_labels) if label in rep_of
-    ]  # (histogram row, replicated row)
+    hist_rep = [(j, rep_of[label]) for j, label in enumerate(histogram_labels) if label in rep_of]
     cols = _Columns.of(groups)
-    layout = f"{records.shape[0]}|{hists.shape[0]}|{spread}|{tuple(extra[0].shape)}|{tuple(extra[1].shape)}|{rep}|{cols.fields}"
-    print_ = fingerprint([*labels, "", *histogram_labels, "", layout])
-    world = world_size()
-    if world == 1:
-        if failed:
-            raise RankFailedError("statistics failed on rank(s) [0]")
-        return _one_rank(records, hists, spread, extra, given)
-    me = rank()
-    _check_header(_header(records.shape[0], hists.shape[0], print_, failed, me, world, device))
-
-    # stage 2 (MAX), 3 (SUM), 4 (SUM)
-    n = records.shape[0]
-    ext = stats.merge_extremes(records)[..., cols.extremes]  # (n, 2, E) of the computed fields
+    layout = f"{rows.shape[0]}|{hists.shape[0]}|{spread}|{tuple(sums.shape)}|{tuple(whole.shape)}|{rep}|{cols.fields}"
+    print_ = fingerprint([*labels, "", *histogram_labels, "", *tags, "", layout])
     rep_index = stats.index_tensor(rep, device) if rep else None
-    rep_part = _replicated_part(records[..., cols.fields], rep_index)
-    top = torch.cat(
-        [ext.reshape(-1), _spread_part(records).reshape(-1) if spread else records.new_zeros(0), rep_part.reshape(-1)]
+    return _Payload(
+        rows,
+        len(labels),
+        hists,
+        sums,
+        whole,
+        rep,
+        rep_index,
+        hist_rep,
+        cols,
+        spread,
+        sharded,
+        loss_scale is not None,
+        list(labels),
+        list(histogram_labels),
+        print_,
     )
+
+
+def _pool_payload(p: _Payload, dst: Optional[int]) -> Optional[Pooled]:
+    """Stages 2 (MAX), 3 (SUM) and 4 (SUM), then the one transfer to the host."""
+    ext_top, spread_top, rep_top = _extremes(p)
+    add_sum, hist_sum, sums_sum, first_sum = _sums(p, ext_top)
+    dev = stats.deviations(p.records, ext_top, add_sum)
+    _reduce(dev, dist.ReduceOp.SUM, dst)
+    if dst is not None and rank() != dst:
+        return None
+    merged = stats.merged_record(add_sum, ext_top, dev)
+    hist_sum = hist_sum.view(p.hists.shape)
+    if p.rep_index is not None:
+        count_once(merged, hist_sum, rep_top, p.rep_index, p.hist_rep, p.cols.field_index(merged.device))
+    parts = [merged, hist_sum, sums_sum, first_sum]
+    if p.spread:
+        parts.append(spread_of(spread_top.view(-1, 2, SPREAD)))
+    host = torch.cat([t.reshape(-1) for t in parts]).cpu()  # the step's one device-to-host transfer
+    return _unpack(host, p)
+
+
+def _extremes(p: _Payload) -> Tuple[Tensor, Tensor, Tensor]:
+    """Stage 2, one MAX: (the six extreme columns ``[m, 2, 6]``, the spread part, the
+    replicated part), each as every rank's largest."""
+    ext = stats.merge_extremes(p.records)[..., p.cols.extremes]  # (m, 2, E) of the computed fields
+    rep_part = replicated_part(p.records[..., p.cols.fields], p.rep_index)
+    sent_spread = spread_part(p.records) if p.spread else p.records.new_zeros(0)
+    top = torch.cat([ext.reshape(-1), sent_spread.reshape(-1), rep_part.reshape(-1)])
     dist.all_reduce(top, op=dist.ReduceOp.MAX)
-    ext_top, spread_top, rep_top = torch.split(top, [ext.numel(), n * 2 * _SPREAD if spread else 0, rep_part.numel()])
-    ext_top = cols.extremes_of(ext_top.view(ext.shape))
-    add = stats.merge_sums(records, ext_top)[..., cols.sums]  # (n, 2, A) of the computed fields
-    mine = extra[1] if me == 0 else torch.zeros_like(extra[1])
-    total = torch.cat([add.reshape(-1), hists.reshape(-1), extra[0].reshape(-1), mine.reshape(-1)])
+    ext_top, spread_top, rep_top = torch.split(top, [ext.numel(), sent_spread.numel(), rep_part.numel()])
+    return p.cols.extremes_of(ext_top.view(ext.shape)), spread_top, rep_top
+
+
+def _sums(p: _Payload, ext_top: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Stage 3, one SUM: (the additive columns, the histograms, the update sums, rank 0's values)."""
+    add = stats.merge_sums(p.records, ext_top)[..., p.cols.sums]  # (m, 2, A) of the computed fields
+    mine = p.first if rank() == 0 else torch.zeros_like(p.first)
+    total = torch.cat([add.reshape(-1), p.hists.reshape(-1), p.sums, mine])
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     add_sum, hist_sum, sums_sum, first_sum = torch.split(
-        total, [add.numel(), hists.numel(), extra[0].numel(), extra[1].numel()]
+        total, [add.numel(), p.hists.numel(), p.sums.numel(), p.first.numel()]
     )
-    add_sum = cols.sums_of(add_sum.view(add.shape))
-    dev = stats.deviations(records, ext_top, add_sum)
-    _reduce(dev, dist.ReduceOp.SUM, dst)
-    if dst is not None and me != dst:
-        return None
-
-    merged = stats.merged_record(add_sum, ext_top, dev)
-    hist_sum = hist_sum.view(hists.shape)
-    if rep_index is not None:
-        same, value = _replicated_of(rep_top.view(len(rep), -1))
-        value = torch.full((len(rep), len(stats.FIELDS)), math.nan, dtype=torch.float64, device=device).index_copy_(
-            1, cols.field_index(device), value
-        )
-        fwd = merged[rep_index, FORWARD]
-        merged[rep_index, FORWARD] = torch.where(same.unsqueeze(-1), value, fwd)
-        if hist_rep:
-            rows = stats.index_tensor([j for j, _ in hist_rep], device)
-            agree = same[stats.index_tensor([k for _, k in hist_rep], device)]
-            counted = hist_sum[rows, FORWARD]
-            hist_sum[rows, FORWARD] = torch.where(agree.unsqueeze(-1), counted / world, counted)
-    parts = [merged, hist_sum, sums_sum, first_sum]
-    if spread:
-        parts.append(_spread_of(spread_top.view(n, 2, _SPREAD)))
-    host = torch.cat([p.reshape(-1) for p in parts]).cpu()  # the step's one device-to-host transfer
-    return _unpack(host, records.shape, hists.shape, extra, given, spread)
+    return p.cols.sums_of(add_sum.view(add.shape)), hist_sum, sums_sum, first_sum
 
 
-_HEADER = 8  # n, -n, fingerprint, -fingerprint, h, -h, highest failing rank + 1, -lowest failing rank
-_SPREAD = 4  # per node and direction: std, -std, NaN std (0/1), -count
+def _exchange_header(p: _Payload, failed: bool) -> Header:
+    return exchange_header(p.records.shape[0], p.hists.shape[0], p.fingerprint, failed, p.records.device)
+
+
+_HEADER = len(Header._fields)  # 8 float64: 64 bytes
 
 
 class _Columns(NamedTuple):
@@ -248,21 +341,18 @@ class _Columns(NamedTuple):
     def of(groups: Optional[Collection[str]]) -> "_Columns":
         names = set(stats.FIELDS) if groups is None else {f for g in {"moments", *groups} for f in stats.GROUPS[g]}
         fields = tuple(i for i, f in enumerate(stats.FIELDS) if f in names)
-        extremes = (*((0, 2) if "absmax" in names else ()), *((1, 3) if "min_nonzero" in names else ()), 4, 5)
-        additive = stats.merge_widths()[0]
-        sums = tuple(k for k, f in enumerate(stats.additive_fields()) if stats.FIELDS[f] in names) + (additive - 1,)
-        return _Columns(fields, tuple(sorted(extremes)), sums)
+        return _Columns(fields, stats.extreme_columns(names), stats.sum_columns(names))
 
     def extremes_of(self, sent: Tensor) -> Tensor:
-        """All six extreme columns from those sent: a field not computed is NaN (flag 1)."""
-        full = torch.full((*sent.shape[:-1], stats.merge_widths()[1]), -math.inf, dtype=sent.dtype, device=sent.device)
-        full[..., 2:4] = 1.0
+        """Every column of ``stats.EXTREMES`` from those sent: a field not computed is NaN (flag 1)."""
+        full = torch.full((*sent.shape[:-1], len(stats.EXTREMES)), -math.inf, dtype=sent.dtype, device=sent.device)
+        full[..., list(stats.EXTREME_NAN_FLAGS)] = 1.0
         full[..., list(self.extremes)] = sent
         return full
 
     def sums_of(self, sent: Tensor) -> Tensor:
         """All additive columns from those sent: a field not computed is NaN."""
-        full = torch.full((*sent.shape[:-1], stats.merge_widths()[0]), math.nan, dtype=sent.dtype, device=sent.device)
+        full = torch.full((*sent.shape[:-1], len(stats.SUMS)), math.nan, dtype=sent.dtype, device=sent.device)
         full[..., list(self.sums)] = sent
         return full
 
@@ -277,110 +367,37 @@ def _reduce(t: Tensor, op: "dist.ReduceOp", dst: Optional[int]) -> None:
         dist.reduce(t, dst, op=op)
 
 
-def _header(n: int, h: int, print_: float, failed: bool, me: int, world: int, device: torch.device) -> Tensor:
-    lowest = -float(me) if failed else -float(world)
-    return torch.tensor([n, -n, print_, -print_, h, -h, me + 1.0 if failed else 0.0, lowest], dtype=torch.float64).to(
-        device
-    )
-
-
-def _check_header(header: Tensor) -> None:
-    """All-reduce the header (MAX) and raise what every rank raises alike."""
-    dist.all_reduce(header, op=dist.ReduceOp.MAX)
-    top = header.tolist()  # the only host read before the step's transfer: it decides whether to go on
-    if top[6] > 0:
-        lo, hi = int(-top[7]), int(top[6]) - 1
-        which = (
-            f"[{lo}]"
-            if lo == hi
-            else f"[{lo}, {hi}]"
-            if hi == lo + 1
-            else f"[{lo}, ..., {hi}] (the lowest and highest)"
-        )
-        raise RankFailedError(f"statistics failed on rank(s) {which}")
-    differ = [
-        f"{what} {int(-top[i + 1])} to {int(top[i])}"
-        for i, what in ((0, "node counts"), (4, "value histogram rows"))
-        if top[i] != -top[i + 1]
-    ]
-    if top[2] != -top[3]:
-        differ.append("the fingerprints of the labels differ")
-    if differ:
-        raise RankMismatchError(
-            f"Ranks captured different graphs ({', '.join(differ)}); every rank must run the same model code on a tracked step"
-        )
-
-
-def _spread_part(records: Tensor) -> Tensor:
-    """``[n, 2, _SPREAD]``: this rank's std (-inf where absent or NaN), its negation, a NaN
-    flag and minus the count (MAX gives minus the least count: present on every rank?)."""
-    count = records[..., 0]
-    std = stats.statistic(records, "std")
-    ok = (count > 0) & ~std.isnan()
-    low = torch.full_like(std, -math.inf)
-    return torch.stack(
-        [torch.where(ok, std, low), torch.where(ok, -std, low), ((count > 0) & std.isnan()).double(), -count], -1
-    )
-
-
-def _spread_of(top: Tensor) -> Tensor:
-    """``[n, 2, 3]``: present (0/1), least std, largest std, from MAX of ``_spread_part``."""
-    nan = top[..., 2] > 0
-    present = top[..., 3] < 0
-    low = torch.where(nan, math.nan, -top[..., 1])
-    high = torch.where(nan, math.nan, top[..., 0])
-    return torch.stack([present.double(), low, high], -1)
-
-
-def _replicated_part(records: Tensor, index: Optional[Tensor]) -> Tensor:
-    """``[r, 2 F + 2]``: the forward records (``F`` fields) of replicated rows without NaN,
-    their negation, and the NaN fields as a bit mask, with its negation."""
-    if index is None:
-        return records.new_zeros(0)
-    fwd = records[index, FORWARD]  # (r, F)
-    nan = fwd.isnan()
-    value = torch.where(nan, 0.0, fwd)
-    bits = 2.0 ** torch.arange(fwd.shape[-1], dtype=torch.float64, device=fwd.device)
-    mask = (nan.double() * bits).sum(-1, keepdim=True)  # exact: F < 53
-    return torch.cat([value, -value, mask, -mask], -1)
-
-
-def _replicated_of(top: Tensor) -> Tuple[Tensor, Tensor]:
-    """(every rank sent the same record ``[r]``, that record ``[r, F]``) from MAX of
-    ``_replicated_part``."""
-    f = (top.shape[-1] - 2) // 2
-    value, neg, mask, neg_mask = top[:, :f], top[:, f : 2 * f], top[:, 2 * f], top[:, 2 * f + 1]
-    same = (value == -neg).all(-1) & (mask == -neg_mask)
-    bits = (mask.long().unsqueeze(-1) >> torch.arange(f, device=top.device)) & 1
-    return same, torch.where(bits.bool(), math.nan, value)
-
-
-def _one_rank(records: Tensor, hists: Tensor, spread: bool, extra: List[Tensor], given: Tuple[bool, bool]) -> Pooled:
-    parts = [records, hists, *extra]
-    host = torch.cat([p.reshape(-1) for p in parts]).cpu()  # the step's one device-to-host transfer
-    out = _unpack(host, records.shape, hists.shape, extra, given, False)
-    if not spread:
+def _one_rank(p: _Payload) -> Pooled:
+    host = torch.cat([t.reshape(-1) for t in (p.records, p.hists, p.sums, p.first)]).cpu()  # the one transfer
+    out = _unpack(host, p._replace(spread=False))
+    if not p.spread:
         return out
     std = stats.statistic(out.records, "std")
     return out._replace(spread=RankSpread(out.records[..., 0] > 0, std, std))
 
 
-def _unpack(
-    host: Tensor, shape: torch.Size, hist_shape: torch.Size, extra: List[Tensor], given: Tuple[bool, bool], spread: bool
-) -> Pooled:
-    n = shape[0]
-    sizes = [shape.numel(), hist_shape.numel(), extra[0].numel(), extra[1].numel(), n * 2 * 3 if spread else 0]
+def _unpack(host: Tensor, p: _Payload) -> Pooled:
+    """The pooled segments, by name, from the host copy of ``_pool_payload``'s parts."""
+    m = p.records.shape[0]
+    sizes = [p.records.numel(), p.hists.numel(), p.sums.numel(), p.first.numel(), m * 2 * 3 if p.spread else 0]
     records, hists, sums, first, spread_t = torch.split(host, sizes)
+    records = records.view(p.records.shape)
+    whole, scale = torch.split(first, [first.numel() - p.loss_scale, int(p.loss_scale)])
     rank_spread = None
-    if spread:
-        s = spread_t.view(n, 2, 3)
+    if p.spread:
+        s = spread_t.view(m, 2, 3)[: p.nodes]
         rank_spread = RankSpread(s[..., 0] > 0, s[..., 1], s[..., 2])
+    updates = None
+    if p.sharded is not None:
+        updates = update_pool.pooled_updates(p.sharded, update_pool.UpdateParts(records[p.nodes :], sums, whole))
     return Pooled(
-        records.view(shape),
-        hists.view(hist_shape),
+        records[: p.nodes],
+        hists.view(p.hists.shape),
+        p.labels,
+        p.histogram_labels,
         rank_spread,
-        sums.view(extra[0].shape) if given[0] else None,
-        first.view(extra[1].shape) if given[1] else None,
+        updates,
+        float(scale) if p.loss_scale else None,
     )
 
 
@@ -389,60 +406,22 @@ def collective_bytes(
     histograms: int = 0,
     replicated: int = 0,
     spread: bool = False,
-    sums: int = 0,
-    first: int = 0,
     groups: Optional[Collection[str]] = None,
+    sharded: int = 0,
+    whole: int = 0,
+    loss_scale: bool = False,
 ) -> Dict[str, int]:
     """Bytes each rank sends into each collective of ``pool_step`` (and receives back),
-    from the number of records, histogram rows and replicated rows: none depends on the
-    world size."""
+    from the number of records, histogram rows, replicated rows, and update statistics of
+    ``sharded`` and ``whole`` parameters: none depends on the world size."""
     cols = _Columns.of(groups)
     bins = stats.LOG2_HI - stats.LOG2_LO
+    rows = records + sharded  # a sharded parameter's gradient moments travel as a record row
+    first = whole * 2 * USED + int(loss_scale)
     return {
         "header (MAX)": 8 * _HEADER,
         "extremes (MAX)": 8
-        * (records * 2 * (len(cols.extremes) + (_SPREAD if spread else 0)) + replicated * (2 * len(cols.fields) + 2)),
-        "sums (SUM)": 8 * (records * 2 * len(cols.sums) + histograms * 2 * bins + sums + first),
-        "m2 (SUM)": 8 * records * 2,
+        * (rows * 2 * (len(cols.extremes) + (SPREAD if spread else 0)) + replicated * (2 * len(cols.fields) + 2)),
+        "sums (SUM)": 8 * (rows * 2 * len(cols.sums) + histograms * 2 * bins + sharded * USED + first),
+        "m2 (SUM)": 8 * rows * 2,
     }
-
-
-# ---- update rows (``updates.row_of``): a whole parameter's row is rank 0's, a sharded one's adds up
-
-_WEIGHT, _GRAD = 0, 1
-
-
-def update_parts(rows: Tensor, sharded: Sequence[bool]) -> Tuple[Tensor, Tensor, Tensor]:
-    """Split update rows ``[k, 2, FIELDS]`` for ``pool_step``: (records of the sharded
-    parameters' gradient moments ``[s, 2, FIELDS]`` (weight direction empty), to pool as
-    records; their weight sums ``[s, 3]``, to add; the whole parameters' rows ``[w, 2, 3]``,
-    to take from rank 0)."""
-    split = [i for i, shard in enumerate(sharded) if shard]
-    whole = [i for i, shard in enumerate(sharded) if not shard]
-    s_index, w_index = stats.index_tensor(split, rows.device), stats.index_tensor(whole, rows.device)
-    grads = rows[s_index].clone()
-    grads[:, _WEIGHT] = 0.0
-    return grads, rows[s_index, _WEIGHT, :3], rows[w_index, :, :3]
-
-
-def pooled_updates(sharded: Sequence[bool], grads: Tensor, sums: Tensor, first: Tensor) -> Tensor:
-    """The pooled update rows ``[k, 2, FIELDS]`` (host) from ``update_parts``' pieces pooled."""
-    out = torch.zeros(len(sharded), 2, len(stats.FIELDS), dtype=torch.float64)
-    split = torch.tensor([i for i, shard in enumerate(sharded) if shard], dtype=torch.long)
-    whole = torch.tensor([i for i, shard in enumerate(sharded) if not shard], dtype=torch.long)
-    out[whole, :, :3] = first.view(-1, 2, 3)
-    out[split, _WEIGHT, :3] = sums.view(-1, 3)
-    out[split, _GRAD, :3] = grads.view(-1, 2, len(stats.FIELDS))[:, _GRAD, :3]
-    return out
-
-
-def merge_updates(per_rank: Tensor, sharded: Sequence[bool]) -> Tensor:
-    """``pool_step``'s pooling of update rows ``[world, k, 2, FIELDS]`` in one process:
-    rank 0's row for a whole parameter, sums and merged gradient moments for a sharded one."""
-    split = torch.tensor([i for i, shard in enumerate(sharded) if shard], dtype=torch.long)
-    whole = torch.tensor([i for i, shard in enumerate(sharded) if not shard], dtype=torch.long)
-    grads = per_rank[:, split].clone()  # (world, s, 2, FIELDS)
-    grads[:, :, _WEIGHT] = 0.0
-    return pooled_updates(
-        sharded, stats.merge_rows(grads), per_rank[:, split, _WEIGHT, :3].sum(0), per_rank[0, whole, :, :3]
-    )

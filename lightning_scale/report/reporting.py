@@ -1,9 +1,10 @@
 """Reporting a tracked step: pool it, check it, write it off the training thread.
 
 ``Reporter.pool`` pools a step's records, value histograms, failure flag, loss scale and
-update rows (``lightning_scale.record.updates``) over ranks with reductions
-(``pool.pool_step``: bytes per rank independent of the world size), and brings the
-result to the writing rank in one device-to-host transfer. ``Reporter.report`` then
+update statistics (``lightning_scale.record.updates.UpdateStats``) over ranks with
+reductions (``pool.pool_step``: named segments, bytes per rank independent of the world
+size), and brings the result (``PooledStep``, the same names) to the writing rank in one
+device-to-host transfer. ``Reporter.report`` then
 decides, on the training thread, what little must be decided there (anomaly warnings,
 which nodes to write; all on the pooled host copy) and hands the rest (unscaling,
 annotated code, scalars, histograms, figure, text, the dashboard's records, update
@@ -21,7 +22,7 @@ passes loggers, the rank and the accumulation factor in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Collection, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, fx
@@ -39,22 +40,14 @@ from lightning_scale.report.options import ReportOptions
 from lightning_scale.report.tensorboard import ScaleWriter
 from lightning_scale.report.worker import Worker
 
-__all__ = ["PooledStep", "Reporter", "StepData", "UpdateRows", "scale_backward"]
+__all__ = ["PooledStep", "Reporter", "StepData", "scale_backward"]
 
-_UPDATE = "\x00update/"  # marks the update rows' labels (a parameter's name is a node label too)
-
-
-class UpdateRows(NamedTuple):
-    """One optimizer step's update rows (``updates.UpdateTracker.rows``), per parameter."""
-
-    names: List[str]
-    sharded: List[bool]
-    rows: Tensor  # [k, 2, FIELDS] float64, on the parameters' device
+PooledStep = pool.Pooled  # one tracked step pooled over all ranks (``Reporter.pool``)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepData:
-    """What one tracked step recorded, as the callback hands it over."""
+    """What one tracked step recorded, as the callback hands it over (keywords only)."""
 
     step: int
     prefix: str
@@ -63,17 +56,10 @@ class StepData:
     labels: List[str]
     target: str = ""  # how the user names the captured module (``submodule`` or its class)
     loss_scale: Optional[Tensor] = None
-    updates: Optional[UpdateRows] = None
-    parameters: Collection[str] = ()  # labels of parameters and buffers (the dashboard marks them)
-
-
-@dataclass
-class PooledStep:
-    """One tracked step pooled over all ranks, on the host."""
-
-    pooled: pool.Pooled  # the node records, histograms, rank spread
-    loss_scale: Optional[float]
-    updates: Optional[Tensor]  # [k, 2, FIELDS] update rows pooled (``pool.pooled_updates``)
+    updates: Optional[updates.UpdateStats] = None  # the optimizer step's, on a tracked training step
+    # labels of parameters and buffers: every rank holds them whole (pooling counts their
+    # forward record once) and the dashboard marks them
+    parameters: Collection[str] = ()
 
 
 @dataclass
@@ -143,13 +129,17 @@ class Reporter:
 
     # ---- on the training thread ----------------------------------------------------------
 
-    def pool(self, data: StepData, device: torch.device, replicated: Collection[str]) -> Optional[PooledStep]:
-        """Every rank pools its records, update rows, loss scale, histograms and a failure
-        flag (``pool.pool_step``), also when its statistics failed, so no rank is
-        left waiting. Global rank zero gets the result; other ranks get None.
+    def pool(self, data: StepData, device: torch.device, strict: bool = False) -> Optional[PooledStep]:
+        """Every rank pools its records, update statistics, loss scale, histograms and a
+        failure flag (``pool.pool_step``), also when its statistics failed, so no rank is
+        left waiting. Global rank zero gets the result; other ranks get None. Where ranks
+        captured different graphs, the labels they share are pooled (``PooledStep.unshared``
+        says what was left out) unless ``strict``.
 
         Raises:
             pool.RankFailedError: a rank's statistics failed (on every rank alike).
+            pool.RankMismatchError: with ``strict``, ranks captured different graphs; or
+                their payloads differ beyond the labels (on every rank alike).
         """
         rec, cap, labels = data.recorder, data.capture, data.labels
         rec.flush()  # (the short tensors' statistics: a failure there is a failure too)
@@ -159,44 +149,21 @@ class Reporter:
             if failed
             else rec.records(labels, cap.aliases)
         )
-        device = records.device
-        rows = data.updates
-        names, sharded = ([], []) if rows is None else (rows.names, rows.sharded)
-        first: List[Tensor] = []
-        sums = None
-        split = [n for n, shard in zip(names, sharded) if shard]
-        if names:
-            assert rows is not None
-            grads, sums, whole = pool.update_parts(_on(rows.rows, device), sharded)
-            records = torch.cat([records, grads])  # sharded gradients' moments merge as records
-            first.append(whole.reshape(-1))
-        if data.loss_scale is not None:  # rank 0's, last
-            first.append(_on(data.loss_scale, device).reshape(1).to(torch.float64))
         hist_labels = self.histogram_labels(data)
-        hists = rec.histogram_tensor(hist_labels) if hist_labels else None
-        out = pool.pool_step(
+        return pool.pool_step(
             records,
-            [*labels, *(_UPDATE + n for n in split)],
-            replicated=replicated,
+            labels,
+            replicated=data.parameters,
             failed=failed,
-            histograms=hists,
+            histograms=rec.histogram_tensor(hist_labels) if hist_labels else None,
             histogram_labels=hist_labels,
             spread=self.rank_spread,
-            sums=sums,
-            first=torch.cat(first) if first else None,
+            updates=data.updates,
+            loss_scale=data.loss_scale,
             dst=0,
             groups=rec.groups,
+            strict=strict,
         )
-        if out is None:
-            return None
-        n = len(labels)
-        scale = None if data.loss_scale is None else float(out.first[-1])  # type: ignore[index]
-        pooled_updates = None
-        if names:
-            whole = out.first if data.loss_scale is None else out.first[:-1]  # type: ignore[index]
-            pooled_updates = pool.pooled_updates(sharded, out.records[n:], out.sums, whole)  # type: ignore[arg-type]
-        spread = None if out.spread is None else pool.RankSpread(*(t[:n] for t in out.spread))
-        return PooledStep(pool.Pooled(out.records[:n], out.histograms, spread), scale, pooled_updates)
 
     def histogram_labels(self, data: StepData) -> List[str]:
         """The selected labels whose value histograms are pooled."""
@@ -211,12 +178,11 @@ class Reporter:
         write and queue the writing."""
         if step is None:
             return
-        pooled, loss_scale = step.pooled, step.loss_scale
-        for message in self.anomalies.check(data.capture, data.labels, pooled.records, data.step, data.prefix):
+        pooled, loss_scale, labels = step, step.loss_scale, step.labels  # labels: those every rank shares
+        for message in self.anomalies.check(data.capture, labels, pooled.records, data.step, data.prefix):
             self.warn(message)
         if not is_zero:
             return
-        labels = data.labels
         keep = torch.nonzero((pooled.records[:, :, 0] > 0).any(1)).flatten().tolist()
         if not keep:
             self.warn_once(f"empty{data.prefix}", _nothing_recorded(data))
@@ -226,7 +192,7 @@ class Reporter:
         if not loggers:
             return
         records, spread = _unscaled(pooled, self.unscale_gradients, accumulate / (loss_scale or 1.0))
-        hist_labels = self.histogram_labels(data)
+        hist_labels = step.histogram_labels
         job = _Written(
             data.step,
             data.prefix,
@@ -372,11 +338,6 @@ def _close(outputs: List[Any]) -> None:
 
 def _updates(data: StepData, step: PooledStep) -> Optional[Tuple[List[str], Tensor]]:
     return None if data.updates is None or step.updates is None else (data.updates.names, step.updates)
-
-
-def _on(t: Tensor, device: torch.device) -> Tensor:
-    """``t`` on ``device``; no copy (and no call that moves data) when it is there already."""
-    return t if t.device == device else t.to(device)
 
 
 def _code(graphs: List[Tuple[fx.GraphModule, Dict[str, str]]], index: Dict[str, int], records: Tensor) -> str:

@@ -4,7 +4,8 @@
 own frames (Triton's interpreter copies a kernel's arguments around it; on a GPU that is
 one launch), and those whose output has at least a given element count and is not a view:
 each reads or writes the whole tensor once more. The tests and ``benchmarks/kernel_ops.py``
-count the cost of one record with it.
+count the cost of one record with it. ``largest`` is the size of the largest tensor an op
+allocated (a temporary: the tests bound what recording one tensor takes with it).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, List
 
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["OpCounter"]
 
@@ -23,13 +25,16 @@ _TRITON_DIR = f"{os.sep}triton{os.sep}"
 
 class OpCounter(TorchDispatchMode):
     """Aten ops (``aten.empty.memory_format``, ...) run outside Triton's own frames, and
-    those with a full-size output (at least ``numel`` elements, not a view)."""
+    those with a full-size output (at least ``numel`` elements, not a view), and the bytes
+    of the largest output any op allocated (every op's: Triton's own included; neither a
+    view nor an input written in place)."""
 
     def __init__(self, numel: int) -> None:
         super().__init__()
         self.numel = numel
         self.ops: List[str] = []
         self.full: List[str] = []
+        self.largest = 0
 
     def names(self) -> List[str]:
         """The ops' base names (``empty``), in order."""
@@ -37,6 +42,7 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        self._allocated(func, out, args, kwargs)
         frame = sys._getframe(1)
         while frame is not None and _TRITON_DIR not in frame.f_code.co_filename:
             frame = frame.f_back
@@ -45,3 +51,11 @@ class OpCounter(TorchDispatchMode):
             if isinstance(out, Tensor) and out.numel() >= self.numel and not func.is_view:
                 self.full.append(str(func))
         return out
+
+    def _allocated(self, func: Any, out: Any, args: Any, kwargs: Any) -> None:
+        if func.is_view:
+            return
+        given = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, Tensor) and t.untyped_storage().data_ptr() not in given:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())

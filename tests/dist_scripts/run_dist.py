@@ -2,7 +2,9 @@
 
 Usage: ``python run_dist.py OUT STRATEGY CALLBACK [WORLD [CAPTURE]]`` with STRATEGY one of
 ``ddp``, ``ddp_spawn``, ``fsdp2``, CALLBACK ``on``, ``off`` or ``fail`` (on, and every
-statistic raises on rank 1 only), WORLD the number of processes (2) and CAPTURE the
+statistic raises on rank 1 only), or ``branch``, ``branch_off``, ``branch_strict`` (rank 1's
+forward has an extra ``tanh``, so the ranks capture different graphs; tracked steps 0 and 1;
+the callback on, off, on with ``strict_ranks=True``), WORLD the number of processes (2) and CAPTURE the
 callback's ``capture`` (``fx``). Lightning's ``ddp`` launcher re-runs this script for the
 other ranks.
 
@@ -42,23 +44,26 @@ class Block(nn.Module):
 
 
 class MLP(nn.Module):
-    """Linear(8, 16) - ReLU - Linear(16, 4), as two blocks (two FSDP units)."""
+    """Linear(8, 16) - ReLU - Linear(16, 4), as two blocks (two FSDP units); with ``branch``
+    a ``tanh`` between them."""
 
-    def __init__(self) -> None:
+    def __init__(self, branch: bool = False) -> None:
         super().__init__()
         self.layers = nn.ModuleList([Block(8, 16, True), Block(16, 4, False)])
+        self.branch = branch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
+        x = self.layers[0](x)
+        if self.branch:  # (a Python branch: fx traces it away, so this rank's graph differs)
+            x = torch.tanh(x)
+        return self.layers[1](x)
 
 
 class Module(pl.LightningModule):
-    def __init__(self, out: Path, fsdp: bool) -> None:
+    def __init__(self, out: Path, fsdp: bool, branch: bool = False) -> None:
         super().__init__()
         self.out, self.fsdp = out, fsdp
-        self.model = MLP()
+        self.model = MLP(branch)
 
     def configure_model(self) -> None:
         if not self.fsdp:
@@ -144,14 +149,15 @@ def count_collectives(trainer: "list[pl.Trainer]") -> List[Any]:
 
 
 def main(out: Path, strategy_name: str, mode: str, world: int = 2, capture: str = "fx") -> None:
-    callback = mode in ("on", "fail")
+    callback = mode in ("on", "fail", "branch", "branch_strict")
+    branch = mode.startswith("branch") and int(os.environ.get("LOCAL_RANK", "0")) == 1
     if mode == "fail":
         _fail_on_rank_1()
     holder: "list[pl.Trainer]" = []
     calls = count_collectives(holder)
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(8 * world, 8), torch.randn(8 * world, 4))
-    module = Module(out, fsdp=strategy_name == "fsdp2")
+    module = Module(out, fsdp=strategy_name == "fsdp2", branch=branch)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         torch.save(full_state(module.model), out / "init.pt")
     strategy = (
@@ -163,12 +169,13 @@ def main(out: Path, strategy_name: str, mode: str, world: int = 2, capture: str 
         [
             ScaleMonitor(
                 every_n_steps=None,
-                steps=[0],
+                steps=[0, 1] if mode.startswith("branch") else [0],
                 histograms=False,
                 figure=False,
                 code=False,
                 rank_spread=True,
                 capture=capture,
+                strict_ranks=mode == "branch_strict",
             )
         ]
         if callback

@@ -22,7 +22,7 @@ from lightning_scale.record.stats import formats
 from test_stats_property import check_against_reference, fields, sample
 
 needs_compiler = pytest.mark.skipif(
-    native._compiler() is None, reason="no C compiler on this machine: the native kernel cannot be built"
+    native.compiler() is None, reason="no C compiler on this machine: the native kernel cannot be built"
 )
 
 
@@ -128,13 +128,8 @@ def test_statistics_with_the_kernel_match_float64_and_torch_kernels(x, groups):
         check_against_reference(x, True)
     finally:
         native.SERIAL_THREADS = saved
-    loaded = native._loaded
-    native._loaded = None
-    native._reason = "switched off by this test"
-    try:
+    with native.switched_off():
         without = fields(x, True, groups)
-    finally:
-        native._loaded, native._reason = loaded, None
     for name, value in without.items():
         if name in ("mean", "m2"):
             continue
@@ -166,9 +161,10 @@ def test_a_failing_compiler_falls_back_to_torch(fresh, monkeypatch):
 def test_without_per_cpu_variants_where_the_toolchain_refuses_them(fresh, monkeypatch):
     # a compiler that fails as one without ifunc support would, unless asked for the plain build
     wrapper = fresh / "cc-no-ifunc"
-    real = native._compiler()
+    real = native.compiler()
     wrapper.write_text(
-        f'#!/bin/sh\ncase "$*" in *-DLS_NO_CLONES*) exec {" ".join(real)} "$@";; esac\necho "target_clones: no ifunc here" >&2\nexit 1\n'
+        f'#!/bin/sh\ncase "$*" in *-DLS_NO_CLONES*) exec {" ".join(real)} "$@";; esac\n'
+        'echo "target_clones: no ifunc here" >&2\nexit 1\n'
     )
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
@@ -180,11 +176,11 @@ def test_without_per_cpu_variants_where_the_toolchain_refuses_them(fresh, monkey
 @needs_compiler
 def test_a_kernel_that_fails_its_self_check_is_not_used(fresh, monkeypatch):
     source = fresh / "wrong.c"
-    with open(native._SOURCE) as f:
+    with open(native.SOURCE) as f:
         text = f.read()
     # one wrong number: the sum of squares off by one part in a thousand
     source.write_text(text.replace("out[1] = squares;", "out[1] = squares * 1.001;"))
-    monkeypatch.setattr(native, "_SOURCE", str(source))
+    monkeypatch.setattr(native, "SOURCE", str(source))
     assert native.load() is None
     assert "self-check failed" in native.status()
 
@@ -197,7 +193,7 @@ def test_two_processes_building_at_once_both_load(tmp_path):
         """
         from lightning_scale.record import native
         assert native.load() is not None, native.status()
-        print(native._loaded.path)
+        print(native.load().path)
         """
     )
     procs = [
@@ -256,7 +252,7 @@ def test_every_group_of_a_big_tensor_matches_numpy(kernels, serial, dtype):
     )
     x[::1000] = 0.0
     x = x.to(dtype)
-    assert native.every_group(x, formats._NATIVE_BOUNDS) is not None
+    assert native.every_group(x, formats.NATIVE_BOUNDS) is not None
     check_against_reference(x, True)
     y = x.clone()
     y[7], y[70_000] = math.inf, -math.inf

@@ -360,7 +360,7 @@ def test_mean_with_an_infinity_beside_values_whose_float32_sum_overflows(host_re
 
 @pytest.mark.parametrize("case", ["centred", "mean_dominated", "tiny", "float64", "with_inf"])
 def test_contiguous_shortcut_equals_the_generic_path_bit_for_bit(case: str) -> None:
-    # A contiguous tensor of whole 512-element rows takes _host_moments' shortcut; the
+    # A contiguous tensor of whole 512-element rows takes host_moments' shortcut; the
     # same memory seen through a transpose takes the generic path (_dense lays it back
     # out, _sum_of_squares picks its kernels): the same sums, so the same record, in
     # every regime (fast formula, shifted, scaled, non-finite).
@@ -379,3 +379,48 @@ def test_contiguous_shortcut_equals_the_generic_path_bit_for_bit(case: str) -> N
     torch.testing.assert_close(
         record(x, True, MERGEABLE), record(generic, True, MERGEABLE), rtol=0, atol=0, equal_nan=True
     )
+
+
+def test_the_field_table_derives_fields_groups_and_merge_columns() -> None:
+    """One table names each field, its group and its reduction: the record layout, the
+    groups and the merges' columns (the pool's wire layout) follow from it."""
+    from lightning_scale.record.stats import fields
+
+    assert stats.FIELDS == tuple(f.name for f in stats.TABLE)
+    assert stats.FIELDS[:8] == ("count", "mean", "m2", "absmax", "nan", "inf", "zeros", "min_nonzero")
+    assert stats.GROUPS["moments"] == ("count", "mean", "m2", "nan", "inf")
+    assert stats.GROUPS["formats"][:2] == ("zeros", "min_nonzero") and stats.GROUPS["fp8"] == stats.FP8_FIELDS
+    assert {f.merge for f in stats.TABLE} == {"sum", "max", "min", "moment"}
+    assert stats.EXTREMES == ("absmax", "neg_min_nonzero", "absmax_nan", "min_nonzero_nan", "mean_hi", "neg_mean_lo")
+    assert stats.SUMS[-1] == "shifted_total" and set(stats.SUMS[:-1]) == {
+        f.name for f in stats.TABLE if f.merge == "sum"
+    }
+    assert [stats.FIELDS[i] for i in stats.additive_fields()] == list(stats.SUMS[:-1])
+    assert stats.merge_widths() == (len(stats.SUMS), len(stats.EXTREMES))
+    # moments only: the means' extremes and the count, nan, inf sums travel
+    moments = stats.GROUPS["moments"]
+    assert [stats.EXTREMES[c] for c in stats.extreme_columns(moments)] == ["mean_hi", "neg_mean_lo"]
+    assert [stats.SUMS[c] for c in stats.sum_columns(moments)] == ["count", "nan", "inf", "shifted_total"]
+    assert stats.FIELDS[fields.FORMAT_COUNTS_SPAN] == stats.FORMAT_FIELDS
+    with pytest.raises(ValueError, match="`names` must be neighbouring fields in record order"):
+        fields.span(("count", "m2"))
+
+
+def test_merge_extremes_columns_are_named() -> None:
+    rec = torch.zeros(2, len(stats.FIELDS), dtype=torch.float64)
+    rec[:, stats.Col.COUNT] = 3.0
+    rec[:, stats.Col.MEAN] = torch.tensor([1.5, -2.0], dtype=torch.float64)
+    rec[:, stats.Col.ABSMAX] = torch.tensor([4.0, math.nan], dtype=torch.float64)
+    rec[:, stats.Col.MIN_NONZERO] = 0.25
+    ext = dict(zip(stats.EXTREMES, stats.merge_extremes(rec).amax(0).tolist()))
+    assert ext == {
+        "absmax": 4.0,
+        "neg_min_nonzero": -0.25,
+        "absmax_nan": 1.0,
+        "min_nonzero_nan": 0.0,
+        "mean_hi": 1.5,
+        "neg_mean_lo": 2.0,
+    }
+    merged = stats.merge_rows(rec)
+    assert math.isnan(float(merged[stats.Col.ABSMAX])) and float(merged[stats.Col.MIN_NONZERO]) == 0.25
+    assert float(merged[stats.Col.MEAN]) == -0.25 and float(merged[stats.Col.COUNT]) == 6.0

@@ -245,7 +245,7 @@ def test_fp8_widening_by_table_is_torchs_cast() -> None:
     codes = torch.arange(256, dtype=torch.uint8).repeat(3)  # every bit pattern, NaNs included
     for dtype in FP8.values():
         q = codes.view(dtype)
-        torch.testing.assert_close(fp8._widen(q), q.double(), rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(fp8.widen(q), q.double(), rtol=0, atol=0, equal_nan=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -258,7 +258,7 @@ def test_format_counts_need_at_most_20_bytes_per_element() -> None:
     x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3))
     nan = torch.isnan(x).sum()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        formats._format_counts_device(x, nan)
+        formats.format_counts_device(x, nan)
     # every allocation counted once, frees ignored: an upper bound of the peak
     allocated = sum(e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0)
     assert 8 <= allocated / x.numel() <= 20  # |x| and bucket indices at least
@@ -317,15 +317,13 @@ def test_mean_with_infinities_is_torch_mean(host_reads: bool) -> None:
 
 
 def test_fp8_fields_by_chunks_equal_the_whole_tensor() -> None:
-    """The device path quantises big tensors a chunk at a time against the whole tensor's
-    amax: the same fields, up to float64 rounding, strided input included."""
-    from lightning_scale.record.stats import fields as record_fields
-    from lightning_scale.record.stats import fp8
+    """Big tensors are quantised a piece at a time against the whole tensor's amax: the
+    same fields, up to float64 rounding, strided and sliced input included."""
 
     g = torch.Generator().manual_seed(8)
     x = torch.randn(300, 1001, generator=g) * 3
     x[0, 5], x[7, 9], x[299, 1000] = math.inf, math.nan, 1e-30
-    for t in (x, x.t(), x.bfloat16()):
-        whole = torch.stack(fp8._fp8_fields(t, record_fields._sum64))
-        chunked = torch.stack(fp8._fp8_fields(t, record_fields._sum64, chunk=10_000))
+    for t in (x, x.t(), x.bfloat16(), x[:, 1:], x.t()[::2]):
+        whole = torch.stack(fp8.fp8_fields_in_pieces(t, stats.sum64, t.numel()))
+        chunked = torch.stack(fp8.fp8_fields_in_pieces(t, stats.sum64, 10_000))
         torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=0)

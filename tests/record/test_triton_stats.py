@@ -29,6 +29,8 @@ from lightning_scale.record import kernels
 from lightning_scale.tools.op_count import OpCounter
 
 triton = pytest.importorskip("triton", reason='the fused kernel needs triton (`pip install "lightning-scale[test]"`)')
+import triton.language as tl  # noqa: E402 - after the skip
+
 from lightning_scale.record import triton_stats  # noqa: E402 - after the skip
 
 pytestmark = [
@@ -193,6 +195,29 @@ def test_fp8_ties_round_to_even_as_torch_casts() -> None:
     )
 
 
+@triton.jit
+def _index_probe(i_ptr, j_ptr, t, tiles_n, BR: tl.constexpr, BC: tl.constexpr):
+    r = tl.arange(0, BR)[:, None]
+    c = tl.arange(0, BC)[None, :]
+    i, j = triton_stats.tile_index(t, tiles_n, r, c, BR, BC)
+    tl.store(i_ptr + r, i)
+    tl.store(j_ptr + c, j)
+
+
+@pytest.mark.parametrize("row", [0, 1, 3])
+def test_tile_index_is_exact_in_a_row_of_more_than_2_to_the_31_elements(row: int) -> None:
+    """The last tile of a row of 2**31 + 7 elements (a non-contiguous slice of a large
+    logits tensor) starts at column 2**31: int32 tile arithmetic would wrap there. Scalar
+    arguments only: nothing of that size is allocated."""
+    n_cols, br, bc = 2**31 + 7, 2, 256
+    tiles_n = -(-n_cols // bc)
+    i, j = torch.full((br,), -1, dtype=torch.int64), torch.full((bc,), -1, dtype=torch.int64)
+    _index_probe[(1,)](i, j, row * tiles_n + tiles_n - 1, tiles_n, BR=br, BC=bc)
+    assert i.tolist() == [row * br + k for k in range(br)]
+    assert j.tolist() == [2**31 + k for k in range(bc)]
+    assert int((j < n_cols).sum()) == 7  # the row's last 7 elements, the rest masked
+
+
 @pytest.mark.parametrize("groups", [("moments",), ("moments", "range"), ("moments", "formats"), ("moments", "fp8")])
 def test_groups_not_asked_for_are_nan(groups: tuple) -> None:
     got = fused(torch.randn(1000), groups)
@@ -280,18 +305,23 @@ COMPILE = textwrap.dedent("""
     except RuntimeError as err:
         assert "needs Triton's interpreter: set TRITON_INTERPRET=1" in str(err), err
     grid = {"n": "i64", "M": "i64", "N": "i32", "s0": "i64", "s1": "i32", "tiles_n": "i32", "ntiles": "i32"}
+    parts = {"part_ptr": "*fp64", "out_ptr": "*fp64", "scale_ptr": "*fp64", "P": "i32"}
+    tiles = dict(BR=16, BC=256, PW=32)
     jobs = [
-        (ts._tiles_kernel, {"x_ptr": "*i16", "part_ptr": "*fp64", "bounds_ptr": "*i32", **grid}, dict(BR=16, BC=256, FORMATS=True, PW=32, BF16=True)),
-        (ts._tiles_kernel, {"x_ptr": "*fp32", "part_ptr": "*fp64", "bounds_ptr": "*i32", **grid}, dict(BR=16, BC=256, FORMATS=False, PW=32, BF16=False)),
-        (ts._finish_kernel, {"part_ptr": "*fp64", "out_ptr": "*fp64", "scale_ptr": "*fp64", "P": "i32", "n": "i64"},
-         dict(CH=64, PW=32, F=26, RANGE=True, FORMATS=True, FP8=True)),
-        (ts._fp8_kernel, {"x_ptr": "*fp16", "part_ptr": "*fp64", "scale_ptr": "*fp64", **grid}, dict(BR=16, BC=256, PW=8, BF16=False)),
-        (ts._fp8_finish_kernel, {"part_ptr": "*fp64", "out_ptr": "*fp64", "scale_ptr": "*fp64", "P": "i32"}, dict(CH=64, PW=8)),
+        (ts._tiles_kernel, {"x_ptr": "*i16", "part_ptr": "*fp64", "bounds_ptr": "*i32", **grid},
+         dict(**tiles, FORMATS=True, BF16=True)),
+        (ts._tiles_kernel, {"x_ptr": "*fp32", "part_ptr": "*fp64", "bounds_ptr": "*i32", **grid},
+         dict(**tiles, FORMATS=False, BF16=False)),
+        (ts._finish_kernel, {**parts, "n": "i64"}, dict(CH=64, PW=32, F=26, RANGE=True, FORMATS=True, FP8=True)),
+        (ts._fp8_kernel, {"x_ptr": "*fp16", "part_ptr": "*fp64", "scale_ptr": "*fp64", **grid},
+         dict(BR=16, BC=256, PW=8, BF16=False)),
+        (ts._fp8_finish_kernel, parts, dict(CH=64, PW=8)),
     ]
+    options = {"num_warps": 8, "enable_fp_fusion": False}
     for arch in (80, 90):
         for fn, sig, const in jobs:
             src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const)
-            done = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": 8, "enable_fp_fusion": False})
+            done = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
             assert done.asm["cubin"], (arch, fn)
     print("compiled")
 """)

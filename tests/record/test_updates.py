@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_scale.record import stats, updates
-from lightning_scale.report.pool import merge_updates
+from lightning_scale.report.update_pool import merge_updates
 
 REL = 1e-12
 

@@ -1,16 +1,13 @@
 """Several processes: DDP, ddp_spawn and FSDP2 (ModelParallelStrategy) on 2 and 4 CPU
 processes over gloo, fx and dynamo capture, against an independent float64 reference of
 every rank's tensors; the bytes each rank sends into the callback's collectives at 2, 4
-and 8 ranks; and ``pool.pool_step`` itself in 2 and 16 gloo processes without
-Lightning (``dist_scripts/run_pool.py``): exact pooling of a 2,000-node record, replicated
-tensors, histograms, bytes per rank, label mismatches and failures raised on every rank
-without a hang."""
+and 8 ranks; and ranks whose captured graphs differ (rank 1's forward has an extra op):
+the fit goes on, the shared nodes are logged, or with ``strict_ranks`` it raises.
+``pool.pool_step`` itself without Lightning: ``test_pool_gloo.py``."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import math
 import os
 import re
 import signal
@@ -26,9 +23,6 @@ import torch.nn.functional as F
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import Tensor
 
-from lightning_scale.report import pool
-from lightning_scale.record import stats
-from lightning_scale.record.recorder import BACKWARD, FORWARD
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "dist_scripts"
@@ -129,9 +123,12 @@ def _scalars(out: Path) -> Dict[str, float]:
 # ---- the independent reference ----------------------------------------------------------
 
 
-def _reference(out: Path, world: int = 2) -> Dict[str, Tuple[List[Tensor], List[Optional[Tensor]]]]:
+def _reference(
+    out: Path, world: int = 2, branch: bool = False
+) -> Dict[str, Tuple[List[Tensor], List[Optional[Tensor]]]]:
     """label -> (each rank's value, each rank's gradient), in float64 from the saved initial
-    parameters and each rank's batch, written out without the library or the model class."""
+    parameters and each rank's batch, written out without the library or the model class
+    (``branch``: rank 1 applies a tanh between the layers)."""
     init = torch.load(out / "init.pt")
     ref: Dict[str, Tuple[List[Tensor], List[Optional[Tensor]]]] = {}
     for rank in range(world):
@@ -139,7 +136,7 @@ def _reference(out: Path, world: int = 2) -> Dict[str, Tuple[List[Tensor], List[
         w = {k: v.double().requires_grad_() for k, v in init.items()}
         h = F.linear(x, w["layers.0.fc.weight"], w["layers.0.fc.bias"])
         a = h.relu()
-        o = F.linear(a, w["layers.1.fc.weight"], w["layers.1.fc.bias"])
+        o = F.linear(a.tanh() if branch and rank == 1 else a, w["layers.1.fc.weight"], w["layers.1.fc.bias"])
         for t in (h, a, o):
             t.retain_grad()
         F.mse_loss(o, y).backward()  # this rank's own loss: what its backward sees
@@ -282,233 +279,70 @@ def test_bytes_per_rank_per_tracked_step_do_not_grow_with_the_world(trained: Cal
     assert calls[2][0][0][2] == 64  # the header
 
 
-# ---- pool_step in 2 and 16 gloo processes without Lightning -------------------------------
+# ---- ranks whose captured graphs differ --------------------------------------------------
 
-POOL_SCRIPT = SCRIPTS / "run_pool.py"
-NODES = 2000
-
-
-def _pool_script() -> Any:
-    spec = importlib.util.spec_from_file_location("_run_pool", POOL_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _run_pool(out: Path, world: int) -> List[Dict[str, Any]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_ports(1)[0])}
-    env["MALLOC_MMAP_THRESHOLD_"] = "131072"  # large buffers come from mmap: the peak RSS sees them
-    env["OMP_NUM_THREADS"] = "1"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(POOL_SCRIPT), str(out), str(r), str(world), str(NODES)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    try:
-        logs = [p.communicate(timeout=240)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail("pool ranks hung")
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+BRANCH = ["branch", "branch_off", "branch_strict"]
 
 
 @pytest.fixture(scope="module")
-def pools(tmp_path_factory: pytest.TempPathFactory) -> Dict[int, List[Dict[str, Any]]]:
-    return {world: _run_pool(tmp_path_factory.mktemp(f"pool{world}"), world) for world in (2, 16)}
+def branched(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Tuple[Path, str, int]]:
+    """mode -> (output folder, output, exit code) of the 2-rank DDP runs where rank 1's
+    forward has an extra tanh (``run_dist.py``): with the callback, without it, and with
+    ``strict_ranks=True``; started together."""
+    base = tmp_path_factory.mktemp("branch")
+    keys = [("ddp", mode, 2, "fx") for mode in BRANCH]
+    procs = {key[1]: _start(base / key[1], key, port) for key, port in zip(keys, _free_ports(len(keys)))}
+    done: Dict[str, Tuple[Path, str, int]] = {}
+    for mode, proc in procs.items():
+        try:
+            output, _ = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            pytest.fail(f"the {mode} run timed out")
+        done[mode] = (base / mode, output, proc.returncode)
+    return done
 
 
-def _expected_pool(world: int, ranks: List[Dict[str, Any]]) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
-    """The records of the concatenation of every rank's tensors (a parameter's value once),
-    the histograms of the same, and (from each rank's own records) each node's least and
-    largest std over ranks."""
-    script = _pool_script()
-    rows, hists = [], []
-    histogram_nodes = set(script.histogram_nodes(NODES))
-    for i in range(NODES):
-        per_rank = [script.tensors(i, r) for r in range(world)]
-        for d in (FORWARD, BACKWARD):
-            parts = [p[d] for p in per_rank]
-            whole = parts[0] if d == FORWARD and script.is_parameter(i) else torch.cat(parts)
-            rows.append(stats.record_of(whole, script.GROUPS))
-            if i in histogram_nodes:
-                hists.append(stats.log2_histogram(whole))
-    want = stats.assemble(rows).view(NODES, 2, -1)
-    own = torch.stack([saved["records"] for saved in ranks])  # (world, n, 2, F)
-    # FP8 errors are of per-tensor-scaled casts: each rank's tensor is cast with its own scale
-    fp8 = [stats.FIELDS.index(f) for f in stats.FIELDS if f.startswith("fp8_")]
-    want[..., fp8] = torch.where((own[..., :1] > 0), own[..., fp8], 0.0).sum(0)
-    params = torch.tensor([i for i in range(NODES) if script.is_parameter(i)]).unsqueeze(1)
-    want[params, FORWARD, torch.tensor(fp8)] = own[
-        0, params, FORWARD, torch.tensor(fp8)
-    ]  # a parameter: rank 0's tensor
-    std = stats.statistic(own, "std")
-    nan = std.isnan().any(0)
-    spread = {
-        "present": (own[..., 0] > 0).all(0),
-        "low": torch.where(nan, math.nan, std.amin(0)),
-        "high": torch.where(nan, math.nan, std.amax(0)),
-    }
-    return want, torch.stack(hists).view(-1, 2, stats.LOG2_HI - stats.LOG2_LO), spread
+def _scalars_by_step(out: Path) -> Dict[str, Dict[int, float]]:
+    acc = EventAccumulator(str(out / "logs" / "version_0"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
-@pytest.mark.parametrize("world", [2, 16])
-def test_pool_step_is_the_record_of_every_ranks_tensors_together(
-    world: int, pools: Dict[int, List[Dict[str, Any]]]
+def test_ranks_whose_graphs_differ_pool_the_nodes_they_share_and_train_on(
+    branched: Dict[str, Tuple[Path, str, int]],
 ) -> None:
-    got = pools[world][0]["result"]
-    want, hists, spread = _expected_pool(world, pools[world])
-    count = want[..., 0]
-    assert torch.equal(got.records[..., 0], count)
-    assert (count == 0).any() and torch.equal(got.records[count == 0], torch.zeros_like(got.records[count == 0]))
-    seen = count > 0
-    exact = [stats.FIELDS.index(f) for f in stats.FIELDS if f not in ("mean", "m2") and not f.startswith("fp8_")]
-    torch.testing.assert_close(got.records[seen][:, exact], want[seen][:, exact], rtol=0, atol=0, equal_nan=True)
-    g, w = got.records[seen], want[seen]
-    finite = w[:, 1].isfinite()
-    torch.testing.assert_close(g[~finite, 1], w[~finite, 1], rtol=0, atol=0, equal_nan=True)  # NaN or Inf alike
-    rms = stats.statistic(w[finite], "rms")  # a mean near 0 is exact to the values' size, not its own
-    assert bool(((g[finite, 1] - w[finite, 1]).abs() <= 1e-13 * rms).all())
-    torch.testing.assert_close(g[:, 2], w[:, 2], rtol=1e-12, atol=0, equal_nan=True)  # m2
-    fp8 = [stats.FIELDS.index(f) for f in stats.FIELDS if f.startswith("fp8_")]
-    torch.testing.assert_close(g[:, fp8], w[:, fp8], rtol=1e-12, atol=0, equal_nan=True)  # per-tensor sums
-    assert bool(got.records[..., 4].sum() > 0) and bool(got.records[..., 5].sum() > 0), (
-        "NaN and Inf nodes are in the test"
-    )
-    assert torch.equal(got.histograms, hists)
-    assert torch.equal(got.spread.present, spread["present"])
-    p = spread["present"]
-    torch.testing.assert_close(got.spread.low[p], spread["low"][p], rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(got.spread.high[p], spread["high"][p], rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(got.sums, torch.arange(6, dtype=torch.float64) * world * (world + 1) / 2)
-    assert torch.equal(got.first, torch.ones(2, 3, dtype=torch.float64))  # rank 0's
+    """Rank 1's forward has an extra tanh: the fit finishes, trains as without the callback,
+    logs every shared node (the pooled std of both ranks' tensors, float64 reference) and
+    not the tanh, and warns once, naming it."""
+    (on, output, code), (off, off_output, off_code) = branched["branch"], branched["branch_off"]
+    assert code == 0, output[-3000:]
+    assert off_code == 0, off_output[-3000:]
+    with_cb, without = torch.load(on / "params.pt"), torch.load(off / "params.pt")
+    assert with_cb.keys() == without.keys()
+    assert all(torch.equal(with_cb[name], without[name]) for name in without)
+    logged = _scalars_by_step(on)
+    expected = _expected(_reference(on, branch=True))
+    for label in ACTIVATIONS + PARAMETERS:
+        for tag in (f"scale/fwd/{label}", f"scale/bwd/{label}"):
+            assert sorted(logged[tag]) == [0, 1], tag  # both tracked steps
+            assert logged[tag][0] == pytest.approx(expected[tag], rel=REL), tag
+    assert [tag for tag in logged if "tanh" in tag] == []  # rank 1's own node: not logged
+    warnings = re.findall(r"ScaleMonitor: step \d+: ranks captured different graphs[^\n]*", output)
+    assert len(warnings) == 1, warnings
+    assert re.search(r"a rank has 1 node\(s\) rank 0 has not \(`[^`]*tanh[^`]*`\)", warnings[0]), warnings[0]
+    assert "RankMismatchError" not in output
 
 
-def test_pool_step_sends_only_the_fields_of_the_groups_computed(pools: Dict[int, List[Dict[str, Any]]]) -> None:
-    full, partial = pools[16][0]["result"].records, pools[16][0]["partial"].records
-    sent = [i for i, f in enumerate(stats.FIELDS) if f in stats.GROUPS["moments"] + stats.GROUPS["range"]]
-    seen = full[..., 0] > 0
-    mean = sent.index(stats.FIELDS.index("mean"))  # (sums of other sizes: the reduction may add in another order)
-    rest = [i for k, i in enumerate(sent) if k != mean]
-    torch.testing.assert_close(partial[..., rest], full[..., rest], rtol=1e-12, atol=0, equal_nan=True)
-    finite = full[..., 1].isfinite()
-    rms = stats.statistic(full[finite], "rms")
-    assert bool(((partial[..., 1][finite] - full[..., 1][finite]).abs() <= 1e-13 * rms).all())
-    others = [i for i in range(len(stats.FIELDS)) if i not in sent]
-    assert bool(partial[seen][:, others].isnan().all())  # not computed: NaN, as record_of leaves them
-    moments_only = sum(pool.collective_bytes(NODES, replicated=200, groups=("moments",)).values())
-    assert moments_only < sum(pool.collective_bytes(NODES, replicated=200).values()) / 4
-
-
-def test_pool_step_counts_a_replicated_tensor_once(pools: Dict[int, List[Dict[str, Any]]]) -> None:
-    script = _pool_script()
-    got = pools[16][0]["result"]
-    for i in range(0, NODES, 10):  # parameters: the value once, the 16 gradients merged
-        value, _ = script.tensors(i, 0)
-        assert got.records[i, FORWARD, 0] == value.numel()
-        assert float(stats.statistic(got.records[i, FORWARD], "std")) == pytest.approx(
-            float(value.double().std()), rel=1e-12
-        )
-        assert got.records[i, BACKWARD, 0] == sum(script.tensors(i, r)[1].numel() for r in range(16))
-
-
-@pytest.mark.parametrize("world", [2, 16])
-def test_pool_step_gives_every_rank_the_same_errors_and_the_result_only_to_its_destination(
-    world: int, pools: Dict[int, List[Dict[str, Any]]]
-) -> None:
-    ranks = pools[world]
-    for r, saved in enumerate(ranks):
-        out = saved["outcomes"]
-        assert (
-            isinstance(out["failed"], pool.RankFailedError)
-            and str(out["failed"]) == f"statistics failed on rank(s) [{world - 1}]"
-        )
-        for case in ("names", "count"):
-            assert isinstance(out[case], pool.RankMismatchError), (r, case)
-            assert str(out[case]).startswith("Ranks captured different graphs ("), out[case]
-        assert "node counts 1999 to 2000" in str(out["count"]) and "node counts" not in str(out["names"])
-        assert out["after"] == "ok"  # dst=None: every rank gets the pool
-        if r:
-            assert saved["result_is_none"]
-        torch.testing.assert_close(saved["small"].records, ranks[0]["small"].records, rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(
-        ranks[0]["small"].records, ranks[0]["result"].records[:20], rtol=1e-12, atol=1e-300, equal_nan=True
-    )
-
-
-def test_pool_step_bytes_per_rank_are_the_same_at_2_and_16_ranks(pools: Dict[int, List[Dict[str, Any]]]) -> None:
-    calls = {world: [saved["calls"] for saved in ranks] for world, ranks in pools.items()}
-    for world, ranks in calls.items():
-        assert all(c == ranks[0] for c in ranks), world
-        assert len(ranks[0]) == 4 and not any(name.startswith("all_gather") for name, _, _ in ranks[0])
-    assert calls[2][0] == calls[16][0]
-    script = _pool_script()
-    expected = pool.collective_bytes(
-        NODES,
-        histograms=len(script.histogram_nodes(NODES)),
-        replicated=len([i for i in range(NODES) if script.is_parameter(i)]),
-        spread=True,
-        sums=6,
-        first=6,
-    )
-    assert [size for _, _, size in calls[16][0]] == list(expected.values())
-
-
-def test_pool_step_in_one_process() -> None:
-    gen = torch.Generator().manual_seed(0)
-    parts = [torch.randn(4, generator=gen), torch.randn(3, generator=gen)]
-    records = stats.assemble([stats.record_of(t, ("moments", "range")) for t in parts for _ in (0, 1)]).view(2, 2, -1)
-    out = pool.pool_step(
-        records,
-        ["a", "b"],
-        replicated={"a"},
-        spread=True,
-        sums=torch.ones(2, dtype=torch.float64),
-        first=torch.zeros(1, dtype=torch.float64),
-    )
-    assert out is not None
-    torch.testing.assert_close(out.records, records, rtol=0, atol=0, equal_nan=True)
-    std = stats.statistic(records, "std")
-    assert torch.equal(out.spread.low, std) and torch.equal(out.spread.high, std) and bool(out.spread.present.all())
-    assert torch.equal(out.sums, torch.ones(2, dtype=torch.float64)) and torch.equal(
-        out.first, torch.zeros(1, dtype=torch.float64)
-    )
-    with pytest.raises(pool.RankFailedError, match=r"statistics failed on rank\(s\) \[0\]"):
-        pool.pool(records, ["a", "b"], failed=True)
-
-
-def test_merging_by_sums_and_maxes_equals_the_record_of_the_concatenation() -> None:
-    """``stats.merge_rows`` (the pool's arithmetic in one process) against ``record_of`` of the
-    concatenation: empty parts, NaN, Inf, fields not computed."""
-    gen = torch.Generator().manual_seed(3)
-    groups = ("moments", "range", "formats")
-    cases = [
-        [
-            torch.randn(5, generator=gen, dtype=torch.float64),
-            torch.zeros(0, dtype=torch.float64),
-            torch.randn(7, generator=gen, dtype=torch.float64) * 3 + 2,
-            torch.tensor([5.0], dtype=torch.float64),
-        ],
-        [torch.tensor([1.0, math.nan]), torch.tensor([2.0, 3.0])],
-        [torch.tensor([1.0, math.inf]), torch.tensor([0.0, -2.0, 1e-30])],
-    ]
-    for parts in cases:
-        got = stats.merge_rows(stats.assemble([stats.record_of(p, groups) for p in parts]))
-        want = torch.tensor(stats.record_of(torch.cat(parts), groups), dtype=torch.float64)
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15, equal_nan=True)
-    only_moments = stats.assemble([stats.record_of(p) for p in cases[0]])  # absmax etc. not computed: NaN stays
-    got = stats.merge_rows(only_moments)
-    assert got[stats.FIELDS.index("absmax")].isnan() and got[stats.FIELDS.index("min_nonzero")].isnan()
-    empty = torch.zeros(3, len(stats.FIELDS), dtype=torch.float64)
-    assert torch.equal(stats.merge_rows(empty), empty[0])
+def test_with_strict_ranks_different_graphs_raise_on_every_rank(branched: Dict[str, Tuple[Path, str, int]]) -> None:
+    _, output, code = branched["branch_strict"]
+    assert code != 0
+    assert re.search(
+        r"RankMismatchError: Ranks captured different graphs \(node counts \d+ to \d+, "
+        r"the fingerprints of the labels differ\)",
+        output,
+    ), output[-3000:]
 
 
 def _free_ports(n: int) -> List[int]:

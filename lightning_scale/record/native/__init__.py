@@ -36,7 +36,20 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ENV", "SERIAL_MAX", "SERIAL_THREADS", "every_group", "load", "status", "sums", "switched_off"]
+from lightning_scale.record.stats.layout import dense_order
+
+__all__ = [
+    "ENV",
+    "SERIAL_MAX",
+    "SERIAL_THREADS",
+    "SOURCE",
+    "compiler",
+    "every_group",
+    "load",
+    "status",
+    "sums",
+    "switched_off",
+]
 
 #: Environment switch: ``0`` never builds nor uses the native kernel.
 ENV = "LIGHTNING_SCALE_NATIVE"
@@ -47,7 +60,8 @@ ENV = "LIGHTNING_SCALE_NATIVE"
 SERIAL_MAX = 32768
 SERIAL_THREADS = 2
 _ABI = 2
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sums.c")
+#: The kernel's C source, compiled on first use.
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sums.c")
 _FLAGS = ["-O3", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
@@ -161,21 +175,9 @@ def _rows(x: Tensor) -> Optional[Tuple[int, int, int]]:
         outer = [(size, st) for size, st in zip(shape[:-1], strides[:-1]) if size != 1]
         if all(outer[i][1] == outer[i + 1][1] * outer[i + 1][0] for i in range(len(outer) - 1)):
             return n // shape[-1], shape[-1], (outer[-1][1] if outer else shape[-1])
-    if _dense_permutation(x):  # (data_ptr() is then its lowest address)
+    if dense_order(x) is not None:  # (data_ptr() is then its lowest address)
         return 1, n, n
     return None
-
-
-def _dense_permutation(x: Tensor) -> bool:
-    """Whether some permutation of ``x`` is contiguous (a transpose of a dense tensor):
-    its dimensions, by decreasing stride, each span the next (arithmetic on the strides)."""
-    dims = sorted(((st, size) for st, size in zip(x.stride(), x.shape) if size != 1), reverse=True)
-    span = 1
-    for st, size in reversed(dims):
-        if st != span:
-            return False
-        span *= size
-    return True
 
 
 def load() -> Optional[_Kernels]:
@@ -223,10 +225,10 @@ class _Unavailable(Exception):
 def _build_and_load() -> _Kernels:
     if os.environ.get(ENV, "").strip() == "0":
         raise _Unavailable(f"{ENV}=0")
-    with open(_SOURCE, "rb") as f:
+    with open(SOURCE, "rb") as f:
         source = f.read()
-    compiler = _compiler()
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         raise _Unavailable("no C compiler found: set CC, or install cc, gcc or clang")
     folder = _cache_dir()
     errors = []
@@ -234,15 +236,13 @@ def _build_and_load() -> _Kernels:
     for extra in ([], ["-DLS_NO_CLONES"]):
         flags = _FLAGS + extra
         key = hashlib.sha256(
-            b"\0".join(
-                [source, " ".join(compiler + flags).encode(), platform.machine().encode(), sys.platform.encode()]
-            )
+            b"\0".join([source, " ".join(cc + flags).encode(), platform.machine().encode(), sys.platform.encode()])
         ).hexdigest()[:16]
         path = os.path.join(folder, f"sums-{key}.so")
-        if os.path.exists(path) or _compile(compiler, flags, folder, path, errors):
+        if os.path.exists(path) or _compile(cc, flags, folder, path, errors):
             break
     else:
-        raise _Unavailable(f"{' '.join(compiler)} failed: {errors[0]}")
+        raise _Unavailable(f"{' '.join(cc)} failed: {errors[0]}")
     lib = ctypes.CDLL(path)
     lib.ls_abi.restype = ctypes.c_int
     if lib.ls_abi() != _ABI:
@@ -253,12 +253,12 @@ def _build_and_load() -> _Kernels:
 
 
 def _compile(compiler: List[str], flags: List[str], folder: str, path: str, errors: List[str]) -> bool:
-    """Compile ``_SOURCE`` to ``path`` (atomically: another process loads the old file or
+    """Compile ``SOURCE`` to ``path`` (atomically: another process loads the old file or
     the new one); False, with the compiler's message in ``errors``, where it fails."""
     fd, tmp = tempfile.mkstemp(prefix=".sums-", suffix=".so", dir=folder)
     os.close(fd)
     try:
-        done = subprocess.run([*compiler, *flags, "-o", tmp, _SOURCE], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([*compiler, *flags, "-o", tmp, SOURCE], capture_output=True, text=True, timeout=120)
         if done.returncode != 0:
             errors.append(done.stderr.strip()[-500:] or f"exit status {done.returncode}")
             return False
@@ -269,7 +269,8 @@ def _compile(compiler: List[str], flags: List[str], folder: str, path: str, erro
             os.remove(tmp)
 
 
-def _compiler() -> Optional[List[str]]:
+def compiler() -> Optional[List[str]]:
+    """The C compiler command: ``$CC``, Python's own, else ``cc``, ``gcc`` or ``clang``; None if none is found."""
     candidates = [os.environ.get("CC", ""), sysconfig.get_config_var("CC") or "", "cc", "gcc", "clang"]
     for cand in candidates:
         words = shlex.split(cand)
@@ -311,8 +312,9 @@ def _self_check(kernels: _Kernels) -> None:
             for with_max in (False, True):
                 got = kernels.call(dtype, array.ctypes.data, *layout, with_max)
                 if not (_sums_close(got, want) and got[2] == (mags.max() if with_max else -1.0)):
+                    expected = (want.sum(), (want * want).sum(), mags.max())
                     raise _Unavailable(
-                        f"self-check failed for {dtype} (max: {with_max}): got {got}, expected {(want.sum(), (want * want).sum(), mags.max())}"
+                        f"self-check failed for {dtype} (max: {with_max}): got {got}, expected {expected}"
                     )
             out, counts = kernels.call_all(dtype, array.ctypes.data, *layout, bounds)
             expect_counts = [(mags < b).sum() for b in bounds.view(np.float32).astype(np.float64)]
@@ -324,7 +326,8 @@ def _self_check(kernels: _Kernels) -> None:
                 and out[4] == 0
             ):
                 raise _Unavailable(
-                    f"self-check failed for {dtype} (every group): got {list(out)}, {list(counts)}, expected counts {expect_counts}"
+                    f"self-check failed for {dtype} (every group): got {list(out)}, {list(counts)}, "
+                    f"expected counts {expect_counts}"
                 )
 
 

@@ -1,8 +1,11 @@
 """Per-tensor statistics: computed on the tensor's device, merged exactly.
 
 ``record_of`` gives a tensor's record (see ``fields`` for what a record holds and how
-records merge); ``host`` is the path for tensors in host memory, ``device`` the one that
-reads nothing back, ``formats`` and ``fp8`` the optional groups.
+records merge: one table names each field, its group and its reduction); ``host`` is the
+path for tensors in host memory, ``device`` the one that reads nothing back, ``formats``
+and ``fp8`` the optional groups, ``layout`` how a tensor is read in place (dense views,
+strided grids) and in bounded pieces (a large tensor's temporaries stay within
+``layout.scratch_bytes``).
 
 Nothing here imports Lightning.
 """
@@ -16,63 +19,80 @@ import torch
 from torch import Tensor
 
 from lightning_scale.record import kernels
-from lightning_scale.record.stats.device import _device_moments
+from lightning_scale.record.stats.device import device_moments
 from lightning_scale.record.stats.fields import (
-    _ABSMAX,
-    _COUNT,
-    _FP80,
-    _M2,
-    _MEAN,
-    _NAN,
-    _NAN_ROW,
-    _ZEROS,
+    EXTREME_NAN_FLAGS,
+    EXTREMES,
     FIELDS,
+    FORMAT_FIELDS,
     FORMATS,
+    FORMATS_SPAN,
     FP8_DTYPES,
+    FP8_FIELDS,
+    FP8_SPAN,
     GROUPS,
+    IX,
     LOG2_HI,
     LOG2_LO,
     STATISTICS,
+    SUMS,
+    TABLE,
+    Col,
     Entry,
+    Field,
     FloatFormat,
-    _host_sum,
-    _sum64,
+    additive_fields,
     assemble,
+    deviations,
+    extreme_columns,
+    host_sum,
     index_tensor,
     log2_histogram,
-    additive_fields,
-    deviations,
     merge,
     merge_extremes,
     merge_rows,
     merge_sums,
     merge_widths,
     merged_record,
+    nan_row,
     statistic,
+    sum64,
+    sum_columns,
     summarise,
 )
-from lightning_scale.record.stats.formats import _format_counts_device, _format_counts_host
-from lightning_scale.record.stats.fp8 import CHUNK, _fp8_fields
+from lightning_scale.record.stats.formats import format_counts_device, format_counts_host
+from lightning_scale.record.stats.fp8 import fp8_fields
+from lightning_scale.record.stats.layout import DEVICE_SCRATCH_FLOOR, SCRATCH_FLOOR, piece_size, pieces
 from lightning_scale.record.stats.host import (
-    _DOT_MAX,
-    _host_absmax,
-    _host_moments,
-    _native_every_group,
+    DOT_MAX,
+    host_absmax,
+    host_moments,
+    native_every_group,
     fast_host_record,
 )
 
 __all__ = [
+    "EXTREME_NAN_FLAGS",
+    "EXTREMES",
     "FIELDS",
+    "FORMAT_FIELDS",
     "FORMATS",
     "FP8_DTYPES",
+    "FP8_FIELDS",
     "GROUPS",
+    "IX",
     "LOG2_HI",
     "LOG2_LO",
     "STATISTICS",
+    "SUMS",
+    "TABLE",
+    "Col",
     "Entry",
+    "Field",
     "FloatFormat",
     "additive_fields",
     "assemble",
+    "extreme_columns",
     "fast_host_record",
     "index_tensor",
     "log2_histogram",
@@ -85,6 +105,7 @@ __all__ = [
     "merged_record",
     "record_of",
     "statistic",
+    "sum_columns",
     "summarise",
 ]
 
@@ -114,38 +135,73 @@ def record_of(
     if host_reads is None:
         host_reads = x.device.type == "cpu"
     x = x.detach()
-    out: List[Entry] = _NAN_ROW.copy()
+    out: List[Entry] = nan_row()
     n = x.numel()
-    out[_COUNT] = float(n)
+    out[Col.COUNT] = float(n)
     if n == 0:
-        out[_MEAN], out[_M2] = 0.0, 0.0
+        out[Col.MEAN], out[Col.M2] = 0.0, 0.0
         return out
     if not host_reads and kernels.uses_triton(x, kernel):
         row = torch.empty(len(FIELDS), dtype=torch.float64, device=x.device)
         kernels.record_into(x, groups, row)
         return list(row.unbind(0))
     if host_reads:
-        if "formats" in groups and n > _DOT_MAX and _native_every_group(x, out):
-            if "range" not in groups:
-                out[_ABSMAX] = math.nan
-            if "fp8" in groups:
-                out[_FP80:] = [float(v) for v in _fp8_fields(x, _host_sum)]
-            return out
-        top = _host_moments(x, out, with_max="range" in groups and "formats" not in groups)
-        if "formats" in groups:
-            out[_ZEROS:_FP80], absmax = _format_counts_host(x, out[_NAN])  # type: ignore[arg-type]
-        if "range" in groups:  # (without NaN, the formats' max |x| is the absmax)
-            if top is not None:
-                out[_ABSMAX] = top
-            else:
-                out[_ABSMAX] = absmax if "formats" in groups and not out[_NAN] else _host_absmax(x)
+        _host_fields(x, groups, out)
     else:
-        absmax = _device_moments(x, out)
-        if "range" in groups:
-            out[_ABSMAX] = absmax
-        if "formats" in groups:
-            out[_ZEROS:_FP80] = _format_counts_device(x, out[_NAN])  # type: ignore[arg-type]
+        _device_fields_bounded(x, groups, out)
     if "fp8" in groups:
-        fp8 = _fp8_fields(x, _host_sum) if host_reads else _fp8_fields(x, _sum64, CHUNK)
-        out[_FP80:] = [float(v) for v in fp8] if host_reads else fp8
+        fp8 = fp8_fields(x, host_sum, SCRATCH_FLOOR) if host_reads else fp8_fields(x, sum64, DEVICE_SCRATCH_FLOOR)
+        out[FP8_SPAN] = [float(v) for v in fp8] if host_reads else fp8
     return out
+
+
+def _host_fields(x: Tensor, groups: Collection[str], out: List[Entry]) -> None:
+    """The moments, range and formats groups of ``x`` with host reads, into ``out``."""
+    if "formats" in groups and x.numel() > DOT_MAX and native_every_group(x, out):
+        if "range" not in groups:
+            out[Col.ABSMAX] = math.nan
+        return
+    top = host_moments(x, out, with_max="range" in groups and "formats" not in groups)
+    if "formats" in groups:
+        out[FORMATS_SPAN], absmax = format_counts_host(x, out[Col.NAN])  # type: ignore[arg-type]
+    if "range" in groups:  # (without NaN, the formats' max |x| is the absmax)
+        if top is not None:
+            out[Col.ABSMAX] = top
+        else:
+            out[Col.ABSMAX] = absmax if "formats" in groups and not out[Col.NAN] else host_absmax(x)
+
+
+#: Bytes of temporaries per element the device path's torch kernels take at most: a
+#: float32 (float64) copy for the moments; |x|, bucket indices, their float32 copy for
+#: ``histc`` and a mask for the format counts.
+_DEVICE_SCRATCH = {"moments": 8, "formats": 24}
+
+
+def _device_fields_bounded(x: Tensor, groups: Collection[str], out: List[Entry]) -> None:
+    """``_device_fields``, of pieces merged exactly (``merge_rows``, on the device: no
+    host read) where ``x``'s temporaries would exceed ``layout.scratch_bytes`` (with the
+    device path's floor)."""
+    per_element = _DEVICE_SCRATCH["formats" if "formats" in groups else "moments"]
+    size = piece_size(x, per_element, DEVICE_SCRATCH_FLOOR)
+    if x.numel() <= size:
+        _device_fields(x, groups, out)
+        return
+    rows = []
+    for piece in pieces(x, size):
+        row = nan_row()
+        row[Col.COUNT] = float(piece.numel())
+        _device_fields(piece, groups, row)
+        rows.append(row)
+    merged = merge_rows(assemble(rows)).unbind(0)
+    for name in (f for g in ("moments", "range", "formats") if g in groups or g == "moments" for f in GROUPS[g]):
+        if name != "count":  # (host-known: kept a float)
+            out[IX[name]] = merged[IX[name]]
+
+
+def _device_fields(x: Tensor, groups: Collection[str], out: List[Entry]) -> None:
+    """The moments, range and formats groups of ``x`` by torch's kernels, nothing read back."""
+    absmax = device_moments(x, out)
+    if "range" in groups:
+        out[Col.ABSMAX] = absmax
+    if "formats" in groups:
+        out[FORMATS_SPAN] = format_counts_device(x, out[Col.NAN])  # type: ignore[arg-type]

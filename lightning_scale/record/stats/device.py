@@ -11,10 +11,10 @@ from typing import List, Tuple
 import torch
 from torch import Tensor
 
-from lightning_scale.record.stats.fields import _INF, _M2, _MEAN, _NAN, Entry, _acc_dtype, _Sum, _sum64
+from lightning_scale.record.stats.fields import Col, Entry, SumFn, acc_dtype, sum64
 
 
-def _device_moments(x: Tensor, out: List[Entry]) -> Tensor:
+def device_moments(x: Tensor, out: List[Entry]) -> Tensor:
     """Mean, m2, nan and inf of ``x`` by torch's kernels (no Triton), nothing read back;
     returns absmax. One temporary (``y``: float32, float64 for float64 ``x``) and none of
     the copies ATen makes inside ``sum(dtype=...)`` or a bool mask's ``sum()``:
@@ -28,7 +28,7 @@ def _device_moments(x: Tensor, out: List[Entry]) -> Tensor:
        short rows), merged in float64 by Chan's formula (``var_mean`` of the row means);
     4. NaN and non-finite counts: comparisons written into ``y`` as 0/1, float32 row
        sums (exact) added in float64."""
-    acc = _acc_dtype(x)
+    acc = acc_dtype(x)
     lo, hi = torch.aminmax(x)
     absmax = torch.maximum(lo.abs(), hi.abs()).to(acc)
     s = _inverse_power_of_two(absmax)
@@ -42,11 +42,11 @@ def _device_moments(x: Tensor, out: List[Entry]) -> Tensor:
     s64, ends = s.double(), lo.double() + hi.double()  # ends: finite unless ±Inf or NaN
     zero = ends * 0  # 0, or NaN with ±Inf or NaN
     finite = zero == 0
-    out[_MEAN] = torch.where(finite, (mean_y + c.double()) / s64, ends)
-    out[_M2] = torch.where(finite, m2_y / s64 / s64, zero)  # (s64 * s64 can underflow)
+    out[Col.MEAN] = torch.where(finite, (mean_y + c.double()) / s64, ends)
+    out[Col.M2] = torch.where(finite, m2_y / s64 / s64, zero)  # (s64 * s64 can underflow)
     nan = _rows_sum64(torch.ne(x, x, out=y))
     torch.sub(x, x, out=y)  # NaN where x is not finite
-    out[_NAN], out[_INF] = nan, _rows_sum64(y.ne_(y)) - nan
+    out[Col.NAN], out[Col.INF] = nan, _rows_sum64(y.ne_(y)) - nan
     return absmax.double()
 
 
@@ -85,7 +85,7 @@ def _rows_sum64(y: Tensor) -> Tensor:
     return total + flat[m:].double().sum() if m < flat.numel() else total
 
 
-def _scaled_moments(x: Tensor, total_of: _Sum, own: bool) -> Tuple[Tensor, Tensor, Tensor]:
+def scaled_moments(x: Tensor, total_of: SumFn, own: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """(mean, m2, absmax) as float64 0-dim tensors, accurate for any finite ``x``.
 
     Two passes on ``x * s``, with ``s`` the power of two that brings absmax to [1, 2)
@@ -94,7 +94,7 @@ def _scaled_moments(x: Tensor, total_of: _Sum, own: bool) -> Tuple[Tensor, Tenso
     overwritten.
     """
     n = x.numel()
-    acc = _acc_dtype(x)
+    acc = acc_dtype(x)
     lo, hi = torch.aminmax(x)
     absmax = torch.maximum(lo.abs(), hi.abs()).to(acc)
     s = _inverse_power_of_two(absmax)
@@ -102,7 +102,7 @@ def _scaled_moments(x: Tensor, total_of: _Sum, own: bool) -> Tuple[Tensor, Tenso
     total = total_of(y)  # float64: the scaled sum, inf/NaN with non-finite values
     shift = (total / n).to(acc)
     y.sub_(shift)
-    if total_of is _sum64:  # float64 total: sum(y - shift) follows, up to y - shift's rounding
+    if total_of is sum64:  # float64 total: sum(y - shift) follows, up to y - shift's rounding
         s1 = total - n * shift.double()
     else:  # a float32 total is too coarse for that: one more (cheap) pass
         s1 = total_of(y)

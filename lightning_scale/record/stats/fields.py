@@ -5,19 +5,25 @@ its element count, mean and sum of squared deviations (``m2``), extremes, and co
 special values. Records merge exactly: ``merge(record(a), record(b))`` and
 ``merge_rows(stack of records)`` equal ``record(cat(a, b, ...))`` up to rounding, which is
 what pooling across micro-batches and ranks relies on. ``merge_rows`` merges by a max, a
-sum and a second sum, so that the same arithmetic runs as reductions across ranks. Fields that were not computed hold NaN and stay NaN
-through merges.
+sum and a second sum, so that the same arithmetic runs as reductions across ranks. Fields
+that were not computed hold NaN and stay NaN through merges.
+
+``TABLE`` names every field once, with the group that computes it and how it merges;
+``FIELDS``, ``GROUPS``, ``IX``/``Col``, the merges' columns (``EXTREMES``, ``SUMS``), the
+pool and the kernels' finishing steps read it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Collection, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from lightning_scale.record.stats.layout import DEVICE_SCRATCH_FLOOR, SCRATCH_FLOOR, piece_size, pieces
 
 
 @dataclass(frozen=True)
@@ -39,32 +45,73 @@ FORMATS: Dict[str, FloatFormat] = {
 #: The FP8 dtypes of the ``fp8`` what-if group: E4M3 for forward values, E5M2 for gradients.
 FP8_DTYPES: Dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
-_FORMAT_FIELDS = [f"{kind}_{fmt}" for fmt in FORMATS for kind in ("underflow", "below_normal", "overflow")]
-_FP8_FIELDS = [f"fp8_{fmt}_{kind}" for fmt in FP8_DTYPES for kind in ("sq_err", "sq", "flushed")]
-FIELDS: Tuple[str, ...] = (
-    "count",
-    "mean",
-    "m2",
-    "absmax",
-    "nan",
-    "inf",
-    "zeros",
-    "min_nonzero",
-    *_FORMAT_FIELDS,
-    *_FP8_FIELDS,
+#: The format counts, FORMATS order, three per format.
+FORMAT_FIELDS: Tuple[str, ...] = tuple(
+    f"{kind}_{fmt}" for fmt in FORMATS for kind in ("underflow", "below_normal", "overflow")
 )
-_IX = {name: i for i, name in enumerate(FIELDS)}
-_COUNT, _MEAN, _M2, _ABSMAX, _NAN, _INF, _ZEROS, _MINNZ = range(8)
-_FMT0 = 8
-_FP80 = _FMT0 + len(_FORMAT_FIELDS)
+#: The fp8 what-if sums, FP8_DTYPES order, three per format.
+FP8_FIELDS: Tuple[str, ...] = tuple(f"fp8_{fmt}_{kind}" for fmt in FP8_DTYPES for kind in ("sq_err", "sq", "flushed"))
+
+
+class Field(NamedTuple):
+    """One record field: its name, the group that computes it, and how records merge it:
+    ``sum`` (adds over tensors), ``max``, ``min`` (extremes: an empty record carries
+    none), ``moment`` (mean and m2: Chan's two-stage merge, see ``merge_rows``)."""
+
+    name: str
+    group: str
+    merge: str
+
+
+#: Every record field once, in record order: a new field is one line here (plus its computation).
+TABLE: Tuple[Field, ...] = (
+    Field("count", "moments", "sum"),
+    Field("mean", "moments", "moment"),
+    Field("m2", "moments", "moment"),
+    Field("absmax", "range", "max"),
+    Field("nan", "moments", "sum"),
+    Field("inf", "moments", "sum"),
+    Field("zeros", "formats", "sum"),
+    Field("min_nonzero", "formats", "min"),
+    *(Field(name, "formats", "sum") for name in FORMAT_FIELDS),
+    *(Field(name, "fp8", "sum") for name in FP8_FIELDS),
+)
+#: How a field may merge (``Field.merge``).
+MERGES = ("sum", "max", "min", "moment")
+assert all(f.merge in MERGES for f in TABLE) and len({f.name for f in TABLE}) == len(TABLE)
+FIELDS: Tuple[str, ...] = tuple(f.name for f in TABLE)
+#: Field name -> its column in a record.
+IX: Dict[str, int] = {name: i for i, name in enumerate(FIELDS)}
+
+
+class Col:
+    """Columns of the fields the code reads by name (``IX``, from ``TABLE``)."""
+
+    COUNT = IX["count"]
+    MEAN = IX["mean"]
+    M2 = IX["m2"]
+    ABSMAX = IX["absmax"]
+    NAN = IX["nan"]
+    INF = IX["inf"]
+    ZEROS = IX["zeros"]
+    MIN_NONZERO = IX["min_nonzero"]
+
 
 #: Which record fields each computation group fills.
-GROUPS: Dict[str, Tuple[str, ...]] = {
-    "moments": ("count", "mean", "m2", "nan", "inf"),
-    "range": ("absmax",),
-    "formats": ("zeros", "min_nonzero", *_FORMAT_FIELDS),
-    "fp8": tuple(_FP8_FIELDS),
-}
+GROUPS: Dict[str, Tuple[str, ...]] = {f.group: tuple(g.name for g in TABLE if g.group == f.group) for f in TABLE}
+
+
+def span(names: Sequence[str]) -> slice:
+    """The columns of ``names``, which lie side by side in record order, as a slice."""
+    start = IX[names[0]]
+    if tuple(FIELDS[start : start + len(names)]) != tuple(names):
+        raise ValueError(f"`names` must be neighbouring fields in record order; got {names}")
+    return slice(start, start + len(names))
+
+
+#: Columns of the formats group (zeros, min_nonzero, the format counts), of the format
+#: counts alone, and of the fp8 group.
+FORMATS_SPAN, FORMAT_COUNTS_SPAN, FP8_SPAN = span(GROUPS["formats"]), span(FORMAT_FIELDS), span(FP8_FIELDS)
 
 #: Statistic name -> the group that computes it. ``summarise`` derives each from a record.
 STATISTICS: Dict[str, str] = {
@@ -77,30 +124,37 @@ STATISTICS: Dict[str, str] = {
     "absmax": "range",
     "zeros": "formats",
     "min_nonzero": "formats",
-    **{name: "formats" for name in _FORMAT_FIELDS},
+    **{name: "formats" for name in FORMAT_FIELDS},
     **{f"fp8_{fmt}_{kind}": "fp8" for fmt in FP8_DTYPES for kind in ("snr_db", "flushed")},
 }
 
 Entry = Union[float, Tensor]
+#: A function summing a tensor into a float64 0-dim tensor.
+SumFn = Callable[[Tensor], Tensor]
+#: The dtypes statistics are accumulated in as they are (others are widened to float32).
+WIDE_DTYPES = (torch.float32, torch.float64)
 _NAN_ROW: List[Entry] = [math.nan] * len(FIELDS)
-_Sum = Callable[[Tensor], Tensor]
 
 
-_WIDE = (torch.float32, torch.float64)
+def nan_row() -> List[Entry]:
+    """A fresh entry list with every field NaN (not computed)."""
+    return _NAN_ROW.copy()
 
 
-def _acc_dtype(x: Tensor) -> torch.dtype:
+def acc_dtype(x: Tensor) -> torch.dtype:
+    """The dtype ``x``'s statistics accumulate in: float64 for float64, else float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _sum64(t: Tensor) -> Tensor:
-    # float64 accumulation whatever the backend (CUDA reduces float32 in float32).
+def sum64(t: Tensor) -> Tensor:
+    """Float64 sum of ``t`` whatever the backend (CUDA reduces float32 in float32)."""
     return t.sum(dtype=torch.float64)
 
 
-def _host_sum(t: Tensor) -> Tensor:
-    # torch's CPU cascade sum keeps ~1e-7 relative error at any size; 5x faster than float64.
-    return t.sum().double() if t.device.type == "cpu" else _sum64(t)
+def host_sum(t: Tensor) -> Tensor:
+    """``t``'s sum as float64: on the CPU torch's cascade sum in ``t``'s dtype (~1e-7
+    relative error at any size, 5x faster than float64), elsewhere ``sum64``."""
+    return t.sum().double() if t.device.type == "cpu" else sum64(t)
 
 
 def index_tensor(values: Sequence[int], device: torch.device) -> Tensor:
@@ -161,22 +215,22 @@ def assemble(
 
 def merge(a: Tensor, b: Tensor) -> Tensor:
     """Merge two record tensors ``[..., len(FIELDS)]`` as if their tensors were concatenated."""
-    na, nb = a[..., _COUNT], b[..., _COUNT]
+    na, nb = a[..., Col.COUNT], b[..., Col.COUNT]
     n = na + nb
     safe = torch.where(n > 0, n, torch.ones_like(n))
-    delta = b[..., _MEAN] - a[..., _MEAN]
-    out = a + b  # counts add
+    delta = b[..., Col.MEAN] - a[..., Col.MEAN]
+    out = a + b  # the ``sum`` fields add
     # An empty record is the identity: the fields it never computed (NaN) must not spread.
     out = torch.where((na == 0).unsqueeze(-1), b, torch.where((nb == 0).unsqueeze(-1), a, out))
-    out[..., _MEAN] = torch.where(n > 0, a[..., _MEAN] + delta * nb / safe, torch.zeros_like(n))
-    out[..., _M2] = a[..., _M2] + b[..., _M2] + delta * delta * na * nb / safe
-    # Empty records carry no information about extremes.
-    out[..., _ABSMAX] = _pick(na, nb, a[..., _ABSMAX], b[..., _ABSMAX], torch.maximum)
-    out[..., _MINNZ] = _pick(na, nb, a[..., _MINNZ], b[..., _MINNZ], torch.minimum)
+    out[..., Col.MEAN] = torch.where(n > 0, a[..., Col.MEAN] + delta * nb / safe, torch.zeros_like(n))
+    out[..., Col.M2] = a[..., Col.M2] + b[..., Col.M2] + delta * delta * na * nb / safe
+    for f in _EXTREME_FIELDS:  # empty records carry no information about extremes
+        i = IX[f.name]
+        out[..., i] = _pick(na, nb, a[..., i], b[..., i], torch.maximum if f.merge == "max" else torch.minimum)
     return out
 
 
-def _pick(na: Tensor, nb: Tensor, x: Tensor, y: Tensor, op) -> Tensor:  # type: ignore[no-untyped-def]
+def _pick(na: Tensor, nb: Tensor, x: Tensor, y: Tensor, op: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
     both = op(x, y)
     return torch.where(na == 0, y, torch.where(nb == 0, x, both))
 
@@ -187,9 +241,28 @@ def _pick(na: Tensor, nb: Tensor, x: Tensor, y: Tensor, op) -> Tensor:  # type: 
 # rounding in the sum is relative to the means' spread, not to their size. Stage 3, a sum:
 # each record's m2 plus its count x its squared distance to the merged mean.
 
-#: Fields that add over tensors: every field but mean, m2 and the extremes.
-_ADDITIVE = [i for i in range(len(FIELDS)) if i not in (_MEAN, _M2, _ABSMAX, _MINNZ)]
-_EXTREMES = 6  # absmax, -min_nonzero, their NaN flags, largest finite mean, -least finite mean
+_EXTREME_FIELDS = tuple(f for f in TABLE if f.merge in ("max", "min"))
+
+
+def _extreme_value(f: Field) -> str:
+    return f.name if f.merge == "max" else f"neg_{f.name}"  # (a min is sent negated: one max for all)
+
+
+#: Columns of ``merge_extremes``, merged by a max: each ``max``/``min`` field's value (a
+#: ``min`` negated), each one's NaN flag, the largest finite mean and minus the least.
+EXTREMES: Tuple[str, ...] = (
+    *(_extreme_value(f) for f in _EXTREME_FIELDS),
+    *(f"{f.name}_nan" for f in _EXTREME_FIELDS),
+    "mean_hi",
+    "neg_mean_lo",
+)
+EXTREME_IX: Dict[str, int] = {name: i for i, name in enumerate(EXTREMES)}
+#: The NaN flag columns of ``merge_extremes`` (1 where a field was not computed).
+EXTREME_NAN_FLAGS: Tuple[int, ...] = tuple(EXTREME_IX[f"{f.name}_nan"] for f in _EXTREME_FIELDS)
+#: Columns of ``merge_sums``, merged by a sum: the ``sum`` fields, then count x (mean - c).
+SUMS: Tuple[str, ...] = (*(f.name for f in TABLE if f.merge == "sum"), "shifted_total")
+SUM_IX: Dict[str, int] = {name: i for i, name in enumerate(SUMS)}
+_ADDITIVE = [IX[name] for name in SUMS[:-1]]
 
 
 def additive_fields() -> List[int]:
@@ -199,59 +272,70 @@ def additive_fields() -> List[int]:
 
 def merge_widths() -> Tuple[int, int]:
     """(entries of ``merge_sums``, of ``merge_extremes``) per record."""
-    return len(_ADDITIVE) + 1, _EXTREMES
+    return len(SUMS), len(EXTREMES)
+
+
+def extreme_columns(names: Collection[str]) -> Tuple[int, ...]:
+    """The columns of ``merge_extremes`` that carry information where only the fields
+    ``names`` were computed (the means' always), in order."""
+    cols = [EXTREME_IX["mean_hi"], EXTREME_IX["neg_mean_lo"]]
+    for f in _EXTREME_FIELDS:
+        if f.name in names:
+            cols += [EXTREME_IX[_extreme_value(f)], EXTREME_IX[f"{f.name}_nan"]]
+    return tuple(sorted(cols))
+
+
+def sum_columns(names: Collection[str]) -> Tuple[int, ...]:
+    """The columns of ``merge_sums`` that carry information where only the fields
+    ``names`` were computed (count x shifted mean always), in order."""
+    return tuple(SUM_IX[s] for s in SUMS[:-1] if s in names) + (SUM_IX["shifted_total"],)
 
 
 def merge_extremes(records: Tensor) -> Tensor:
-    """``[..., 6]``, merged by a max: absmax, minus min_nonzero (-inf where empty or NaN),
-    their NaN flags (0/1: no NaN enters a max, whose NaN handling depends on the backend),
-    the largest finite mean and minus the least (-inf where none)."""
-    n = records[..., _COUNT]
+    """``[..., len(EXTREMES)]``, merged by a max: absmax, minus min_nonzero (-inf where
+    empty or NaN), their NaN flags (0/1: no NaN enters a max, whose NaN handling depends
+    on the backend), the largest finite mean and minus the least (-inf where none)."""
+    n = records[..., Col.COUNT]
     has = n > 0
-    top, least, mean = records[..., _ABSMAX], records[..., _MINNZ], records[..., _MEAN]
-    none = torch.full_like(top, -math.inf)
+    none = torch.full_like(n, -math.inf)
+    values, flags = [], []
+    for f in _EXTREME_FIELDS:
+        v = records[..., IX[f.name]]
+        values.append(torch.where(has & ~v.isnan(), v if f.merge == "max" else -v, none))
+        flags.append((has & v.isnan()).double())
+    mean = records[..., Col.MEAN]
     finite = has & mean.isfinite()
-    return torch.stack(
-        [
-            torch.where(has & ~top.isnan(), top, none),
-            torch.where(has & ~least.isnan(), -least, none),
-            (has & top.isnan()).double(),
-            (has & least.isnan()).double(),
-            torch.where(finite, mean, none),
-            torch.where(finite, -mean, none),
-        ],
-        -1,
-    )
+    return torch.stack([*values, *flags, torch.where(finite, mean, none), torch.where(finite, -mean, none)], -1)
 
 
 def _center(ext: Tensor) -> Tensor:
     """The midpoint of the least and largest finite mean from maxed extremes; 0 where none."""
-    hi, lo = ext[..., 4], -ext[..., 5]
+    hi, lo = ext[..., EXTREME_IX["mean_hi"]], -ext[..., EXTREME_IX["neg_mean_lo"]]
     return torch.where(hi.isfinite(), hi / 2 + lo / 2, 0.0)
 
 
 def merge_sums(records: Tensor, ext: Tensor) -> Tensor:
-    """``[..., A]``, merged by a sum: the fields of ``_ADDITIVE``, then count x (mean - c)
+    """``[..., len(SUMS)]``, merged by a sum: the ``sum`` fields, then count x (mean - c)
     with c the center of the maxed extremes ``ext`` (broadcast against ``records``). An
     empty record adds zeros, whatever it holds."""
-    n = records[..., _COUNT]
-    shifted = n * (records[..., _MEAN] - _center(ext))
+    n = records[..., Col.COUNT]
+    shifted = n * (records[..., Col.MEAN] - _center(ext))
     add = torch.cat([records[..., _ADDITIVE], shifted.unsqueeze(-1)], -1)
     return torch.where((n > 0).unsqueeze(-1), add, 0.0)
 
 
 def _shift(add: Tensor) -> Tensor:
     """The merged mean minus the center, from summed ``merge_sums``."""
-    count = add[..., 0]
-    return torch.where(count > 0, add[..., -1] / count.clamp(min=1), 0.0)
+    count = add[..., SUM_IX["count"]]
+    return torch.where(count > 0, add[..., SUM_IX["shifted_total"]] / count.clamp(min=1), 0.0)
 
 
 def deviations(records: Tensor, ext: Tensor, add: Tensor) -> Tensor:
     """Merged by a sum into the merged m2: ``m2_i + n_i (mean_i - mean)^2``, the mean from
     the maxed extremes ``ext`` and summed ``add`` (broadcast against ``records``); 0 where
     empty."""
-    n = records[..., _COUNT]
-    d = records[..., _M2] + n * ((records[..., _MEAN] - _center(ext)) - _shift(add)).square()
+    n = records[..., Col.COUNT]
+    d = records[..., Col.M2] + n * ((records[..., Col.MEAN] - _center(ext)) - _shift(add)).square()
     return torch.where(n > 0, d, 0.0)
 
 
@@ -259,13 +343,16 @@ def merged_record(add: Tensor, ext: Tensor, m2: Tensor) -> Tensor:
     """The merged records ``[..., FIELDS]`` from summed ``merge_sums``, maxed
     ``merge_extremes`` and summed ``deviations``. A record empty everywhere is all zeros
     (as the recorder's record of a key it never saw)."""
-    count = add[..., 0]
+    count = add[..., SUM_IX["count"]]
     out = torch.zeros(*count.shape, len(FIELDS), dtype=torch.float64, device=add.device)
-    out[..., _ADDITIVE] = add[..., :-1]
-    out[..., _MEAN] = _center(ext) + _shift(add)
-    out[..., _M2] = m2
-    out[..., _ABSMAX] = torch.where(ext[..., 2] > 0, math.nan, ext[..., 0])
-    out[..., _MINNZ] = torch.where(ext[..., 3] > 0, math.nan, -ext[..., 1])
+    out[..., _ADDITIVE] = add[..., : SUM_IX["shifted_total"]]
+    out[..., Col.MEAN] = _center(ext) + _shift(add)
+    out[..., Col.M2] = m2
+    for f in _EXTREME_FIELDS:
+        v = ext[..., EXTREME_IX[_extreme_value(f)]]
+        out[..., IX[f.name]] = torch.where(
+            ext[..., EXTREME_IX[f"{f.name}_nan"]] > 0, math.nan, v if f.merge == "max" else -v
+        )
     return torch.where((count > 0).unsqueeze(-1), out, 0.0)
 
 
@@ -284,23 +371,23 @@ def statistic(records: Tensor, name: str) -> Tensor:
     """Derive a named statistic (see ``STATISTICS``) from record(s) ``[..., len(FIELDS)]``."""
     if name not in STATISTICS:
         raise ValueError(f"Unknown statistic {name!r}; choose from {sorted(STATISTICS)}")
-    n = records[..., _COUNT]
+    n = records[..., Col.COUNT]
     if name == "std":
         # Bessel's correction as torch.std; a single element has spread 0, not NaN.
-        return (records[..., _M2] / (n - 1).clamp(min=1)).clamp(min=0).sqrt()
+        return (records[..., Col.M2] / (n - 1).clamp(min=1)).clamp(min=0).sqrt()
     if name == "rms":
-        return ((records[..., _M2] + n * records[..., _MEAN] ** 2) / n.clamp(min=1)).sqrt()
+        return ((records[..., Col.M2] + n * records[..., Col.MEAN] ** 2) / n.clamp(min=1)).sqrt()
     if name in ("count", "mean", "absmax", "nan", "inf", "min_nonzero"):
-        return records[..., _IX[name]]
+        return records[..., IX[name]]
     if name.endswith("_snr_db"):
         return _snr_db(records, name[: -len("_snr_db")])
     # zeros, format counts and fp8 flushed counts are reported as fractions of the count
-    return records[..., _IX[name]] / n.clamp(min=1)
+    return records[..., IX[name]] / n.clamp(min=1)
 
 
 def _snr_db(records: Tensor, prefix: str) -> Tensor:
     # 10 log10(sum x^2 / sum err^2); no error at all (an exact or all-zero tensor): +inf.
-    err, sq = records[..., _IX[f"{prefix}_sq_err"]], records[..., _IX[f"{prefix}_sq"]]
+    err, sq = records[..., IX[f"{prefix}_sq_err"]], records[..., IX[f"{prefix}_sq"]]
     return torch.where(err == 0, torch.full_like(err, math.inf), 10 * torch.log10(sq / err))
 
 
@@ -316,8 +403,23 @@ LOG2_LO, LOG2_HI = -160, 130
 def log2_histogram(x: Tensor) -> Tensor:
     """Counts of floor(log2|x|) per octave in ``[LOG2_LO, LOG2_HI)``, on x's device, no sync.
 
-    Zeros and non-finite values are not counted (they have their own statistics).
+    Zeros and non-finite values are not counted (they have their own statistics). A
+    tensor whose temporaries would exceed ``layout.scratch_bytes`` is counted in pieces
+    (with the device path's floor off the CPU: fewer launches).
     """
+    floor = SCRATCH_FLOOR if x.device.type == "cpu" else DEVICE_SCRATCH_FLOOR
+    size = piece_size(x, _HISTOGRAM_SCRATCH, floor)
+    if x.numel() <= size:
+        return _log2_counts(x)
+    return torch.stack([_log2_counts(piece) for piece in pieces(x, size)]).sum(0)
+
+
+#: Bytes of temporaries per element ``_log2_counts`` takes at most (|x|, a mask, the
+#: exponents in float and int64, float64 ones to add).
+_HISTOGRAM_SCRATCH = 48
+
+
+def _log2_counts(x: Tensor) -> Tensor:
     a = x.detach().abs()
     a = a if a.dtype == torch.float64 else a.float()
     valid = (a > 0) & torch.isfinite(a)

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_scale.record.stats.fields import _WIDE, FORMATS, Entry, _acc_dtype, index_tensor
+from lightning_scale.record.stats.fields import FORMATS, GROUPS, WIDE_DTYPES, Entry, acc_dtype, index_tensor
+from lightning_scale.record.stats.layout import piece_size, pieces
 
 
 def _format_bounds(dtype: torch.dtype) -> Tuple[List[float], List[int], List[int]]:
@@ -32,16 +33,16 @@ def _format_bounds(dtype: torch.dtype) -> Tuple[List[float], List[int], List[int
     return bounds, low, high
 
 
-_BOUNDS = {dt: _format_bounds(dt) for dt in (torch.float32, torch.float64)}
+BOUNDS = {dt: _format_bounds(dt) for dt in (torch.float32, torch.float64)}
 _DEVICE_BOUNDS: Dict[Tuple[torch.dtype, torch.device], Tuple[Tensor, Tensor, Tensor]] = {}
 #: The float32 format bounds as the bits the native kernel compares |x|'s bits with.
-_NATIVE_BOUNDS = np.array(_BOUNDS[torch.float32][0], dtype=np.float32).view(np.int32)
+NATIVE_BOUNDS = np.array(BOUNDS[torch.float32][0], dtype=np.float32).view(np.int32)
 
 
 def _bounds_on(dtype: torch.dtype, device: torch.device) -> Tuple[Tensor, Tensor, Tensor]:
     key = (dtype, device)
     if key not in _DEVICE_BOUNDS:
-        bounds, low, high = _BOUNDS[dtype]
+        bounds, low, high = BOUNDS[dtype]
         _DEVICE_BOUNDS[key] = (
             torch.tensor(bounds, dtype=dtype).to(device, non_blocking=True),
             index_tensor(low, device),
@@ -50,13 +51,13 @@ def _bounds_on(dtype: torch.dtype, device: torch.device) -> Tuple[Tensor, Tensor
     return _DEVICE_BOUNDS[key]
 
 
-def _format_counts_device(x: Tensor, nan: Tensor) -> List[Entry]:
+def format_counts_device(x: Tensor, nan: Tensor) -> List[Entry]:
     """zeros, min_nonzero and the 12 format counts from one bucketize and one histogram.
 
     Temporaries per element: |x| (4 bytes, 8 for float64), bucket indices (int32, 4) and,
     off the CPU, the same as float32 for ``histc`` (4); a zero mask (1).
     """
-    acc = _acc_dtype(x)
+    acc = acc_dtype(x)
     if x.dtype == acc and x.is_contiguous():
         a = x.abs()
     else:  # one contiguous copy (bucketize would copy a strided input once more)
@@ -84,8 +85,27 @@ def _histogram(idx: Tensor, bins: int) -> Tensor:
     return torch.stack(parts).sum(0)
 
 
-def _format_counts_host(x: Tensor, nan: float) -> Tuple[List[Entry], float]:
-    """As ``_format_counts_device``, for a tensor in host memory, and max |x| (NaN with NaN).
+#: Bytes of temporaries per element ``format_counts_host`` takes at most: |x| (float32,
+#: float64 for float64; a half tensor's float32 copy before it) and a bool mask.
+_FORMAT_SCRATCH = 12
+_MIN_NONZERO = GROUPS["formats"].index("min_nonzero")  # (the results are the formats group's fields, in order)
+
+
+def format_counts_host(x: Tensor, nan: float) -> Tuple[List[Entry], float]:
+    """As ``format_counts_device``, for a tensor in host memory, and max |x| (NaN with
+    NaN). A tensor whose temporaries would exceed ``layout.scratch_bytes`` is counted in
+    pieces (the counts add, the extremes are the pieces' extremes)."""
+    size = piece_size(x, _FORMAT_SCRATCH)
+    if x.numel() <= size:
+        return _format_counts_whole(x, nan)
+    parts = [_format_counts_whole(piece, nan) for piece in pieces(x, size)]
+    fields = [sum(column) for column in zip(*(res for res, _ in parts))]  # (exact: integers below 2**53)
+    fields[_MIN_NONZERO] = min(res[_MIN_NONZERO] for res, _ in parts)  # (the least, not a sum)
+    return fields, math.nan if nan else max(top for _, top in parts)
+
+
+def _format_counts_whole(x: Tensor, nan: float) -> Tuple[List[Entry], float]:
+    """``format_counts_host`` of ``x`` in one piece.
 
     numpy's vectorised compare-and-count (~0.15 ns an element) per threshold is ~8x
     cheaper than a histogram (``bincount``, ~1 ns an element). The extremes of |x| answer
@@ -94,7 +114,7 @@ def _format_counts_host(x: Tensor, nan: float) -> Tuple[List[Entry], float]:
     one only, after a boolean-index copy, was slower at 64K-256K elements; ``np.compress``
     too on the gradients and activations of a GPT step.)
     """
-    at = (x if x.dtype in _WIDE else x.float()).abs()
+    at = (x if x.dtype in WIDE_DTYPES else x.float()).abs()
     a = at.numpy().reshape(-1)  # (a view: abs returned a dense tensor)
     if a.size <= _SMALL and not nan:
         return _format_counts_small(a)
@@ -124,30 +144,30 @@ _LOW_BOUNDS = sorted({t for f in FORMATS.values() for t in (f.min_subnormal, f.m
 #: per threshold (small tensors are call-bound: biases, norms' weights).
 _SMALL = 1024
 _NUMPY_BOUNDS = {
-    np.dtype(np.float32): np.array(_BOUNDS[torch.float32][0], dtype=np.float32),
-    np.dtype(np.float64): np.array(_BOUNDS[torch.float64][0]),
+    np.dtype(np.float32): np.array(BOUNDS[torch.float32][0], dtype=np.float32),
+    np.dtype(np.float64): np.array(BOUNDS[torch.float64][0]),
 }
 
 
 def _format_counts_small(a: "np.ndarray") -> Tuple[List[Entry], float]:
-    """``_format_counts_host`` of a short |x| without NaN: the bucket of each element
-    among the sorted boundaries (as ``_format_counts_device``), counted in one call."""
+    """``format_counts_host`` of a short |x| without NaN: the bucket of each element
+    among the sorted boundaries (as ``format_counts_device``), counted in one call."""
     bounds = _NUMPY_BOUNDS[a.dtype]
     cum = np.bincount(np.searchsorted(bounds, a, side="right"), minlength=bounds.size + 1).cumsum().tolist()
     zeros = cum[0]  # cum[k] = #{|x| < bounds[k]}; bounds[0], the smallest positive number: zeros
     positive = a[a > 0] if zeros else a
-    fields = _format_fields_of_row(cum, torch.float64 if a.dtype == np.float64 else torch.float32)
+    fields = format_fields_of_row(cum, torch.float64 if a.dtype == np.float64 else torch.float32)
     return [float(zeros), float(positive.min()) if positive.size else math.inf, *fields], float(a.max())
 
 
 def _format_pairs(dtype: torch.dtype) -> Tuple[List[int], List[int]]:
-    """Column pairs (plus, minus) of cumulative bucket counts among ``_BOUNDS[dtype]``, one
+    """Column pairs (plus, minus) of cumulative bucket counts among ``BOUNDS[dtype]``, one
     per format field in FIELDS order: field = cum[plus] - cum[minus], with ``cum[k]`` =
     #{|x| < bounds[k]} and the last column the count of all (NaN counted in bucket 0, or
     left out of every column): the nonzero values under each format's two lower thresholds
     (minus the zeros, column 0) and those at or above the next float after its max."""
-    _, low, high = _BOUNDS[dtype]
-    last = len(_BOUNDS[dtype][0])
+    _, low, high = BOUNDS[dtype]
+    last = len(BOUNDS[dtype][0])
     plus: List[int] = []
     minus: List[int] = []
     for k in range(len(FORMATS)):
@@ -159,15 +179,15 @@ def _format_pairs(dtype: torch.dtype) -> Tuple[List[int], List[int]]:
 _FORMAT_PAIRS = {dt: _format_pairs(dt) for dt in (torch.float32, torch.float64)}
 
 
-def _format_fields_of_cumulative(cum: "np.ndarray", dtype: torch.dtype) -> "np.ndarray":
+def format_fields_of_cumulative(cum: "np.ndarray", dtype: torch.dtype) -> "np.ndarray":
     """The format counts (FIELDS order, float64) of each row of ``cum`` (see
     ``_format_pairs``). Shared by the host paths, one tensor or many (``short_records``)."""
     plus, minus = _FORMAT_PAIRS[dtype]
     return (cum[:, plus] - cum[:, minus]).astype(np.float64)
 
 
-def _format_fields_of_row(cum: List[int], dtype: torch.dtype) -> List[float]:
-    """``_format_fields_of_cumulative`` of one row as a list (in Python: on 14 numbers it
+def format_fields_of_row(cum: List[int], dtype: torch.dtype) -> List[float]:
+    """``format_fields_of_cumulative`` of one row as a list (in Python: on 14 numbers it
     costs ~10 us less than numpy, and it runs once per recorded tensor)."""
     plus, minus = _FORMAT_PAIRS[dtype]
     return [float(cum[p] - cum[m]) for p, m in zip(plus, minus)]

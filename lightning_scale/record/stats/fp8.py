@@ -4,21 +4,24 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+
 import torch
 from torch import Tensor
 
-from lightning_scale.record.stats.fields import FORMATS, FP8_DTYPES, _acc_dtype, _Sum
+from lightning_scale.record.stats.fields import FORMATS, FP8_DTYPES, SumFn, acc_dtype
+from lightning_scale.record.stats.layout import SCRATCH_FLOOR, piece_size, pieces
 
 # ---------------------------------------------------------------------------------------
 # FP8 what-if: per-tensor amax scaling, cast, and the error it makes.
 
 
-#: The device path quantises tensors above this many elements a chunk at a time: its
-#: float64 temporaries (about 60 bytes an element) stay within a chunk's, not the tensor's.
-CHUNK = 1 << 22
+#: Bytes of temporaries per element the quantisation takes at most (float64 copies of the
+#: values, of each quantised format and of its error): above ``layout.scratch_bytes`` a
+#: tensor is read in pieces.
+FP8_SCRATCH = 64
 
 
-def _fp8_fields(x: Tensor, total_of: _Sum, chunk: Optional[int] = None) -> List[Tensor]:
+def fp8_fields(x: Tensor, total_of: SumFn, floor: int = SCRATCH_FLOOR) -> List[Tensor]:
     """For E4M3 then E5M2: sum of squared error, sum of squares, nonzeros flushed to 0.
 
     Quantisation as a per-tensor-scaled FP8 recipe does it: ``scale = max / amax`` (in
@@ -27,20 +30,25 @@ def _fp8_fields(x: Tensor, total_of: _Sum, chunk: Optional[int] = None) -> List[
     in float64 as ``(q - x * scale) / scale``. Non-finite elements are left out (zero
     error, zero square, not flushed): the ``nan``/``inf`` counts report them.
 
-    ``chunk``: above this many elements, ``x`` is read a chunk at a time (the amax first,
-    then the sums, added in float64), so that no temporary is the tensor's size.
+    A tensor whose temporaries would exceed ``layout.scratch_bytes(x, floor)`` is read in
+    pieces (any layout, no copy of the whole): the amax first, then the sums, added in
+    float64.
     """
-    if chunk is None or x.numel() <= chunk:
+    return fp8_fields_in_pieces(x, total_of, piece_size(x, FP8_SCRATCH, floor))
+
+
+def fp8_fields_in_pieces(x: Tensor, total_of: SumFn, size: int) -> List[Tensor]:
+    """``fp8_fields`` of ``x`` read in pieces of at most ``size`` elements (one where it is no larger)."""
+    if x.numel() <= size:
         return _fp8_sums(_finite(x), None, total_of)
-    flat = (x if x.is_contiguous() else x.contiguous()).view(-1)  # (a copy in x's dtype only where strided)
-    parts = flat.split(chunk)
+    parts = list(pieces(x, size))
     amax = torch.stack([_amax(_finite(p)) for p in parts]).amax()
     sums = [_fp8_sums(_finite(p), amax, total_of) for p in parts]
     return [torch.stack(column).sum() for column in zip(*sums)]
 
 
 def _finite(x: Tensor) -> Tensor:
-    return torch.nan_to_num(x.to(_acc_dtype(x)), nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.nan_to_num(x.to(acc_dtype(x)), nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _amax(xf: Tensor) -> Tensor:
@@ -48,8 +56,8 @@ def _amax(xf: Tensor) -> Tensor:
     return torch.maximum(lo.abs(), hi.abs())
 
 
-def _fp8_sums(xf: Tensor, amax: Optional[Tensor], total_of: _Sum) -> List[Tensor]:
-    """``_fp8_fields`` of the finite values ``xf`` (in their accumulation dtype), with the
+def _fp8_sums(xf: Tensor, amax: Optional[Tensor], total_of: SumFn) -> List[Tensor]:
+    """``fp8_fields`` of the finite values ``xf`` (in their accumulation dtype), with the
     tensor's ``amax`` (None: ``xf``'s own)."""
     acc = xf.dtype
     amax = _amax(xf) if amax is None else amax
@@ -60,7 +68,7 @@ def _fp8_sums(xf: Tensor, amax: Optional[Tensor], total_of: _Sum) -> List[Tensor
     for name, dtype in FP8_DTYPES.items():
         # (a Python number / tensor would multiply by a rounded reciprocal)
         scale = torch.nan_to_num(torch.full_like(amax, FORMATS[name].max) / amax, posinf=torch.finfo(acc).max)
-        q = _widen((xf * scale).to(dtype))
+        q = widen((xf * scale).to(dtype))
         flushed = nonzero - torch.count_nonzero(q)
         # Against x itself: near-exact tensors (SNR ~100 dB) have errors close to the
         # float32 rounding of x * scale. In float64, x * scale is exact for float32 and
@@ -73,7 +81,7 @@ def _fp8_sums(xf: Tensor, amax: Optional[Tensor], total_of: _Sum) -> List[Tensor
     return out
 
 
-def _widen(q: Tensor) -> Tensor:
+def widen(q: Tensor) -> Tensor:
     """``q.double()``; on CPU for E4M3 by a 256-entry table (torch's CPU kernel widens E4M3
     element by element: 3.3 ms for 512K elements, the table 1.3 ms; the same values)."""
     if q.device.type != "cpu" or q.dtype != torch.float8_e4m3fn:

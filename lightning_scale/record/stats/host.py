@@ -15,24 +15,19 @@ import torch
 from torch import Tensor
 
 from lightning_scale.record import native
-from lightning_scale.record.stats.device import _scaled_moments
+from lightning_scale.record.stats.device import scaled_moments
 from lightning_scale.record.stats.fields import (
-    _ABSMAX,
-    _COUNT,
-    _FMT0,
-    _FP80,
-    _INF,
-    _M2,
-    _MEAN,
-    _MINNZ,
-    _NAN,
-    _NAN_ROW,
-    _WIDE,
-    _ZEROS,
+    FORMAT_COUNTS_SPAN,
+    WIDE_DTYPES,
+    Col,
     Entry,
-    _host_sum,
+    assemble,
+    host_sum,
+    merge_rows,
+    nan_row,
 )
-from lightning_scale.record.stats.formats import _NATIVE_BOUNDS, _format_fields_of_row
+from lightning_scale.record.stats.layout import dense_view, piece_size, pieces
+from lightning_scale.record.stats.formats import NATIVE_BOUNDS, format_fields_of_row
 
 
 def fast_host_record(groups: Collection[str]) -> Optional[Callable[[Tensor], Optional[List[Entry]]]]:
@@ -47,12 +42,12 @@ def fast_host_record(groups: Collection[str]) -> Optional[Callable[[Tensor], Opt
         keep_max = "range" in groups
 
         def record(x: Tensor) -> Optional[List[Entry]]:  # (the name the benchmarks profile)
-            out = _NAN_ROW.copy()
-            if not _native_every_group(x, out):
+            out = nan_row()
+            if not native_every_group(x, out):
                 return None
-            out[_COUNT] = float(x.numel())
+            out[Col.COUNT] = float(x.numel())
             if not keep_max:
-                out[_ABSMAX] = math.nan
+                out[Col.ABSMAX] = math.nan
             return out
 
         return record
@@ -61,38 +56,38 @@ def fast_host_record(groups: Collection[str]) -> Optional[Callable[[Tensor], Opt
     with_max = "range" in groups
 
     def record(x: Tensor) -> Optional[List[Entry]]:  # (the name the benchmarks profile)
-        out = _NAN_ROW.copy()
+        out = nan_row()
         taken, top = _native_moments(x, out, with_max)
         if not taken:
             return None
-        out[_COUNT] = float(x.numel())
+        out[Col.COUNT] = float(x.numel())
         if with_max:
-            out[_ABSMAX] = top if top is not None else _host_absmax(x)
+            out[Col.ABSMAX] = top if top is not None else host_absmax(x)
         return out
 
     return record
 
 
-def _native_every_group(x: Tensor, out: List[Entry]) -> bool:
+def native_every_group(x: Tensor, out: List[Entry]) -> bool:
     """Fills the moments, absmax and the formats group of ``x`` from one read of the
     native kernel (``native.every_group``); False, with nothing filled, where it declines
     ``x``. Moments the one-pass sums cannot give (non-finite, tiny or mean-dominated
-    values) come from ``_host_moments``'s other passes."""
-    got = native.every_group(x, _NATIVE_BOUNDS)
+    values) come from ``host_moments``'s other passes."""
+    got = native.every_group(x, NATIVE_BOUNDS)
     if got is None:
         return False
     (total, sumsq, top, least, nan), counts = got
     n = x.numel()
     m2 = _one_pass_m2(total, sumsq, n, _TINY[torch.float32])
     if m2 is not None:
-        out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, m2, 0.0, 0.0
+        out[Col.MEAN], out[Col.M2], out[Col.NAN], out[Col.INF] = total / n, m2, 0.0, 0.0
     else:
-        _host_moments(x, out, one_read=False)
+        host_moments(x, out, one_read=False)
     # counts[k] = #{|x| < bound k} without NaN; the non-NaN count last, as cumulative counts end
     cum = counts.tolist()
     cum.append(n - int(nan))
-    out[_ZEROS], out[_MINNZ], out[_ABSMAX] = float(cum[0]), float(least), float(top)
-    out[_FMT0:_FP80] = _format_fields_of_row(cum, torch.float32)
+    out[Col.ZEROS], out[Col.MIN_NONZERO], out[Col.ABSMAX] = float(cum[0]), float(least), float(top)
+    out[FORMAT_COUNTS_SPAN] = format_fields_of_row(cum, torch.float32)
     return True
 
 
@@ -108,17 +103,48 @@ _TINY = {torch.float32: 2.0**-100, torch.float64: 2.0**-900}
 _CONDITION = 4.0
 
 
-def _host_moments(x: Tensor, out: List[Entry], with_max: bool = False, one_read: bool = True) -> Optional[float]:
+def host_moments(x: Tensor, out: List[Entry], with_max: bool = False, one_read: bool = True) -> Optional[float]:
     """Fills mean, m2, nan and inf of ``x`` on the host. Returns max |x| where it came
     with the sums (``with_max`` and the native kernel, ``one_read``), else None."""
     x = x.detach()  # (the fast path hands it the graph's tensor: no autograd, no warning on float())
     n = x.numel()
-    if one_read and n > _DOT_MAX:
+    if one_read and n > DOT_MAX:
         taken, top = _native_moments(x, out, with_max)
         if taken:
             return top
-    own = x.dtype not in _WIDE
-    if not own and n > _DOT_MAX and n % _ROW == 0 and x.is_contiguous():
+    size = piece_size(x, _MOMENT_SCRATCH)
+    if n <= size:
+        _torch_moments(x, out)
+    else:
+        _pieced_moments(x, out, size)
+    return None
+
+
+#: Bytes of temporaries per element ``_torch_moments`` takes at most (a float32 copy of a
+#: half tensor or a copy of a strided one, then ``y - c``; float64: twice that).
+_MOMENT_SCRATCH = 16
+
+
+def _pieced_moments(x: Tensor, out: List[Entry], size: int) -> None:
+    """Mean, m2, nan and inf of ``x`` from ``_torch_moments`` of pieces of at most ``size``
+    elements, merged exactly (``merge_rows``): temporaries of a piece's size, not ``x``'s."""
+    rows = []
+    for piece in pieces(x, size):
+        row = nan_row()
+        row[Col.COUNT] = float(piece.numel())
+        _torch_moments(piece, row)
+        rows.append(row)
+    merged = merge_rows(assemble(rows, host_only=True)).tolist()
+    for c in (Col.MEAN, Col.M2, Col.NAN, Col.INF):
+        out[c] = merged[c]
+
+
+def _torch_moments(x: Tensor, out: List[Entry]) -> None:
+    """``host_moments`` by torch's kernels: one-pass sums where they can be trusted, a
+    shifted or scaled two-pass otherwise."""
+    n = x.numel()
+    own = x.dtype not in WIDE_DTYPES
+    if not own and n > DOT_MAX and n % _ROW == 0 and x.is_contiguous():
         # The common case, straight to the kernels `_sum_of_squares` would pick (the same
         # values) without its checks: ~150 tensors a tracked step pay them. Row norms
         # first: the sum then finds x in cache (~1% of a tracked step).
@@ -126,27 +152,31 @@ def _host_moments(x: Tensor, out: List[Entry], with_max: bool = False, one_read:
         sumsq = _norms_sum_of_squares(x.view(-1, _ROW))
         total = float(x.sum())
     else:
-        y = _dense(x.float() if own else x)  # half types: one float32 copy (ours), then fast
+        y = dense_view(x.float() if own else x)  # half types: one float32 copy (ours), then fast
         total = float(y.sum())
         sumsq = _sum_of_squares(y)
     if math.isfinite(total) and math.isfinite(sumsq):
         m2 = _one_pass_m2(total, sumsq, n, _TINY[y.dtype])
         if m2 is not None:
-            out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, m2, 0.0, 0.0
-            return None
+            out[Col.MEAN], out[Col.M2], out[Col.NAN], out[Col.INF] = total / n, m2, 0.0, 0.0
+            return
         shifted = _shifted_moments(y, total / n, sumsq)
         if shifted is not None:
-            out[_MEAN], out[_M2], out[_NAN], out[_INF] = *shifted, 0.0, 0.0
-            return None
+            out[Col.MEAN], out[Col.M2], out[Col.NAN], out[Col.INF] = *shifted, 0.0, 0.0
+            return
     else:
         nan, inf = float(torch.isnan(x).sum()), float(torch.isinf(x).sum())
         if nan or inf:  # as torch.mean in float64: inf for [inf, 1, 2], NaN with a NaN or both infinities
             # (float64: finite values whose float32 sum overflows must not turn -inf into NaN)
-            out[_MEAN], out[_M2], out[_NAN], out[_INF] = float(x.sum(dtype=torch.float64)) / n, math.nan, nan, inf
-            return None
-    mean, m2, _ = _scaled_moments(y, _host_sum, own=own)
-    out[_MEAN], out[_M2], out[_NAN], out[_INF] = float(mean), float(m2), 0.0, 0.0
-    return None
+            out[Col.MEAN], out[Col.M2], out[Col.NAN], out[Col.INF] = (
+                float(x.sum(dtype=torch.float64)) / n,
+                math.nan,
+                nan,
+                inf,
+            )
+            return
+    mean, m2, _ = scaled_moments(y, host_sum, own=own)
+    out[Col.MEAN], out[Col.M2], out[Col.NAN], out[Col.INF] = float(mean), float(m2), 0.0, 0.0
 
 
 def _one_pass_m2(total: float, sumsq: float, n: int, tiny: float) -> Optional[float]:
@@ -171,21 +201,11 @@ def _native_moments(x: Tensor, out: List[Entry], with_max: bool) -> Tuple[bool, 
     n = x.numel()
     m2 = _one_pass_m2(total, sumsq, n, _TINY[torch.float32])  # (the kernel squares in float32, bfloat16 too)
     if m2 is not None:
-        out[_MEAN], out[_M2], out[_NAN], out[_INF] = total / n, m2, 0.0, 0.0
+        out[Col.MEAN], out[Col.M2], out[Col.NAN], out[Col.INF] = total / n, m2, 0.0, 0.0
     else:
-        _host_moments(x, out, one_read=False)  # (its own reads: rare)
+        host_moments(x, out, one_read=False)  # (its own reads: rare)
     exact = with_max and math.isfinite(total) and math.isfinite(sumsq)
     return True, top if exact else None
-
-
-def _dense(y: Tensor) -> Tensor:
-    """``y``'s elements in a contiguous layout without a copy where one exists: a
-    transposed or permuted tensor (the sums do not depend on the order). Else ``y``."""
-    if y.is_contiguous() or y.dim() < 2:
-        return y
-    order = sorted(range(y.dim()), key=lambda i: -y.stride(i))
-    p = y.permute(order)
-    return p if p.is_contiguous() else y
 
 
 # Shifting by the mean squares y - c, down to ~2**-48 c: above this mean square that
@@ -209,12 +229,12 @@ def _shifted_moments(y: Tensor, mean: float, sumsq: float) -> Optional[Tuple[flo
     return (c + s1 / n, m2) if math.isfinite(s2) and _CONDITION * m2 >= s2 else None
 
 
-_DOT_MAX = 4096  # up to here a sum of squares is one float64 dot (above: vectorised float32 row norms)
+DOT_MAX = 4096  # up to here a sum of squares is one float64 dot (above: vectorised float32 row norms)
 
 
 def _sum_of_squares(y: Tensor) -> float:
     n = y.numel()
-    if n <= _DOT_MAX and y.is_contiguous():  # small tensors are overhead-bound: one copy, one dot
+    if n <= DOT_MAX and y.is_contiguous():  # small tensors are overhead-bound: one copy, one dot
         # (in float64: a float32 dot adds every square into one of a few running sums,
         # ~1e-6 off where one square dominates, such as an outlier among values near it)
         flat = y.view(-1).double()
@@ -256,6 +276,6 @@ def _strided_rows(y: Tensor) -> Optional[Tensor]:
         return None
 
 
-def _host_absmax(x: Tensor) -> float:
+def host_absmax(x: Tensor) -> float:
     lo, hi = torch.aminmax(x.detach())
     return max(abs(float(lo)), abs(float(hi)))
