@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_scale import ScaleMonitor
+from lightning_scale.capture import compiled
 from lightning_scale.tools.models import GPT, GPTConfig, synthetic_tokens
 
 pytestmark = [
@@ -35,12 +36,12 @@ class CompiledGPT(pl.LightningModule):
     ``in_place`` (``model.compile()``), ``blocks`` (each block ``torch.compile(block)``), or
     ``None`` (not compiled)."""
 
-    def __init__(self, pattern: Optional[str]) -> None:
+    def __init__(self, pattern: Optional[str], backend: str = "inductor") -> None:
         super().__init__()
         torch.manual_seed(0)
         gpt: Any = GPT(GPTConfig(vocab=VOCAB, seq=8, layers=2, dim=32, heads=2))
         if pattern == "whole":
-            gpt = torch.compile(gpt)
+            gpt = torch.compile(gpt, backend=backend)
         elif pattern == "in_place":
             gpt.compile()
         elif pattern == "blocks":
@@ -69,9 +70,11 @@ class GraphCount(pl.Callback):
         self.counts.append(int(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
 
 
-def fit(tmp_path: Path, pattern: Optional[str], monitor: Optional[ScaleMonitor]) -> Tuple[CompiledGPT, GraphCount]:
+def fit(
+    tmp_path: Path, pattern: Optional[str], monitor: Optional[ScaleMonitor], backend: str = "inductor"
+) -> Tuple[CompiledGPT, GraphCount]:
     x, y = synthetic_tokens(16, 8, VOCAB)
-    module, count = CompiledGPT(pattern), GraphCount()
+    module, count = CompiledGPT(pattern, backend), GraphCount()
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=4,
@@ -131,3 +134,26 @@ def test_compiled_gpt_is_seen_inside_and_trains_unchanged(
         assert got[tag][0] == pytest.approx(values[0], rel=1e-4, abs=1e-7), tag
         assert got[tag][2] == pytest.approx(values[2], rel=1e-3, abs=1e-6), tag
     print(pattern, sorted(set(got) - set(uncompiled)))
+
+
+def test_a_tracked_version_that_differs_trains_untracked_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection: an instrumented graph that changes the forward (a probe adding
+    1e-3) is caught by the fidelity probe; the fit trains as without the callback."""
+    plain, _ = fit(tmp_path / "plain", "whole", None, backend="aot_eager")  # (no C++ compile: fast)
+
+    def shifted(ctx: Any, x: Tensor, probe: Tensor, groups: Tuple[str, ...], copy: bool) -> Tensor:
+        ctx.groups = groups
+        return x + 1e-3
+
+    monkeypatch.setattr(compiled.Probe, "forward", staticmethod(shifted))
+    watched = monitor()
+    with pytest.warns(UserWarning) as record:
+        tracked, _ = fit(tmp_path / "tracked", "whole", watched, backend="aot_eager")
+    ours = [str(w.message) for w in record if "ScaleMonitor" in str(w.message)]
+    assert len(ours) == 1 and "does not reproduce its own forward bit for bit" in ours[0], ours
+    assert "training continues untracked" in ours[0]
+    for (name, p), q in zip(plain.named_parameters(), tracked.parameters()):
+        assert torch.equal(p, q), name
+    assert not [t for t in logged(tmp_path / "tracked") if t.startswith("scale/fwd/model.blocks")]
