@@ -157,3 +157,22 @@ def test_a_tracked_version_that_differs_trains_untracked_with_one_warning(
     for (name, p), q in zip(plain.named_parameters(), tracked.parameters()):
         assert torch.equal(p, q), name
     assert not [t for t in logged(tmp_path / "tracked") if t.startswith("scale/fwd/model.blocks")]
+
+
+def test_a_graph_that_cannot_be_instrumented_runs_as_the_user_compiled_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection: the instrumentation raises; the graph runs as the user's backend
+    compiles it, the step logs nothing and one warning says why."""
+    plain, _ = fit(tmp_path / "plain", "whole", None, backend="aot_eager")
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(compiled, "instrument_graph", broken)
+    with pytest.warns(UserWarning) as record:
+        tracked, _ = fit(tmp_path / "tracked", "whole", monitor(), backend="aot_eager")
+    ours = [str(w.message) for w in record if "ScaleMonitor" in str(w.message)]
+    assert len(ours) == 1 and "compiled graph not instrumented (RuntimeError: injected)" in ours[0], ours
+    for (name, p), q in zip(plain.named_parameters(), tracked.parameters()):
+        assert torch.equal(p, q), name

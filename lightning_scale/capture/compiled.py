@@ -42,7 +42,7 @@ from lightning_scale.record.recorder import BACKWARD, FORWARD
 from lightning_scale.record.stats import FIELDS
 from lightning_scale.record.stats.traceable import traceable_record
 
-__all__ = ["CompiledRoute", "InstrumentingBackend", "Probe", "UserCompile", "compiled_modules", "user_compile"]
+__all__ = ["CompiledRoute", "InstrumentingBackend", "Probe", "UserCompile", "compiled_modules", "probe", "user_compile"]
 
 _Optimized = torch._dynamo.eval_frame.OptimizedModule
 
@@ -92,9 +92,14 @@ class Probe(torch.autograd.Function):
         return grad, traceable_record(grad, ctx.groups), None, None
 
 
+def probe(x: Tensor, probe: Tensor, groups: Tuple[str, ...], copy: bool) -> Tensor:
+    """``Probe.apply`` as a graph node's target (fx writes code that imports it by name)."""
+    return Probe.apply(x, probe, groups, copy)
+
+
 @dataclass
 class _Instrumented:
-    """A rewritten graph: its recorded nodes (in row order) and whether rows have gradients."""
+    """A rewritten graph, its recorded nodes (in row order), and its outputs' container."""
 
     gm: fx.GraphModule
     names: List[str]
@@ -152,9 +157,9 @@ def _instrument_node(
         row = graph.call_function(traceable_record, (node,), {"groups": groups})
     if value.requires_grad:
         with graph.inserting_after(row):
-            probe = graph.call_function(operator.getitem, (probes, i))
-        with graph.inserting_after(probe):
-            through = graph.call_function(Probe.apply, (node, probe, groups, returned))
+            row_probe = graph.call_function(operator.getitem, (probes, i))
+        with graph.inserting_after(row_probe):
+            through = graph.call_function(probe, (node, row_probe, groups, returned))
         node.replace_all_uses_with(through, delete_user_cb=lambda user: user not in (row, through))
     return row
 
@@ -172,10 +177,18 @@ class InstrumentingBackend:
         self.backend = backend
 
     def __call__(self, gm: fx.GraphModule, example_inputs: List[Any]) -> Callable[..., Any]:
-        started = time.perf_counter()
         route = self._route()
         if route is None:
             return self.backend(gm, example_inputs)
+        try:
+            return self._instrumented(route, gm, example_inputs)
+        except Exception as err:  # noqa: BLE001 - never fail the step: the user's compile of the plain graph
+            return _failing(self.backend(gm, example_inputs), err)
+
+    def _instrumented(
+        self, route: "CompiledRoute", gm: fx.GraphModule, example_inputs: List[Any]
+    ) -> Callable[..., Any]:
+        started = time.perf_counter()
         graph = route.labels.frame_graph(gm)
         names = [s.name for s in graph.sites if s.name not in graph.views]
         rewritten = instrument_graph(gm, names, example_inputs, route.groups)
@@ -201,6 +214,20 @@ class InstrumentingBackend:
             return kind(out[:-1]) if kind is not None else out[0]
 
         return run
+
+
+def _failing(compiled: Callable[..., Any], error: Exception) -> Callable[..., Any]:
+    """``compiled`` (the graph as the user's backend compiles it), marking the step's recorder
+    failed: the callback then logs nothing for the step and says why."""
+    why = RuntimeError(f"compiled graph not instrumented ({type(error).__name__}: {error})")
+
+    def run(*args: Any) -> Any:
+        rec = recording.active()
+        if rec is not None and rec.error is None:
+            rec.error = why
+        return compiled(*args)
+
+    return run
 
 
 def compiled_modules(root: nn.Module) -> List[Tuple[str, nn.Module]]:
