@@ -7,7 +7,8 @@ Inductor can fuse its reductions (a float64 accumulation of every element, read 
 tensor's own buffer) with the kernels that produce the tensor.
 
 Moments take one pass, in float64, about the tensor's first element, so a mean far above
-the spread (|mean| / std of 1e3 and more) costs no accuracy (``_moments`` says why). The ``fp8`` group is not traceable yet: its fields are NaN here.
+the spread (|mean| / std of 1e3 and more) costs no accuracy (``_moments`` says why). The
+``fp8`` group is not traceable yet: its fields are NaN here.
 """
 
 from __future__ import annotations
