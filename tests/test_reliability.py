@@ -832,7 +832,13 @@ class Probe(pl.Callback):
 
 @pytest.mark.parametrize("mode", ["fx", "dynamo"])
 def test_no_memory_retained_over_200_tracked_steps(tmp_path: Any, mode: str) -> None:
-    monitor = ScaleMonitor(every_n_steps=1, capture=mode, figure=False, histograms=False, code=False)  # type: ignore[arg-type]
+    monitor = ScaleMonitor(
+        every_n_steps=1,
+        capture=mode,  # type: ignore[arg-type]
+        figure=False,
+        histograms=False,
+        code=False,
+    )
     probe = Probe(at=(2, 200))  # both after the 2nd batch of an epoch of 2
     fit(tmp_path, "leak", lambda: Net(Dropouts()), dense(8, n=8), [monitor, probe], steps=200)
     # Nothing accumulates: no more live tensors after 200 tracked steps than after 2 (fewer
