@@ -161,6 +161,7 @@ class ScaleMonitor(Callback):
             selection=self.selection,
             info=rank_zero_info,
             warn=rank_zero_warn,
+            groups=self.groups,
         )
         self._active: Optional[TrackedStep] = None
         options = ReportOptions(
