@@ -127,13 +127,15 @@ def measure() -> Dict[str, Dict[str, float]]:
 
 def table(res: Dict[str, Dict[str, float]]) -> str:
     lines = [
-        "| groups | kernel | dtype | aten ops / record | of which launch a torch kernel | full-size ops / record | Triton launches | bytes allocated / element |",
+        "| groups | kernel | dtype | aten ops / record | of which launch a torch kernel | full-size ops / record | "
+        "Triton launches | bytes allocated / element |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for key, r in res.items():
         label, kernel, dtype = key.split("|")
         lines.append(
-            f"| {label} | {kernel} | {dtype} | {r['ops']} | {r['torch_kernels']} | {r['full']} | {r['launches']} | {r['bytes']:.2f} |"
+            f"| {label} | {kernel} | {dtype} | {r['ops']} | {r['torch_kernels']} | {r['full']} | {r['launches']} | "
+            f"{r['bytes']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -143,10 +145,14 @@ def section(res: Dict[str, Dict[str, float]]) -> str:
         [
             "## Accelerator path: cost of one record, per kernel",
             "",
-            f"One `Recorder(groups, host_reads=False)` record of a {NUMEL:,}-element tensor on the CPU (`LIGHTNING_SCALE_HOST_READS=0`: "
-            "the ops a GPU runs), `LIGHTNING_SCALE_KERNEL=triton` (the fused kernel under Triton's interpreter: the same launches) "
-            "or `torch`. Aten ops counted by a dispatch mode outside the Triton launches; full-size ops: outputs of the tensor's "
-            "size that are not views; bytes: every allocation under `torch.profiler(profile_memory=True)`, hidden copies included "
+            f"One `Recorder(groups, host_reads=False)` record of a {NUMEL:,}-element tensor on the CPU "
+            f"(`LIGHTNING_SCALE_HOST_READS=0`: "
+            "the ops a GPU runs), `LIGHTNING_SCALE_KERNEL=triton` (the fused kernel under Triton's interpreter: the "
+            "same launches) "
+            "or `torch`. Aten ops counted by a dispatch mode outside the Triton launches; full-size ops: outputs of "
+            "the tensor's "
+            "size that are not views; bytes: every allocation under `torch.profiler(profile_memory=True)`, hidden "
+            "copies included "
             "(`benchmarks/kernel_ops.py`).",
             "",
             table(res),

@@ -65,7 +65,8 @@ def main(nodes: int, worlds: Sequence[int] = WORLDS) -> None:
         total = sum(size for _, _, size in calls)
         peak = max(r["peak_rss_added"] for r in ranks)
         print(
-            f"| {world} | {len(calls)}: {names} | {total:,} | {peak / 2**20:.1f} MiB | {ranks[0]['peak_rss_added'] / 2**20:.1f} MiB | {ranks[0]['seconds'] * 1e3:.0f} ms |"
+            f"| {world} | {len(calls)}: {names} | {total:,} | {peak / 2**20:.1f} MiB | "
+            f"{ranks[0]['peak_rss_added'] / 2**20:.1f} MiB | {ranks[0]['seconds'] * 1e3:.0f} ms |"
         )
 
 

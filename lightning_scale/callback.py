@@ -27,7 +27,6 @@ from lightning_scale.capture.coverage import skipped_line
 from lightning_scale.record import kernels, native, stats
 from lightning_scale.record.recorder import Recorder
 from lightning_scale.record.updates import UpdateStats, UpdateTracker
-from lightning_scale.report import pool
 from lightning_scale.report.options import ReportOptions
 from lightning_scale.report.reporting import Reporter, StepData
 from lightning_scale.step.anomaly import AnomalyTrigger
@@ -162,6 +161,7 @@ class ScaleMonitor(Callback):
             selection=self.selection,
             info=rank_zero_info,
             warn=rank_zero_warn,
+            groups=self.groups,
         )
         self._active: Optional[TrackedStep] = None
         options = ReportOptions(
@@ -394,32 +394,15 @@ class ScaleMonitor(Callback):
             updates=self._update_rows(trainer, active),
             parameters=replicated,
         )
-        try:
-            pooled = self.reporter.pool(data, trainer.strategy.root_device, strict=self.strict_ranks)
-        except pool.RankFailedError as err:  # raised on every rank alike
-            error = active.recorder.error
-            here = f"; here: {error!r}" if error is not None else ""
-            self.reporter.warn_once("error", f"ScaleMonitor: {err} at step {active.step}{here}; nothing logged for it")
-            return
-        except pool.RankMismatchError as err:  # raised on every rank alike
-            if self.strict_ranks:
-                raise
-            self.reporter.warn_once("ranks", f"ScaleMonitor: {err} at step {active.step}; nothing logged for it")
-            return
-        if pooled is not None and pooled.unshared is not None:
-            self.reporter.warn_once(
-                "unshared",
-                f"ScaleMonitor: step {active.step}: {pooled.unshared.describe()} "
-                "(warned once; `strict_ranks=True` raises instead)",
-            )
         loggers = _writable_loggers(trainer) if trainer.is_global_zero else []
-        try:
-            self.reporter.report(data, pooled, trainer.is_global_zero, loggers, trainer.accumulate_grad_batches)
-        except Exception as err:  # noqa: BLE001 - after the collective: a fault here stays here
-            self.reporter.warn_once(
-                "report",
-                f"ScaleMonitor: reporting step {active.step} failed ({type(err).__name__}: {err}); training continues",
-            )
+        self.reporter.publish(
+            data,
+            device=trainer.strategy.root_device,
+            strict=self.strict_ranks,
+            is_zero=trainer.is_global_zero,
+            loggers=loggers,
+            accumulate=trainer.accumulate_grad_batches,
+        )
 
     # ---- anomaly-triggered tracking and update ratios (lightning_scale.step.anomaly, .updates)
 

@@ -98,6 +98,7 @@ BAD = [
     ("anomaly_factor", "10", r"`anomaly_factor` must be a finite number above 1, got '10' \(str\)"),
     ("update_ratios", "yes", r"`update_ratios` must be True or False, got 'yes' \(str\)"),
     ("verify_capture", 1, r"`verify_capture` must be True or False, got 1 \(int\)"),
+    ("strict_ranks", "yes", r"`strict_ranks` must be True or False, got 'yes' \(str\)"),
     ("max_log_bytes", 0, r"`max_log_bytes` must be a positive integer or None \(bytes\), got 0"),
     ("max_log_bytes", True, r"`max_log_bytes` must be a positive integer or None \(bytes\), got True \(bool\)"),
 ]

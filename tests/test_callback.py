@@ -448,7 +448,8 @@ def test_validation_tracking(tmp_path: Path) -> None:
     layout = layout_pb2.Layout()
     layout.ParseFromString(acc.Tensors("custom_scalars__config__")[-1].tensor_proto.string_val[0])
     titles = {c.title for c in layout.category}
-    assert any(t.startswith("scale_log2 · ") for t in titles) and any(t.startswith("val_scale_log2 · ") for t in titles)
+    assert any(t.startswith("scale_log2 · ") for t in titles)
+    assert any(t.startswith("val_scale_log2 · ") for t in titles)
 
 
 # ---- 8. other loggers ------------------------------------------------------------------------------

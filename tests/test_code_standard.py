@@ -1,5 +1,5 @@
 """The code reads as docs/architecture.md promises: lines of at most 120 columns and no
-``# fmt: skip`` anywhere; in the package, no function over 60 lines (docstring aside), no
+formatter markers (fmt skip, fmt off) anywhere; in the package, no function over 60 lines (docstring aside), no
 module over 450 lines, no import of another module's underscore names and no write to
 another object's private attributes. Each check is also run on a synthetic source that
 breaks it, so none of them can pass by accident."""
@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "lightning_scale"
 TREES = ("lightning_scale", "tests", "benchmarks", "examples")
 MAX_COLUMNS, MAX_FUNCTION, MAX_MODULE = 120, 60, 450
+FORMATTER_MARKERS = tuple("# fmt" + f": {word}" for word in ("skip", "off"))  # (not written whole: this file)
 
 
 def python_files(*trees: str) -> Iterator[Path]:
@@ -53,6 +54,38 @@ def private_imports(source: str) -> List[str]:
     return found
 
 
+#: Writes to a private attribute that an outside API asks for, each with its reason.
+ALLOWED_PRIVATE_WRITES = {
+    # the reference library's API: its interpreter reads function placeholders from there
+    "graph._tracer_extras",
+}
+
+
+#: NamedTuple's API: public, though its names start with an underscore.
+NAMEDTUPLE_API = {"_fields", "_replace", "_asdict", "_make", "_field_defaults"}
+
+
+def private_uses(source: str) -> List[str]:
+    """``name._x`` where ``name`` is imported from the package: another module's private
+    name used through its module or class."""
+    tree = ast.parse(source)
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_scale"):
+            imported |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            imported |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("lightning_scale")}
+    return [
+        ast.unparse(n)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Name)
+        and n.value.id in imported
+        and _private(n.attr)
+        and n.attr not in NAMEDTUPLE_API
+    ]
+
+
 def private_writes(source: str) -> List[Tuple[int, str]]:
     """Assignments to ``x._name`` (or ``setattr(x, "_name", ...)``) where ``x`` is not
     ``self`` or ``cls``."""
@@ -64,6 +97,8 @@ def private_writes(source: str) -> List[Tuple[int, str]]:
         for target in targets:
             for t in ast.walk(target):
                 if isinstance(t, ast.Attribute) and _private(t.attr) and not _is_self(t.value):
+                    if ast.unparse(t) in ALLOWED_PRIVATE_WRITES:
+                        continue
                     found.append((t.lineno, ast.unparse(t)))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
             name = node.args[1] if len(node.args) > 1 else None
@@ -89,8 +124,8 @@ def test_lines_fit_in_120_columns_and_nothing_skips_the_formatter() -> None:
     for path in python_files(*TREES):
         source = path.read_text()
         lines = long_lines(source)
-        if lines or "fmt: skip" in source or "fmt: off" in source:
-            bad[str(path.relative_to(ROOT))] = lines or "fmt: skip/off"
+        if lines or any(marker in source for marker in FORMATTER_MARKERS):
+            bad[str(path.relative_to(ROOT))] = lines or "a formatter marker"
     assert bad == {}
 
 
@@ -108,6 +143,12 @@ def test_functions_and_modules_of_the_package_are_short() -> None:
 
 
 def test_no_module_imports_another_modules_private_names() -> None:
+    used = {
+        str(p.relative_to(ROOT)): found
+        for p in python_files("lightning_scale")
+        if (found := private_uses(p.read_text()))
+    }
+    assert used == {}
     bad = {
         str(p.relative_to(ROOT)): found
         for p in python_files("lightning_scale")
@@ -130,6 +171,7 @@ def test_no_module_writes_another_objects_private_attributes() -> None:
 BROKEN = '''
 from lightning_scale.record.stats.fields import _IX, FIELDS
 from .host import _dense
+from lightning_scale.record import native
 
 
 def long():
@@ -143,13 +185,19 @@ class C:
         other._theirs = 2
         setattr(other, "_hidden", 3)
         other.public = 4
+        native._loaded = native._reason
 '''
 
 
 def test_each_check_fails_on_a_source_that_breaks_it() -> None:
     source = BROKEN.format(body="\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION + 1)))
-    assert long_functions(source) == {"long:6": MAX_FUNCTION + 1}
+    assert long_functions(source) == {"long:7": MAX_FUNCTION + 1}
     assert long_functions(BROKEN.format(body="    pass")) == {}
     assert private_imports(source) == ["lightning_scale.record.stats.fields._IX", "host._dense"]
-    assert [text for _, text in private_writes(source)] == ["other._theirs", "setattr(other, '_hidden', 3)"]
+    assert sorted(private_uses(source)) == ["native._loaded", "native._reason"]
+    assert sorted(text for _, text in private_writes(source)) == [
+        "native._loaded",
+        "other._theirs",
+        "setattr(other, '_hidden', 3)",
+    ]
     assert long_lines("x = 1\n" + "y" * (MAX_COLUMNS + 1) + "\n") == [2]

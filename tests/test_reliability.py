@@ -31,7 +31,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-import lightning_scale.callback
+import lightning_scale.step.captures
 from lightning_scale import ScaleMonitor
 from lightning_scale.record import recorder
 from lightning_scale.capture import CaptureError, capture
@@ -490,7 +490,7 @@ def test_capture_failure_warns_once_and_trains_untracked(tmp_path: Any, monkeypa
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("capture exploded")
 
-    monkeypatch.setattr(lightning_scale.callback, "capture", broken)
+    monkeypatch.setattr(lightning_scale.step.captures, "capture", broken)
     run, _ = train_both(tmp_path, lambda: Net(Dropouts()), dense(8))
     assert len(run.warnings) == 1, run.warnings
     assert "capture exploded" in run.warnings[0] and "continues untracked" in run.warnings[0]
@@ -832,7 +832,13 @@ class Probe(pl.Callback):
 
 @pytest.mark.parametrize("mode", ["fx", "dynamo"])
 def test_no_memory_retained_over_200_tracked_steps(tmp_path: Any, mode: str) -> None:
-    monitor = ScaleMonitor(every_n_steps=1, capture=mode, figure=False, histograms=False, code=False)  # type: ignore[arg-type]
+    monitor = ScaleMonitor(
+        every_n_steps=1,
+        capture=mode,  # type: ignore[arg-type]
+        figure=False,
+        histograms=False,
+        code=False,
+    )
     probe = Probe(at=(2, 200))  # both after the 2nd batch of an epoch of 2
     fit(tmp_path, "leak", lambda: Net(Dropouts()), dense(8, n=8), [monitor, probe], steps=200)
     # Nothing accumulates: no more live tensors after 200 tracked steps than after 2 (fewer

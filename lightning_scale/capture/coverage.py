@@ -41,6 +41,7 @@ class CoverageReport:
         uncovered: (module path, parameter elements, why) of the largest uncovered modules.
         opaque: compiled submodule path -> module calls inside it (not in ``modules``).
         skipped: tensors seen but not recorded (``"emb.weight grad"``) -> why (``"sparse_coo layout"``).
+        note: said at the end of the line.
     """
 
     elements: int
@@ -50,6 +51,7 @@ class CoverageReport:
     uncovered: List[Tuple[str, int, str]] = field(default_factory=list)
     opaque: Dict[str, int] = field(default_factory=dict)
     skipped: Dict[str, str] = field(default_factory=dict)
+    note: str = ""  # appended to the line (the compiled route's compile time)
 
     @property
     def parameter_fraction(self) -> float:
@@ -73,7 +75,7 @@ class CoverageReport:
             text += f"; {n} module calls inside compiled `{path}` run its compiled code, recorded at its output only"
         if self.skipped:
             text += f"; {skipped_line(self.skipped)}"
-        return text
+        return f"{text}; {self.note}" if self.note else text
 
     def warning(self) -> Optional[str]:
         """None at or above the threshold, else what is missing and why."""

@@ -48,6 +48,8 @@ import torch
 from torch import fx, nn
 
 from lightning_scale.capture import coverage, frames
+from lightning_scale.capture.compiled import CompiledRoute, compiled_modules
+from lightning_scale.capture.compiled_labels import CompiledLabels
 from lightning_scale.capture.dynamo import MODULE_KEY, WeakBackend, opaque_module_paths, tracked_forward
 from lightning_scale.capture.interpreter import instrument
 from lightning_scale.capture.labels import label_graph, view_aliases
@@ -55,6 +57,8 @@ from lightning_scale.capture.tracer import DEFAULT_LEAF_TYPES, DeepTracer, failu
 from lightning_scale.record.recorder import BACKWARD
 
 __all__ = ["CAPTURE_MODES", "Capture", "CaptureError", "DeepTracer", "capture", "label_graph"]
+
+OptimizedModule = torch._dynamo.eval_frame.OptimizedModule
 
 CaptureMode = Literal["auto", "fx", "dynamo"]
 CAPTURE_MODES: Tuple[str, ...] = ("auto", "fx", "dynamo")
@@ -101,6 +105,9 @@ class Capture:
     _tensor_names: Optional[Dict[int, List[str]]] = None
     _breaks: List[str] = field(default_factory=list)
     _skipped: Dict[str, str] = field(default_factory=dict)  # "label" / "label grad" -> why not recorded
+    #: the compiled submodules' route: they run instrumented compiled versions on tracked calls
+    compiled: Optional[CompiledRoute] = None
+    _wrapped: Optional[Callable[..., Any]] = None
 
     def tensor_paths(self) -> Dict[int, List[str]]:
         """``id`` of each parameter and buffer -> its paths in the module (tied ones have several)."""
@@ -203,21 +210,43 @@ class Capture:
         should use the module's own forward instead.
         """
         if self.mode == "fx":
-            return self._fns[0]
-        if self._compiled is None:
-            forward = type(self.module).forward.__get__(self.module)
-            compiled = torch.compile(forward, backend=WeakBackend(self), dynamic=None, **_ISOLATED)
-            self._compiled = tracked_forward(self, compiled)
-        return self._compiled
+            fn = self._fns[0]
+        else:
+            if self._compiled is None:
+                forward = type(self.module).forward.__get__(self.module)
+                compiled = torch.compile(forward, backend=WeakBackend(self), dynamic=None, **_ISOLATED)
+                self._compiled = tracked_forward(self, compiled)
+            fn = self._compiled
+        if self.compiled is None:
+            return fn
+        if self._wrapped is None:
+            self._wrapped = _through_compiled(fn, self.compiled)
+        return self._wrapped
+
+    def add_compiled_route(self, groups: Sequence[str]) -> None:
+        """Run the compiled submodules (``torch.compile(m)``, ``m.compile()``) on tracked calls
+        as instrumented compiled versions (``compiled.CompiledRoute``), labelled in this capture."""
+        if any(path for path, _ in compiled_modules(self.module)):
+            labels = CompiledLabels(self.module, self.graphs, self.labels, self.aliases)
+            self.compiled = CompiledRoute(self.module, groups, labels)
 
     def coverage(self, recorded: Sequence[str]) -> coverage.CoverageReport:
         """How much of the module the labels ``recorded`` (those with a record on a
         tracked step) cover; ``.line()`` for the log, ``.warning()`` below 90%."""
-        compiled = self._opaque_compiled()
-        opaque = [frames.strip_compiled(p) for p in self.leaves] + compiled + self._opaque_rnns()
-        return coverage.measure(
-            self.module, recorded, opaque, self._why_missing, compiled=compiled, skipped=self._skipped
+        # compiled submodules are opaque, unless the compiled route records inside them
+        routed = {path for path, _ in self.compiled.targets} if self.compiled is not None else set()
+        compiled = [p for p in self._opaque_compiled() if p not in routed]
+        leaves = [p for p in (frames.strip_compiled(p) for p in self.leaves) if p not in routed]
+        report = coverage.measure(
+            self.module,
+            recorded,
+            leaves + compiled + self._opaque_rnns(),
+            self._why_missing,
+            compiled=compiled,
+            skipped=self._skipped,
         )
+        report.note = self.compiled.describe() if self.compiled is not None else ""
+        return report
 
     def _opaque_rnns(self) -> List[str]:
         """RNN modules dynamo runs eagerly and ``opaque_modules`` records at their output."""
@@ -246,7 +275,17 @@ class Capture:
             parts.append("fx fallbacks: " + ", ".join(f"{k} ({v})" for k, v in self.fallbacks.items()))
         if self.reason:
             parts.append(self.reason)
+        if self.compiled is not None:
+            parts.append(self.compiled.describe())
         return "; ".join(parts)
+
+
+def _through_compiled(fn: Callable[..., Any], route: CompiledRoute) -> Callable[..., Any]:
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        with route.swapped():
+            return fn(*args, **kwargs)
+
+    return tracked
 
 
 # Compiles of the same forward (a new model of the same class) share dynamo's recompile
@@ -261,6 +300,7 @@ def capture(
     autowrap_modules: Tuple[ModuleType, ...] = (math,),
     autowrap_functions: Tuple[Callable[..., Any], ...] = (),
     units: Sequence[str] = (),
+    groups: Sequence[str] = ("moments", "range"),
 ) -> Capture:
     """Capture ``module``'s forward.
 
@@ -271,6 +311,7 @@ def capture(
         autowrap_modules, autowrap_functions: passed to the fx tracer.
         units: paths of submodules captured as graphs of their own and run through their
             own ``__call__`` (so their hooks run: FSDP units). Implies fx.
+        groups: statistic groups the compiled submodules' graphs compute (the recorder's).
 
     Raises:
         ValueError: unknown ``mode``.
@@ -278,9 +319,25 @@ def capture(
     """
     if mode not in CAPTURE_MODES:
         raise ValueError(f"`mode` must be one of {list(CAPTURE_MODES)}, got {mode!r}")
+    cap = _capture(module, mode, leaf_modules, autowrap_modules, autowrap_functions, units)
+    if not units:  # (FSDP units with compiled parts: not supported yet)
+        cap.add_compiled_route(groups)
+    return cap
+
+
+def _capture(
+    module: nn.Module,
+    mode: str,
+    leaf_modules: Sequence[Union[str, Type[nn.Module]]],
+    autowrap_modules: Tuple[ModuleType, ...],
+    autowrap_functions: Tuple[Callable[..., Any], ...],
+    units: Sequence[str],
+) -> Capture:
     if mode == "dynamo":
         return Capture("dynamo", module, reason="dynamo requested")
-    leaves = tuple(DEFAULT_LEAF_TYPES) + tuple(leaf_modules)
+    # a module compiled in place runs its compiled code: a leaf, as an OptimizedModule
+    in_place = [path for path, m in compiled_modules(module) if path and not isinstance(m, OptimizedModule)]
+    leaves = tuple(DEFAULT_LEAF_TYPES) + tuple(leaf_modules) + tuple(in_place)
     if units:
         cap = _fx_capture(module, leaves + tuple(units), autowrap_modules, autowrap_functions)
         _add_units(cap, module, units, leaves, autowrap_modules, autowrap_functions)

@@ -187,7 +187,7 @@ def instrument(
         env[node] = new
         if node.name in labels and node.op != "output":
             graph.call_function(observer, (new, labels[node.name]))
-    graph._codegen = gm.graph._codegen  # keep pytree in/out handling
+    graph.set_codegen(gm.graph._codegen)  # keep pytree in/out handling
     code_gm = fx.GraphModule(gm, graph)
     forward = type(code_gm).forward
     root: Any = _LiveRoot(live, code_gm) if live is not None else code_gm

@@ -12,6 +12,7 @@ trace error into what failed, in which module, at which source line.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 import os
 import traceback
 import warnings
@@ -64,7 +65,10 @@ class DeepTracer(fx.Tracer):
         leaf_modules: Sequence[Union[str, Type[nn.Module]]] = DEFAULT_LEAF_TYPES,
         fallback: bool = True,
     ) -> None:
-        super().__init__(autowrap_modules=autowrap_modules, autowrap_functions=autowrap_functions)  # type: ignore[arg-type]
+        super().__init__(
+            autowrap_modules=autowrap_modules,  # type: ignore[arg-type]
+            autowrap_functions=autowrap_functions,
+        )
         self.leaf_types = tuple(t for t in leaf_modules if isinstance(t, type))
         self.leaf_names = {t for t in leaf_modules if isinstance(t, str)}
         self.fallback = fallback
@@ -94,8 +98,7 @@ class DeepTracer(fx.Tracer):
             try:
                 return super().call_module(m, forward, args, kwargs)
             except Exception as err:
-                if not hasattr(err, "_lightning_scale_module"):
-                    err._lightning_scale_module = name  # type: ignore[attr-defined]  # innermost module, for the message
+                _remember_module(err, name)  # the innermost module, for the message
                 raise
         before = list(self.graph.nodes)[-1] if len(self.graph.nodes) else None
         stack = dict(self.module_stack)
@@ -171,12 +174,30 @@ def trace_module(module: nn.Module, tracer: DeepTracer) -> fx.GraphModule:
         gm = fx.GraphModule(module, graph)
     if drawn:  # ops on concrete values ran while tracing: the graph holds their one result
         raise SideEffectError(
-            f"forward draws from {' and '.join(drawn)} outside the traced ops; a graph would repeat one draw on every step"
+            f"forward draws from {' and '.join(drawn)} outside the traced ops; a graph would repeat one draw on "
+            f"every step"
         )
     if writes:
         where = ", ".join(str(w) for w in writes[:3])
         raise SideEffectError(f"forward writes module state ({where}), which a graph does not replay")
     return gm
+
+
+#: id of a trace failure -> (the failure, the innermost module it was raised in); the last
+#: few only (an exception takes no attributes of ours, nor weak references)
+_FAILED_IN: "OrderedDict[int, Tuple[BaseException, str]]" = OrderedDict()
+
+
+def _remember_module(err: BaseException, name: str) -> None:
+    if _module_of(err) is None:
+        _FAILED_IN[id(err)] = (err, name)
+        while len(_FAILED_IN) > 8:
+            _FAILED_IN.popitem(last=False)
+
+
+def _module_of(err: BaseException) -> Optional[str]:
+    hit = _FAILED_IN.get(id(err))
+    return hit[1] if hit is not None and hit[0] is err else None
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -186,7 +207,7 @@ _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the pa
 def failure_reason(err: BaseException) -> str:
     """What failed, where: ``TypeError: ... in `blocks.0.attn` at model.py:42 (code)``."""
     text = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
-    module = getattr(err, "_lightning_scale_module", None)
+    module = _module_of(err)
     if module:
         text += f" in `{module}`"
     for frame in reversed(traceback.extract_tb(err.__traceback__)):

@@ -162,7 +162,8 @@ def worst(data: RunData, step: Optional[int], by: str = "fp16", pattern: str = "
         raise ValueError(f"`by` must be one of {list(RANKINGS)}, got {by!r}")
     if by == "fp8" and not any(f"fp8_{fmt}_snr_db" in data.stats for fmt in FP8_RECIPE.values()):
         raise ValueError(
-            "`by=fp8` needs the FP8 what-if logged: ScaleMonitor(statistics=[..., 'fp8_e4m3_snr_db', 'fp8_e5m2_snr_db'])"
+            "`by=fp8` needs the FP8 what-if logged: ScaleMonitor(statistics=[..., 'fp8_e4m3_snr_db', "
+            "'fp8_e5m2_snr_db'])"
         )
     try:
         match = re.compile(pattern).search

@@ -13,7 +13,7 @@ import functools
 import os
 import weakref
 from contextlib import contextmanager
-from typing import Any, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -75,6 +75,8 @@ class Recorder:
         self.device: Optional[torch.device] = None
         #: (key, FORWARD or BACKWARD) -> why its tensor was not recorded (``"sparse_coo layout"``)
         self.skipped: Dict[Tuple[Hashable, int], str] = {}
+        # rows known only after backward (a compiled graph's gradient rows): taken at ``flush()``
+        self._later: List[Tuple[List[Hashable], int, Callable[[], Optional[Tensor]]]] = []
 
     @property
     def keys(self) -> List[Hashable]:
@@ -117,6 +119,25 @@ class Recorder:
         box: List[Any] = []
         box.append(x.register_hook(functools.partial(self._on_leaf_grad, slot, box)))
         self._handles.append(box[0])
+
+    def add_rows(self, keys: Sequence[Hashable], direction: int, rows: Tensor) -> None:
+        """Records computed elsewhere (the statistic rows a compiled graph returns): ``rows[i]``,
+        a float64 ``[len(FIELDS)]`` row on the device, is ``keys[i]``'s record in ``direction``
+        (``FORWARD`` or ``BACKWARD``). Kept on the device, merged like observed records."""
+        if len(keys) != rows.shape[0] or rows.shape[1:] != (len(stats.FIELDS),):
+            raise ValueError(f"`rows` must be [{len(keys)}, {len(stats.FIELDS)}], got {list(rows.shape)}")
+        if self.device is None:
+            self.device = rows.device
+        self._host_only = False
+        for key, row in zip(keys, rows.unbind(0)):
+            self._rows.append((self.slot(key), direction, row))
+
+    def add_rows_later(self, keys: Sequence[Hashable], direction: int, rows: Callable[[], Optional[Tensor]]) -> None:
+        """As ``add_rows``, with rows that exist only once backward has run: ``rows()`` is
+        called by ``flush()`` (and so by ``records()``); None means no rows (no backward)."""
+        for key in keys:
+            self.slot(key)
+        self._later.append((list(keys), direction, rows))
 
     def _skip(self, slot: int, direction: int, x: Tensor) -> None:
         """No statistics for ``x``: they are defined here for strided tensors only."""
@@ -228,6 +249,11 @@ class Recorder:
             return
         try:
             self._short.flush()
+            later, self._later = self._later, []
+            for keys, direction, rows in later:
+                taken = rows()
+                if taken is not None:
+                    self.add_rows(keys, direction, taken)
         except Exception as err:  # noqa: BLE001 - reported by the owner of the recorder
             self.error = err
 
@@ -262,6 +288,7 @@ class Recorder:
         self._buffer.clear()
         self.histograms.clear()
         self.skipped.clear()
+        self._later.clear()
         self.error = None
         self.remove_hooks()
 

@@ -171,6 +171,39 @@ class Reporter:
             return []
         return [l for l in data.labels if self.value_histograms.search(l)]
 
+    def publish(
+        self,
+        data: StepData,
+        *,
+        device: torch.device,
+        strict: bool,
+        is_zero: bool,
+        loggers: Sequence[Any],
+        accumulate: int,
+    ) -> None:
+        """Pool a tracked step over ranks (``pool``) and write it (``report``). A rank whose
+        statistics failed, ranks whose graphs differ (unless ``strict``, where the
+        ``RankMismatchError`` is raised) and a fault while reporting each end as one warning."""
+        try:
+            pooled = self.pool(data, device, strict=strict)
+        except pool.RankFailedError as err:  # raised on every rank alike
+            here = f"; here: {data.recorder.error!r}" if data.recorder.error is not None else ""
+            self.warn_once("error", f"ScaleMonitor: {err} at step {data.step}{here}; nothing logged for it")
+            return
+        except pool.RankMismatchError as err:  # raised on every rank alike
+            if strict:
+                raise
+            self.warn_once("ranks", f"ScaleMonitor: {err} at step {data.step}; nothing logged for it")
+            return
+        if pooled is not None and pooled.unshared is not None:
+            why = f"{pooled.unshared.describe()} (warned once; `strict_ranks=True` raises instead)"
+            self.warn_once("unshared", f"ScaleMonitor: step {data.step}: {why}")
+        try:
+            self.report(data, pooled, is_zero, loggers, accumulate)
+        except Exception as err:  # noqa: BLE001 - after the collectives: a fault here stays here
+            why = f"({type(err).__name__}: {err}); training continues"
+            self.warn_once("report", f"ScaleMonitor: reporting step {data.step} failed {why}")
+
     def report(
         self, data: StepData, step: Optional[PooledStep], is_zero: bool, loggers: Sequence[Any], accumulate: int
     ) -> None:
@@ -252,7 +285,8 @@ class Reporter:
             self.warn_once(
                 "max_tags",
                 f"ScaleMonitor: {nodes} nodes have tensors; writing the first {self.max_tags} "
-                f"(raise `max_tags`, or narrow with `include` / `exclude` / `prune_views`) as scalars; the SCALES dashboard shows all {nodes}",
+                f"(raise `max_tags`, or narrow with `include` / `exclude` / `prune_views`) as scalars; the SCALES "
+                f"dashboard shows all {nodes}",
             )
 
     def _outputs_of(self, loggers: Sequence[Any]) -> List[Any]:
@@ -376,9 +410,19 @@ def scale_backward(records: Tensor, factor: float) -> Tensor:
 
 def _nothing_recorded(data: StepData) -> str:
     where = f"step {data.step}" + (" (validation)" if data.prefix else "")
-    if not data.labels:
-        return f"ScaleMonitor: no node selected at {where}: `include` / `exclude` / `prune_views` leave none of {len(data.capture.node_labels)} nodes"
     target = data.target or type(data.capture.module).__name__
+    nodes = len(data.capture.node_labels)
+    if not data.labels and nodes:
+        return (
+            f"ScaleMonitor: no node selected at {where}: `include` / `exclude` / `prune_views` leave none of "
+            f"{nodes} nodes"
+        )
+    if not nodes:
+        return (
+            f"ScaleMonitor: nothing recorded at {where}: the capture of `{target}` holds no graph "
+            "(with capture='dynamo', torch.compile may have refused every frame of its forward, e.g. one "
+            "that uses a sparse tensor; capture='fx' may trace it)"
+        )
     return (
         f"ScaleMonitor: nothing recorded at {where}: the captured forward of `{target}` did not run "
         "(call the module, e.g. `self(x)`, in the step; with capture='dynamo' the compile cache may be full)"

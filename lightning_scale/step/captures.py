@@ -10,7 +10,7 @@ nothing here imports Lightning: the callback passes how to log and how ranks agr
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 from torch import nn
 
@@ -32,13 +32,23 @@ class Captures:
         leaf_modules: qualified names of submodules kept as fx leaves.
         verify: run the fidelity probe on each capture's first tracked step.
         selection: which labels are written (``include``/``exclude``/``prune_views``).
+        groups: the statistic groups recorded (compiled submodules compute them in their graphs).
         info, warn: how to log a line and how to warn (rank zero only, from the callback).
     """
 
     def __init__(
-        self, *, mode: str, leaf_modules: List[str], verify: bool, selection: Selection, info: Log, warn: Log
+        self,
+        *,
+        mode: str,
+        leaf_modules: List[str],
+        verify: bool,
+        selection: Selection,
+        info: Log,
+        warn: Log,
+        groups: Sequence[str] = ("moments", "range"),
     ) -> None:
         self.mode, self.leaf_modules, self.selection = mode, leaf_modules, selection
+        self.groups = tuple(groups)
         self.verification = Verification(verify)
         self.info, self.warn = info, warn
         self.disabled: Optional[str] = None  # why tracking is off for this run, once it is
@@ -80,7 +90,8 @@ class Captures:
 
     def new(self, target: nn.Module, mode: Optional[str] = None) -> Capture:
         """A new capture of ``target`` by ``mode`` (default: the user's route)."""
-        return capture(target, mode or self.mode, leaf_modules=self.leaf_modules, units=fsdp_units(target))
+        units = fsdp_units(target)
+        return capture(target, mode or self.mode, leaf_modules=self.leaf_modules, units=units, groups=self.groups)
 
     def disable(self, why: str) -> None:
         """Switch tracking off for this run, with one warning saying why."""

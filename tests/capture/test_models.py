@@ -446,11 +446,12 @@ def test_a_model_no_route_reproduces_trains_untracked_with_one_warning(tmp_path:
     )
     assert "; gradient of `model.head.bias` differs: 64 of 64 elements differ" in warned[0]
     assert (
-        "; fx: could not capture (CaptureError: torch.fx could not trace CompileAwareTask: TraceError: symbolically traced"
-        in warned[0]
+        "; fx: could not capture (CaptureError: torch.fx could not trace CompileAwareTask: TraceError: symbolically "
+        "traced" in warned[0]
     )
     assert warned[0].endswith("pass `verify_capture=False` to track it anyway; training continues untracked.")
-    assert monitor.captures.disabled and list(monitor.captures.values())  # one capture, its probe failed: no other step tracked
+    # one capture, its probe failed: no other step tracked
+    assert monitor.captures.disabled and list(monitor.captures.values())
 
 
 def hook_reference(model: nn.Module, paths: List[str], run: Callable[[], Tensor]) -> Dict[str, Tuple[float, float]]:

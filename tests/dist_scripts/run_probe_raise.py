@@ -1,7 +1,7 @@
 """Two CPU processes (gloo, ``ddp``) where rank 1's forward raises on the probed step.
 
-Usage: ``python run_probe_raise.py OUT CALLBACK`` (CALLBACK ``on`` or ``off``). Step 0 is tracked and is the capture's first
-tracked step, so the fidelity probe runs the eager forward first: on rank 1 it raises
+Usage: ``python run_probe_raise.py OUT CALLBACK`` (CALLBACK ``on`` or ``off``). Step 0 is
+tracked and is the capture's first tracked step, so the fidelity probe runs the eager forward first: on rank 1 it raises
 ``ValueError("rank 1 failed in forward")``. The fit must end with that error, as it does
 without the callback; rank 0 must not claim that training continues untracked.
 Lightning's ``ddp`` launcher re-runs this script for rank 1.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -162,3 +163,26 @@ def test_a_sparse_value_is_skipped_in_its_direction() -> None:
     assert rec.skipped == {("sparse", FORWARD): "sparse_coo layout", ("csr", FORWARD): "sparse_csr layout"}
     count = rec.records(["sparse", "csr", "dense"])[..., stats.FIELDS.index("count")]
     assert count[:, FORWARD].tolist() == [0, 0, 12]
+
+
+def test_rows_added_whole_are_placed_and_merged_like_observed_records() -> None:
+    # (the compiled route hands whole rows: forward rows at once, gradient rows after backward)
+    a, b = torch.randn(50), torch.randn(70) + 2
+    row_a = stats.assemble([stats.record_of(a, host_reads=False)])
+    row_b = stats.assemble([stats.record_of(b, host_reads=False)])
+    rec = Recorder()
+    rec.add_rows(["x"], FORWARD, row_a)
+    rec.observe("x", b)  # the same key again: merged
+    grads: list = []
+    rec.add_rows_later(["x", "y"], BACKWARD, lambda: grads[0] if grads else None)
+    rec.add_rows_later(["y"], FORWARD, lambda: None)  # (no backward reached it: nothing)
+    assert rec.keys == ["x", "y"]
+    grads.append(torch.cat([row_b, row_a]))  # known only when the records are read
+    out = rec.records(["x", "y"])
+    merged = stats.assemble([stats.record_of(torch.cat([a, b]), host_reads=False)])[0]
+    torch.testing.assert_close(out[0, FORWARD], merged, rtol=1e-6, atol=0, equal_nan=True)  # (host sums: ~1e-7)
+    torch.testing.assert_close(out[0, BACKWARD], row_b[0], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(out[1, BACKWARD], row_a[0], rtol=0, atol=0, equal_nan=True)
+    assert float(out[1, FORWARD, 0]) == 0  # never seen forward: an empty record
+    with pytest.raises(ValueError, match=r"`rows` must be \[2, \d+\], got \[1, \d+\]"):
+        rec.add_rows(["x", "y"], FORWARD, row_a)

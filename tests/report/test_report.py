@@ -115,7 +115,10 @@ def test_syntax_highlighting_colours_the_same_text() -> None:
 
 
 def test_annotate_code() -> None:
-    code = 'torch.fx._symbolic_trace.wrap("f")\n\ndef forward(self, x):\n    y = x * 2;  x = None\n    z = f(y)\n    return z\n'
+    code = (
+        'torch.fx._symbolic_trace.wrap("f")\n\n'
+        "def forward(self, x):\n    y = x * 2;  x = None\n    z = f(y)\n    return z\n"
+    )
     scales = {"y": ScalePair(1.0, 0.5), "x": ScalePair(2.0, None)}
     assert (
         report.annotate_code(code, scales)
@@ -124,7 +127,10 @@ def test_annotate_code() -> None:
 
 
 def test_annotate_code_with_labels_aligns_scales_and_flags_out_of_range() -> None:
-    code = "def forward(self, x):\n    linear = torch._C._nn.linear(x, w, b);  x = None\n    mul = linear * 1e-9\n    big = mul * 1e15\n    return big\n"
+    code = (
+        "def forward(self, x):\n    linear = torch._C._nn.linear(x, w, b);  x = None\n"
+        "    mul = linear * 1e-9\n    big = mul * 1e15\n    return big\n"
+    )
     scales = {
         "x": ScalePair(1.0, None),
         "linear": ScalePair(0.5, 2.0**-15),

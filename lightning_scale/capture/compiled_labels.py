@@ -1,0 +1,145 @@
+"""Labels of the graphs an instrumented compile hands over, resolved per calling module.
+
+The compiled route labels its nodes as the uncompiled dynamo route does (``frames``): each
+graph's node sites are found once, when the backend receives it; each call maps the
+graph's frame locals to module paths in the captured module (by the parameters passed in,
+then by the calling Python frame), so one graph compiled for ``blocks.0`` and run again for
+``blocks.1`` records under each block's own paths. A module's output is its path (an alias
+of its last node), and a view of a single-use tensor is an alias of its source.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+from torch import fx, nn
+
+from lightning_scale.capture import frames
+from lightning_scale.capture.labels import view_aliases
+
+__all__ = ["MODULE_OUTPUT", "CompiledLabels", "graph_op"]
+
+#: Key prefix of a module output in ``CompiledLabels.labels`` (no graph node of its own).
+MODULE_OUTPUT = "<module>"
+
+
+def graph_op(node: fx.Node) -> str:
+    """The op part of a node's label: a method's or function's name (``linear``)."""
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", str(node.target)).strip("_") or "op"
+
+
+class CompiledLabels:
+    """Node labels of dynamo graphs for the modules that run them, by call.
+
+    Args:
+        module: the captured module (labels are paths in it).
+        graphs, labels, aliases: the lists and map to add to (a capture's own); new ones
+            by default.
+
+    Attributes:
+        graphs: each graph that recorded something new, in the order first run.
+        labels: per graph, node name (or ``MODULE_OUTPUT + path``) -> label, in graph order.
+        aliases: label -> label with the same record (views, module outputs).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        graphs: Optional[List[fx.GraphModule]] = None,
+        labels: Optional[List[Dict[str, str]]] = None,
+        aliases: Optional[Dict[str, str]] = None,
+    ) -> None:
+        # (a capture passes its own lists: the compiled graphs' labels join its labels)
+        self.module = module
+        self.graphs: List[fx.GraphModule] = [] if graphs is None else graphs
+        self.labels: List[Dict[str, str]] = [] if labels is None else labels
+        self.aliases: Dict[str, str] = {} if aliases is None else aliases
+        self._labeller = frames.Labeller()
+        self._tables: Dict[Tuple[int, Tuple[str, ...]], Dict[str, str]] = {}
+        self._paths = frames.module_paths(module)
+        self._tensors: Dict[int, List[str]] = {}
+        named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+        for name, t in named:
+            self._tensors.setdefault(id(t), []).append(frames.strip_compiled(name))
+
+    @property
+    def tags(self) -> List[str]:
+        """Every label, graph by graph, with each module's output right after its last node."""
+        return [label for labels in self.labels for label in labels.values()]
+
+    @property
+    def node_labels(self) -> List[str]:
+        """The labels of graph nodes (module outputs left out)."""
+        return [v for labels in self.labels for k, v in labels.items() if not k.startswith(MODULE_OUTPUT)]
+
+    @property
+    def module_outputs(self) -> Set[str]:
+        """The tags that name a module's output."""
+        return {v for labels in self.labels for k, v in labels.items() if k.startswith(MODULE_OUTPUT)}
+
+    def frame_graph(self, gm: fx.GraphModule) -> frames.FrameGraph:
+        """The sites, module outputs and view aliases of a graph dynamo hands over (call this
+        from the backend: whether the graph resumes after a graph break is read then)."""
+        inputs = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
+        sites = frames.node_sites(gm, graph_op, resume=frames.compiling_resume_frame())
+        # inputs other than parameters and buffers were produced outside the graph, and are
+        # recorded there (by the capture around the compiled module)
+        sites = [s for s in sites if s.is_attr or s.name not in inputs]
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        outputs = frames.module_outputs(gm, complete=not getattr(reason, "graph_break", True))
+        views = view_aliases(gm, {s.name: s.name for s in sites})
+        return frames.FrameGraph(gm, sites, _own_output(gm, sites, reason) + outputs, views)
+
+    def scope(self, graph: frames.FrameGraph, args: Tuple[Any, ...], depth: int = 1) -> Tuple[str, ...]:
+        """(owner path, path per root local) of the modules running ``graph`` now, from the
+        tensors in ``args`` and the user frame ``depth`` frames above the caller."""
+        known = frames.anchored_roots(graph.anchors(), args, self._tensors)
+        caller = frames.calling_frame(sys._getframe(depth + 1))
+        return frames.scope_of(caller, graph.roots(), self._paths, known)
+
+    def table(self, graph: frames.FrameGraph, scope: Tuple[str, ...]) -> Dict[str, str]:
+        """Recorded node -> label for ``graph`` run by ``scope``; new labels are registered."""
+        key = (id(graph), scope)
+        known = self._tables.get(key)
+        if known is not None:
+            return known
+        table = frames.table_for(graph, scope, self._labeller)
+        aliases = {table[v]: table[s] for v, s in graph.views.items() if v in table and s in table}
+        listed = dict(table)
+        for full, node in self._module_outputs(graph, scope):
+            source = table.get(node)
+            if source is not None and full and not self._taken(full):  # (the compiled module's own too)
+                aliases[full] = aliases.get(source, source)
+                listed[MODULE_OUTPUT + full] = full
+        new = {k: v for k, v in listed.items() if not any(v in t.values() for t in self.labels)}
+        if new:
+            self.graphs.append(graph.gm)
+            self.labels.append(new)
+        for alias, source in aliases.items():
+            self.aliases.setdefault(alias, source)
+        observed = {k: v for k, v in table.items() if v not in self.aliases}
+        self._tables[key] = observed
+        return observed
+
+    def _module_outputs(self, graph: frames.FrameGraph, scope: Tuple[str, ...]) -> List[Tuple[str, str]]:
+        where = dict(zip(graph.roots(), scope[1:]))
+        out = []
+        for root, path, node in graph.outputs:
+            base: Optional[str] = where.get(root, scope[0]) if root else scope[0]
+            out.append((".".join(p for p in (base, path) if p), node))
+        return out
+
+    def _taken(self, label: str) -> bool:
+        return label in self._labeller or label in self.aliases or any(label in t.values() for t in self.labels)
+
+
+def _own_output(gm: fx.GraphModule, sites: List[frames.NodeSite], reason: Any) -> List[Tuple[Optional[str], str, str]]:
+    """The compiled module's own output (``L['self']``'s, path ``""`` under it): the node its
+    graph returns, when the graph is the whole call (no graph break) and returns one tensor."""
+    if getattr(reason, "graph_break", True) or not any(s.root == "self" for s in sites):
+        return []
+    returned = [a for a in gm.graph.output_node().args[0] if isinstance(a, fx.Node)]  # (dynamo: a tuple)
+    return [("self", "", returned[0].name)] if len(returned) == 1 else []

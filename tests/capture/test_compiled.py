@@ -1,0 +1,281 @@
+"""The compiled route: statistics compiled into the user's Inductor graphs, training unchanged.
+
+Inductor on the CPU compiles C++ with g++ (10-20 s a cold compile of a small block): the
+models are tiny and each is compiled once per module, shared by the tests below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from typing import Callable, Dict, Iterator, List, Tuple
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lightning_scale.capture import capture
+from lightning_scale.capture.compiled import CompiledRoute, user_compile
+from lightning_scale.record import stats
+from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder, recording
+from lightning_scale.record.stats.traceable import traceable_record
+from lightning_scale.tools.models import Block, GPTConfig
+
+GROUPS = ("moments", "range", "formats")
+# Inductor compiles with g++: a cold compile of the block here takes ~20 s on an idle machine,
+# minutes on a loaded one (pytest's default limit here is 300 s per test, setup included).
+pytestmark = pytest.mark.timeout(1200)
+IX = {name: i for i, name in enumerate(stats.FIELDS)}
+
+
+class Holder(nn.Module):
+    """The captured module, holding a compiled submodule (``self.model = torch.compile(...)``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+
+def row_summary(row: Tensor) -> Dict[str, float]:
+    return stats.summarise(row.double().cpu(), ("count", "mean", "std", "absmax", "nan", "inf"))
+
+
+def float64_summary(t: Tensor) -> Dict[str, float]:
+    v = t.detach().double().reshape(-1)
+    return {
+        "count": float(v.numel()),
+        "mean": float(v.mean()),
+        "std": float(v.std()),
+        "absmax": float(v.abs().max()),
+        "nan": 0.0,
+        "inf": 0.0,
+    }
+
+
+def assert_close_summary(got: Dict[str, float], want: Dict[str, float], rel: float, what: str) -> None:
+    """Counts exact; mean within ``rel`` of the tensor's scale (a mean near 0 has no relative
+    accuracy of its own); std and absmax within ``rel``."""
+    for name in ("count", "nan", "inf"):
+        assert got[name] == want[name], (what, name)
+    scale = want["std"] + abs(want["mean"]) + 1e-30
+    assert abs(got["mean"] - want["mean"]) <= rel * scale, (what, got, want)
+    assert got["std"] == pytest.approx(want["std"], rel=rel, abs=1e-30), (what, got, want)
+    assert got["absmax"] == pytest.approx(want["absmax"], rel=rel, abs=1e-30), (what, got, want)
+
+
+# ---------------------------------------------------------------------------------------
+# The record as graph ops, run eagerly
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_traceable_record_equals_the_device_path(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 1000, generator=g) * torch.logspace(-30, 5, 1000)).to(dtype)
+    x[0, :7] = 0.0
+    x[1, 3] = 1e38 if dtype != torch.bfloat16 else 3e38
+    got = traceable_record(x, GROUPS)
+    want = stats.assemble([stats.record_of(x, GROUPS, host_reads=False)])[0]
+    exact = [IX[f] for f in ("count", "absmax", "nan", "inf", *stats.GROUPS["formats"])]
+    torch.testing.assert_close(got[exact], want[exact], rtol=0, atol=0)
+    summary, reference = row_summary(got), float64_summary(x)
+    assert_close_summary(summary, reference, 1e-9, str(dtype))
+    assert torch.isnan(got[[IX[f] for f in stats.GROUPS["fp8"]]]).all()  # (not traceable yet)
+
+
+@pytest.mark.parametrize("noise", [1e-3, 0.032])
+def test_traceable_std_is_accurate_when_mean_dominates(noise: float) -> None:
+    # x = 1 + noise * randn: |mean| / std about 1000 and 30 (tests/record/test_stats.py's case)
+    x = 1 + noise * torch.randn(2**16, generator=torch.Generator().manual_seed(4))
+    exact = float(x.double().std())
+    assert row_summary(traceable_record(x))["std"] == pytest.approx(exact, rel=1e-9)
+    shifted = x + 1e4  # |mean| / std about 1e7: still float64's accuracy, not float32's
+    got = row_summary(traceable_record(shifted))["std"]
+    assert got == pytest.approx(float(shifted.double().std()), rel=1e-6)
+
+
+def test_traceable_record_of_non_finite_values_matches_the_device_path() -> None:
+    for special in ([math.inf], [-math.inf, math.inf], [math.nan], [math.inf, math.nan]):
+        x = torch.randn(100)
+        x[: len(special)] = torch.tensor(special)
+        got = traceable_record(x, GROUPS)
+        want = stats.assemble([stats.record_of(x, GROUPS, host_reads=False)])[0]
+        moments = [IX[f] for f in ("count", "mean", "m2", "absmax", "nan", "inf", "zeros")]
+        torch.testing.assert_close(got[moments], want[moments], rtol=0, atol=0, equal_nan=True)
+
+
+def test_user_compile_reads_the_backend_and_options_of_each_pattern() -> None:
+    block = nn.Linear(4, 4)
+    whole = user_compile(torch.compile(block, mode="max-autotune-no-cudagraphs", dynamic=False))
+    assert whole is not None and whole.dynamic is False and not whole.fullgraph
+    assert whole.backend.config.get("max_autotune") is True  # the user's Inductor options
+    eager = user_compile(torch.compile(block, backend="aot_eager", fullgraph=True))
+    assert eager is not None and eager.fullgraph and "aot_eager" in eager.backend.compiler_name
+    in_place = nn.Linear(4, 4)
+    assert user_compile(in_place) is None
+    in_place.compile(dynamic=True)
+    found = user_compile(in_place)
+    assert found is not None and found.dynamic is True and found.backend.compiler_name == "inductor"
+    with pytest.raises(ValueError, match=r"`compiled` must be an OptimizedModule or compiled in place, got Linear"):
+        CompiledRoute(nn.Linear(4, 4)).forward_for(nn.Linear(4, 4))
+
+
+# ---------------------------------------------------------------------------------------
+# A GPT block under Inductor: the user's compiled version and the instrumented one
+
+
+class Run:
+    """One module compiled by the user, its instrumented twin, and what two steps gave."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        cfg = GPTConfig(vocab=32, seq=8, layers=1, dim=32, heads=2)
+        self.eager = Holder(Block(cfg))
+        self.holder = Holder(torch.compile(copy.deepcopy(self.eager.model)))
+        self.route = CompiledRoute(self.holder, GROUPS)
+        self.x = torch.randn(2, 8, 32)
+        self.records: List[Tensor] = []
+        self.graphs: List[int] = []
+
+
+def loss_of(out: Tensor) -> Tensor:
+    return out.square().mean()
+
+
+def run_step(run: Run, forward: Callable[[Tensor], Tensor], tracked: bool) -> Tuple[Tensor, List[Tensor]]:
+    rec = Recorder(groups=GROUPS)
+    with recording(rec) if tracked else contextlib.nullcontext():
+        out = forward(run.x)
+    loss_of(out).backward()
+    if tracked:
+        run.records.append(rec.records(run.route.labels.tags, run.route.labels.aliases))
+    grads = [p.grad.clone() for p in run.holder.parameters()]
+    run.holder.zero_grad(set_to_none=True)
+    return out.detach(), grads
+
+
+@pytest.fixture(scope="module")
+def block_run() -> Iterator[Run]:
+    """Two SGD steps; each runs the user's compiled block, then the instrumented one from
+    the same parameters, and steps with the instrumented gradients."""
+    torch._dynamo.reset()
+    run = Run()
+    opt = torch.optim.SGD(run.holder.parameters(), lr=0.5)
+    instrumented = run.route.forward_for(run.holder.model)
+    counters = torch._dynamo.utils.counters["stats"]
+    run.outputs = []  # type: ignore[attr-defined]
+    for _ in range(2):
+        user = run_step(run, run.holder.model, tracked=False)
+        mine = run_step(run, instrumented, tracked=True)
+        run.outputs.append((user, mine))  # type: ignore[attr-defined]
+        run.graphs.append(counters["unique_graphs"])
+        for p, g in zip(run.holder.parameters(), mine[1]):
+            p.grad = g
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    user_again = run_step(run, run.holder.model, tracked=False)  # (switched back: no compile)
+    run.graphs.append(counters["unique_graphs"])
+    run.user_again = user_again  # type: ignore[attr-defined]
+    yield run
+    torch._dynamo.reset()
+
+
+def test_instrumented_block_trains_bit_identically_to_the_users_compiled_block(block_run: Run) -> None:
+    for step, ((out_u, grads_u), (out_t, grads_t)) in enumerate(block_run.outputs):  # type: ignore[attr-defined]
+        assert torch.equal(out_u, out_t), step
+        for (name, _), a, b in zip(block_run.holder.named_parameters(), grads_u, grads_t):
+            assert torch.equal(a, b), (step, name)
+    # both versions were compiled on the first step; switching between them compiled nothing
+    assert block_run.graphs[0] == block_run.graphs[1] == block_run.graphs[2]
+    assert block_run.route.compile_seconds > 0
+
+
+def test_labels_equal_the_uncompiled_dynamo_capture(block_run: Run) -> None:
+    eager = copy.deepcopy(block_run.eager)
+    cap = capture(eager, "dynamo")
+    rec = Recorder(groups=GROUPS)
+    with recording(rec):
+        cap.tracked()(block_run.x)
+    torch._dynamo.reset()
+    # the root's input `x` is recorded by the capture around a compiled module, not in it
+    assert block_run.route.labels.tags == [t for t in cap.tags if t != "x"]
+    assert block_run.route.labels.aliases == cap.aliases
+    assert "model.mlp.fc1" in block_run.route.labels.module_outputs and "model" in block_run.route.labels.tags
+
+
+def test_rows_equal_float64_statistics_of_the_eager_tensors(block_run: Run) -> None:
+    """The first tracked step's rows against float64 statistics of the same tensors in an
+    eager twin (same parameters, same input). Inductor fuses and reorders float32 work
+    (layer norm, GELU, the softmax of attention), so the tensors themselves differ from
+    eager in the last bits (~1e-6 relative): their statistics agree to 1e-4 of their scale."""
+    eager = copy.deepcopy(block_run.eager)
+    values: Dict[str, Tensor] = {}
+
+    def keep(path: str) -> Callable[..., None]:
+        def hook(_: nn.Module, __: object, out: Tensor) -> None:
+            out.retain_grad()
+            values[path] = out
+
+        return hook
+
+    for path, m in eager.named_modules():
+        if path:
+            m.register_forward_hook(keep(path))
+    loss_of(eager(block_run.x)).backward()
+    records, tags = block_run.records[0], block_run.route.labels.tags
+    for path, t in values.items():
+        row = records[tags.index(path)]
+        assert_close_summary(row_summary(row[FORWARD]), float64_summary(t), 1e-4, path)
+        assert_close_summary(row_summary(row[BACKWARD]), float64_summary(t.grad), 1e-4, path + " grad")
+    for name, p in eager.named_parameters():
+        row = records[tags.index(name)]
+        assert_close_summary(row_summary(row[FORWARD]), float64_summary(p), 1e-12, name)
+        assert_close_summary(row_summary(row[BACKWARD]), float64_summary(p.grad), 1e-4, name + " grad")
+    assert len(values) >= 8
+
+
+def test_rows_of_the_second_step_describe_the_updated_parameters(block_run: Run) -> None:
+    tags = block_run.route.labels.tags
+    first, second = block_run.records
+    weight = tags.index("model.mlp.fc1.weight")
+    assert not torch.equal(first[weight, FORWARD], second[weight, FORWARD])  # the SGD step moved it
+    assert float(second[weight, FORWARD, IX["count"]]) == 32 * 128
+
+
+class Shifted(nn.Module):
+    """``linear(x) * 1e-3 + 1``: a mean about 1000 times the spread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x) * 1e-3 + 1.0
+
+
+def test_compiled_std_is_accurate_when_mean_dominates() -> None:
+    """tests/record/test_stats.py's standard (rel 1e-4 at |mean| / std ~ 1000), on the rows
+    Inductor computes; a one-pass float32 formula misses it by far."""
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    eager = Holder(Shifted())
+    holder = Holder(torch.compile(copy.deepcopy(eager.model)))
+    route = CompiledRoute(holder, GROUPS)
+    x = torch.randn(64, 64)
+    rec = Recorder(groups=GROUPS)
+    with recording(rec):
+        out = route.forward_for(holder.model)(x)
+    out.sum().backward()
+    records = rec.records(route.labels.tags, route.labels.aliases)
+    want = eager(x).detach().double()
+    assert abs(float(want.mean())) > 500 * float(want.std())
+    got = row_summary(records[route.labels.tags.index("model"), FORWARD])
+    assert got["std"] == pytest.approx(float(want.std()), rel=1e-4)
+    assert got["mean"] == pytest.approx(float(want.mean()), rel=1e-7)
+    w = want.float()
+    naive = math.sqrt(max(float((w * w).mean() - w.mean() ** 2), 0.0))
+    assert abs(naive / float(want.std()) - 1) > 1e-3
+    torch._dynamo.reset()

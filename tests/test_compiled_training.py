@@ -1,0 +1,178 @@
+"""ScaleMonitor on compiled models (Inductor on the CPU): the three ways users compile a GPT
+in a LightningModule train bit-identically with and without the callback, every label of the
+uncompiled model is logged, with the uncompiled model's values within compiled rounding, and
+switching between tracked and untracked steps compiles nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_scale import ScaleMonitor
+from lightning_scale.capture import compiled
+from lightning_scale.tools.models import GPT, GPTConfig, synthetic_tokens
+
+pytestmark = [
+    pytest.mark.filterwarnings(
+        "ignore::lightning.fabric.utilities.warnings.PossibleUserWarning", "ignore:.*LeafSpec.*:FutureWarning"
+    ),
+    # Inductor compiles with g++: ~20 s a cold compile here when idle, minutes when loaded.
+    pytest.mark.timeout(1800),
+]
+VOCAB = 32
+
+
+class CompiledGPT(pl.LightningModule):
+    """A tiny GPT compiled as ``pattern`` says: ``whole`` (``torch.compile(model)``),
+    ``in_place`` (``model.compile()``), ``blocks`` (each block ``torch.compile(block)``), or
+    ``None`` (not compiled)."""
+
+    def __init__(self, pattern: Optional[str], backend: str = "inductor") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        gpt: Any = GPT(GPTConfig(vocab=VOCAB, seq=8, layers=2, dim=32, heads=2))
+        if pattern == "whole":
+            gpt = torch.compile(gpt, backend=backend)
+        elif pattern == "in_place":
+            gpt.compile()
+        elif pattern == "blocks":
+            for i, block in enumerate(gpt.blocks):
+                gpt.blocks[i] = torch.compile(block)
+        self.model = gpt
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(idx)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class GraphCount(pl.Callback):
+    """Dynamo's count of compiled graphs at the end of each training batch."""
+
+    def __init__(self) -> None:
+        self.counts: List[int] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.counts.append(int(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
+
+
+def fit(
+    tmp_path: Path, pattern: Optional[str], monitor: Optional[ScaleMonitor], backend: str = "inductor"
+) -> Tuple[CompiledGPT, GraphCount]:
+    x, y = synthetic_tokens(16, 8, VOCAB)
+    module, count = CompiledGPT(pattern, backend), GraphCount()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        logger=TensorBoardLogger(str(tmp_path), name="", version=""),
+        callbacks=[count] + ([monitor] if monitor is not None else []),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=4))
+    return module, count
+
+
+def logged(path: Path) -> Dict[str, Dict[int, float]]:
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {
+        tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"] if tag.startswith("scale/")
+    }
+
+
+def monitor(**kwargs: Any) -> ScaleMonitor:
+    return ScaleMonitor(every_n_steps=2, histograms=False, code=False, **kwargs)  # steps 0 and 2 tracked
+
+
+@pytest.fixture(scope="module")
+def uncompiled(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Dict[int, float]]:
+    """What the uncompiled model logs, through the dynamo route (whose labels the compiled
+    route gives; fx numbers the shape-unpacking ``getitem`` nodes of attention too)."""
+    path = tmp_path_factory.mktemp("uncompiled")
+    fit(path, None, monitor(capture="dynamo"))
+    torch._dynamo.reset()
+    return logged(path)
+
+
+@pytest.mark.parametrize("pattern", ["whole", "in_place", "blocks"])
+def test_compiled_gpt_is_seen_inside_and_trains_unchanged(
+    tmp_path: Path, pattern: str, uncompiled: Dict[str, Dict[int, float]]
+) -> None:
+    plain, _ = fit(tmp_path / "plain", pattern, None)
+    watched = monitor()
+    tracked, count = fit(tmp_path / "tracked", pattern, watched)
+    for (name, p), q in zip(plain.named_parameters(), tracked.parameters()):
+        assert torch.equal(p, q), name  # the callback changed nothing
+
+    # steps 2 (tracked) and 3 (untracked) compiled nothing: both versions were ready
+    assert count.counts[1] == count.counts[2] == count.counts[3]
+    (cap,) = list(watched.captures.values())
+    assert cap.compiled is not None and cap.compiled.compile_seconds > 0
+
+    got = logged(tmp_path / "tracked")
+    assert "scale/fwd/model.blocks.1.mlp.fc1/linear" in got and "scale/bwd/model.blocks.0.attn" in got
+    assert set(uncompiled) <= set(got), sorted(set(uncompiled) - set(got))
+    for tag, values in uncompiled.items():
+        # step 0: the same parameters and batch; Inductor rounds float32 work differently
+        # (fused layer norm, GELU, softmax): ~1e-6 relative per element
+        assert got[tag][0] == pytest.approx(values[0], rel=1e-4, abs=1e-7), tag
+        assert got[tag][2] == pytest.approx(values[2], rel=1e-3, abs=1e-6), tag
+    print(pattern, sorted(set(got) - set(uncompiled)))
+
+
+def test_a_tracked_version_that_differs_trains_untracked_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection: an instrumented graph that changes the forward (a probe adding
+    1e-3) is caught by the fidelity probe; the fit trains as without the callback."""
+    plain, _ = fit(tmp_path / "plain", "whole", None, backend="aot_eager")  # (no C++ compile: fast)
+
+    def shifted(ctx: Any, x: Tensor, probe: Tensor, groups: Tuple[str, ...], copy: bool) -> Tensor:
+        ctx.groups = groups
+        return x + 1e-3
+
+    monkeypatch.setattr(compiled.Probe, "forward", staticmethod(shifted))
+    watched = monitor()
+    with pytest.warns(UserWarning) as record:
+        tracked, _ = fit(tmp_path / "tracked", "whole", watched, backend="aot_eager")
+    ours = [str(w.message) for w in record if "ScaleMonitor" in str(w.message)]
+    assert len(ours) == 1 and "does not reproduce its own forward bit for bit" in ours[0], ours
+    assert "training continues untracked" in ours[0]
+    for (name, p), q in zip(plain.named_parameters(), tracked.parameters()):
+        assert torch.equal(p, q), name
+    assert not [t for t in logged(tmp_path / "tracked") if t.startswith("scale/fwd/model.blocks")]
+
+
+def test_a_graph_that_cannot_be_instrumented_runs_as_the_user_compiled_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection: the instrumentation raises; the graph runs as the user's backend
+    compiles it, the step logs nothing and one warning says why."""
+    plain, _ = fit(tmp_path / "plain", "whole", None, backend="aot_eager")
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(compiled, "instrument_graph", broken)
+    with pytest.warns(UserWarning) as record:
+        tracked, _ = fit(tmp_path / "tracked", "whole", monitor(), backend="aot_eager")
+    ours = [str(w.message) for w in record if "ScaleMonitor" in str(w.message)]
+    assert len(ours) == 1 and "compiled graph not instrumented (RuntimeError: injected)" in ours[0], ours
+    for (name, p), q in zip(plain.named_parameters(), tracked.parameters()):
+        assert torch.equal(p, q), name
