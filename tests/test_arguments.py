@@ -56,8 +56,8 @@ BAD = [
     ("statistics", [], r"`statistics` must be a non-empty list from \[.*\], got \[\]"),
     (
         "statistics",
-        ["std", "kurtosis"],
-        r"`statistics` must be a non-empty list from \[.*\], got \['std', 'kurtosis'\]",
+        ["std", "skewness"],
+        r"`statistics` must be a non-empty list from \[.*\], got \['std', 'skewness'\]",
     ),
     ("statistics", [1], r"`statistics` must be a non-empty list from \[.*\], got \[1\]"),
     ("include", 5, r"`include` must be a regular expression \(a str\) or None, got 5 \(int\)"),
