@@ -232,22 +232,16 @@ def merge(a: Tensor, b: Tensor) -> Tensor:
     safe = torch.where(n > 0, n, torch.ones_like(n))
     delta = b[..., Col.MEAN] - a[..., Col.MEAN]
     out = a + b  # the ``sum`` fields add
-    # An empty record is the identity: the fields it never computed (NaN) must not spread.
-    out = torch.where((na == 0).unsqueeze(-1), b, torch.where((nb == 0).unsqueeze(-1), a, out))
     out[..., Col.MEAN] = torch.where(n > 0, a[..., Col.MEAN] + delta * nb / safe, torch.zeros_like(n))
     out[..., Col.M2] = a[..., Col.M2] + b[..., Col.M2] + delta * delta * na * nb / safe
-    higher = torch.stack(merge_higher(na, nb, delta, *(x[..., c] for x in (a, b) for c in CENTRAL_COLS)), -1)
-    both = ((na > 0) & (nb > 0)).unsqueeze(-1)  # (one empty: the other's, above)
-    out[..., Col.M3 : Col.M4 + 1] = torch.where(both, higher, out[..., Col.M3 : Col.M4 + 1])
-    for f in _EXTREME_FIELDS:  # empty records carry no information about extremes
+    higher = merge_higher(na, nb, delta, *(x[..., c] for x in (a, b) for c in CENTRAL_COLS))
+    out[..., Col.M3 : Col.M4 + 1] = torch.stack(higher, -1)
+    for f in _EXTREME_FIELDS:
         i = IX[f.name]
-        out[..., i] = _pick(na, nb, a[..., i], b[..., i], torch.maximum if f.merge == "max" else torch.minimum)
-    return out
-
-
-def _pick(na: Tensor, nb: Tensor, x: Tensor, y: Tensor, op: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
-    both = op(x, y)
-    return torch.where(na == 0, y, torch.where(nb == 0, x, both))
+        out[..., i] = (torch.maximum if f.merge == "max" else torch.minimum)(a[..., i], b[..., i])
+    # An empty record is the identity, bit for bit: the fields it never computed (NaN) must
+    # not spread, and ``delta * nb / nb`` need not round back to ``delta``.
+    return torch.where((na == 0).unsqueeze(-1), b, torch.where((nb == 0).unsqueeze(-1), a, out))
 
 
 # Merging by reductions: what a sum and a max over records (over ranks: all_reduce) give.
