@@ -1,4 +1,4 @@
-"""``pool.pool_step`` in 2 and 16 gloo processes without Lightning
+"""``pool.pool_step`` in 2 and 8 gloo processes without Lightning
 (``dist_scripts/run_pool.py``): exact pooling of a 2,000-node record, replicated tensors,
 histograms, update statistics and the loss scale, bytes per rank, label mismatches and
 failures raised on every rank without a hang, ranks sharing part of their labels; and
@@ -28,7 +28,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "dist_scripts"
 ROOT = SCRIPTS.parents[1]
 
 
-# ---- pool_step in 2 and 16 gloo processes without Lightning -------------------------------
+# ---- pool_step in 2 and 8 gloo processes without Lightning -------------------------------
 
 POOL_SCRIPT = SCRIPTS / "run_pool.py"
 NODES = 2000
@@ -69,7 +69,7 @@ def _run_pool(out: Path, world: int) -> List[Dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def pools(tmp_path_factory: pytest.TempPathFactory) -> Dict[int, List[Dict[str, Any]]]:
-    return {world: _run_pool(tmp_path_factory.mktemp(f"pool{world}"), world) for world in (2, 16)}
+    return {world: _run_pool(tmp_path_factory.mktemp(f"pool{world}"), world) for world in (2, 8)}
 
 
 def _expected_pool(world: int, ranks: List[Dict[str, Any]]) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
@@ -106,7 +106,7 @@ def _expected_pool(world: int, ranks: List[Dict[str, Any]]) -> Tuple[Tensor, Ten
     return want, torch.stack(hists).view(-1, 2, stats.LOG2_HI - stats.LOG2_LO), spread
 
 
-@pytest.mark.parametrize("world", [2, 16])
+@pytest.mark.parametrize("world", [2, 8])
 def test_pool_step_is_the_record_of_every_ranks_tensors_together(
     world: int, pools: Dict[int, List[Dict[str, Any]]]
 ) -> None:
@@ -146,7 +146,7 @@ def test_pool_step_is_the_record_of_every_ranks_tensors_together(
 
 
 def test_pool_step_sends_only_the_fields_of_the_groups_computed(pools: Dict[int, List[Dict[str, Any]]]) -> None:
-    full, partial = pools[16][0]["result"].records, pools[16][0]["partial"].records
+    full, partial = pools[8][0]["result"].records, pools[8][0]["partial"].records
     sent = [i for i, f in enumerate(stats.FIELDS) if f in stats.GROUPS["moments"] + stats.GROUPS["range"]]
     seen = full[..., 0] > 0
     mean = sent.index(stats.FIELDS.index("mean"))  # (sums of other sizes: the reduction may add in another order)
@@ -163,17 +163,17 @@ def test_pool_step_sends_only_the_fields_of_the_groups_computed(pools: Dict[int,
 
 def test_pool_step_counts_a_replicated_tensor_once(pools: Dict[int, List[Dict[str, Any]]]) -> None:
     script = _pool_script()
-    got = pools[16][0]["result"]
-    for i in range(0, NODES, 10):  # parameters: the value once, the 16 gradients merged
+    got = pools[8][0]["result"]
+    for i in range(0, NODES, 10):  # parameters: the value once, the 8 gradients merged
         value, _ = script.tensors(i, 0)
         assert got.records[i, FORWARD, 0] == value.numel()
         assert float(stats.statistic(got.records[i, FORWARD], "std")) == pytest.approx(
             float(value.double().std()), rel=1e-12
         )
-        assert got.records[i, BACKWARD, 0] == sum(script.tensors(i, r)[1].numel() for r in range(16))
+        assert got.records[i, BACKWARD, 0] == sum(script.tensors(i, r)[1].numel() for r in range(8))
 
 
-@pytest.mark.parametrize("world", [2, 16])
+@pytest.mark.parametrize("world", [2, 8])
 def test_pool_step_gives_every_rank_the_same_errors_and_the_result_only_to_its_destination(
     world: int, pools: Dict[int, List[Dict[str, Any]]]
 ) -> None:
@@ -197,12 +197,12 @@ def test_pool_step_gives_every_rank_the_same_errors_and_the_result_only_to_its_d
     )
 
 
-def test_pool_step_bytes_per_rank_are_the_same_at_2_and_16_ranks(pools: Dict[int, List[Dict[str, Any]]]) -> None:
+def test_pool_step_bytes_per_rank_are_the_same_at_2_and_8_ranks(pools: Dict[int, List[Dict[str, Any]]]) -> None:
     calls = {world: [saved["calls"] for saved in ranks] for world, ranks in pools.items()}
     for world, ranks in calls.items():
         assert all(c == ranks[0] for c in ranks), world
         assert len(ranks[0]) == 4 and not any(name.startswith("all_gather") for name, _, _ in ranks[0])
-    assert calls[2][0] == calls[16][0]
+    assert calls[2][0] == calls[8][0]
     script = _pool_script()
     expected = pool.collective_bytes(
         NODES,
@@ -213,10 +213,10 @@ def test_pool_step_bytes_per_rank_are_the_same_at_2_and_16_ranks(pools: Dict[int
         whole=len(script.SHARDED) - sum(script.SHARDED),
         loss_scale=True,
     )
-    assert [size for _, _, size in calls[16][0]] == list(expected.values())
+    assert [size for _, _, size in calls[8][0]] == list(expected.values())
 
 
-@pytest.mark.parametrize("world", [2, 16])
+@pytest.mark.parametrize("world", [2, 8])
 def test_pool_step_pools_the_labels_every_rank_shares(world: int, pools: Dict[int, List[Dict[str, Any]]]) -> None:
     """Rank 1 lacks node 3 (and its histogram) and has a node of its own: every rank pools
     the other 39 nodes, exactly as a pool of those nodes alone, in a fixed number of
@@ -249,8 +249,8 @@ def test_pool_step_pools_the_labels_every_rank_shares(world: int, pools: Dict[in
     assert [name for name, _, _ in calls[0]].count("broadcast") == 3  # rank 0's labels (size, bytes), examples
 
 
-def test_pool_step_shared_labels_cost_the_same_at_2_and_16_ranks(pools: Dict[int, List[Dict[str, Any]]]) -> None:
-    assert pools[2][0]["shared_calls"] == pools[16][0]["shared_calls"]
+def test_pool_step_shared_labels_cost_the_same_at_2_and_8_ranks(pools: Dict[int, List[Dict[str, Any]]]) -> None:
+    assert pools[2][0]["shared_calls"] == pools[8][0]["shared_calls"]
 
 
 def test_pool_step_in_one_process() -> None:
