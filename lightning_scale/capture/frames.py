@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import fx, nn
 
+from lightning_scale.capture.labels import indexed_item
 from lightning_scale.record import recorder
 
 __all__ = ["FrameGraph", "Labeller", "exact_checkpoint", "module_paths", "observe_node", "strip_compiled"]
@@ -83,6 +84,8 @@ class NodeSite:
     op: str
     source: str
     is_attr: bool = False
+    origin: str = ""  # an item of a tuple output (``chunk[0]``): the tuple's node; ``index`` its ``[0]``
+    index: str = ""
 
 
 @dataclass
@@ -150,6 +153,18 @@ def _placeholder_site(node: fx.Node) -> Optional[NodeSite]:
     return NodeSite(node.name, None, "", name, "")
 
 
+def _op_site(node: fx.Node, op_name: Callable[[fx.Node], str]) -> NodeSite:
+    """An op's site; an item of a tuple output sits where its source does, as ``source[i]``."""
+    item = indexed_item(node, lambda n: isinstance(n.meta.get("example_value"), (tuple, list)))
+    source = node if item is None else item[0]
+    stack = source.meta.get("nn_module_stack") or {}
+    root, path = _site_path(str(list(stack.values())[-1][0])) if stack else (None, "")
+    site = NodeSite(node.name, root, path, op_name(source), _source(source))
+    if item is not None:
+        site.origin, site.index = source.name, item[1]
+    return site
+
+
 def node_sites(
     gm: fx.GraphModule, op_name: Callable[[fx.Node], str], prefix: str = "", resume: bool = False
 ) -> List[NodeSite]:
@@ -169,9 +184,7 @@ def node_sites(
             site = None if prefix or not tensor else _placeholder_site(node)
             site = None if site is None or (resume and not site.is_attr) else site
         elif isinstance(node.meta.get("example_value"), torch.Tensor) or prefix:
-            stack = node.meta.get("nn_module_stack") or {}
-            root, path = _site_path(str(list(stack.values())[-1][0])) if stack else (None, "")
-            site = NodeSite(node.name, root, path, op_name(node), _source(node))
+            site = _op_site(node, op_name)
         else:
             site = None
         if site is not None:
@@ -305,18 +318,22 @@ def table_for(graph: FrameGraph, scope: Tuple[str, ...], labeller: Labeller) -> 
     """Node name -> label for ``graph`` run by the modules in ``scope``."""
     where = dict(zip(graph.roots(), scope[1:]))
     seen: Dict[Tuple[str, str], int] = {}
-    table = {}
+    table: Dict[str, str] = {}
     for site in graph.sites:
         base_path = where.get(site.root, scope[0]) if site.root else scope[0]
         path = ".".join(p for p in (base_path, site.path) if p)
         if site.is_attr:
             table[site.name] = labeller.label(path, "", 0)
             continue
-        base = f"{path}/{site.op}" if path else site.op
-        n = seen.get((base, site.source), 0)
-        seen[(base, site.source)] = n + 1
-        table[site.name] = labeller.label(base, site.source, n)
-    return table
+        key = site.origin or site.name  # (the items of one tuple share their source's label)
+        if key not in table:
+            base = f"{path}/{site.op}" if path else site.op
+            n = seen.get((base, site.source), 0)
+            seen[(base, site.source)] = n + 1
+            table[key] = labeller.label(base, site.source, n)
+        if site.origin:
+            table[site.name] = labeller.label(table[key] + site.index, "", 0)
+    return {s.name: table[s.name] for s in graph.sites}
 
 
 @contextmanager
