@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import fx, nn
 
+from lightning_scale.capture import breaks
 from lightning_scale.capture.labels import indexed_item
 from lightning_scale.record import recorder
 
@@ -202,7 +203,9 @@ def module_outputs(
     """(root, path, node) for each module call that ends inside ``gm``: its last node whose
     value leaves the module. Modules called more than once in the graph are left out;
     ``complete=False`` (the graph ends at a graph break) leaves out a region that ends the
-    graph and only reaches its output, since the module may continue in the next graph."""
+    graph and only reaches its output when the module may continue in the next graph: unless
+    the break fell after the call returned (``breaks.returned_before_break``)."""
+    at_break = None if complete else breaks.break_frames(gm)
     computing = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     order = {n: i for i, n in enumerate(computing)}
     spans: Dict[str, List[fx.Node]] = {}
@@ -220,7 +223,8 @@ def module_outputs(
         outside = [u for u in last.users if u not in inside]
         if not isinstance(value, (torch.Tensor, fx.Node)) or not outside:
             continue
-        if not complete and all(u.op == "output" for u in outside) and order[last] == len(computing) - 1:
+        ends_graph = all(u.op == "output" for u in outside) and order[last] == len(computing) - 1
+        if not complete and ends_graph and not breaks.returned_before_break(last, key, at_break):
             continue  # the graph breaks right after it: the module may go on in the next graph
         root, path = parse(key)
         if path or root:  # a module held in a frame local (``L['___stack0']``) has no path under it

@@ -1,0 +1,85 @@
+"""Graph breaks and module calls: whether a module call had returned when its graph broke.
+
+A dynamo graph that ends at a graph break may end inside a module call (the module goes on
+in the next graph) or right after one returned (``lm_head`` before a loss whose first op
+breaks). Dynamo tells where the break fell (``compile_subgraph_reason.user_stack``) and
+where each node was computed (``node.meta["stack_trace"]``); both list the user's frames,
+outermost first (torch's own frames are left out). A module call is still running at the
+break when the break's frames agree, line for line, with the node's frames up to the frame
+that made the call; otherwise it had returned, and its last node is its output.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch import fx
+
+__all__ = ["break_frames", "returned_before_break"]
+
+Frame = Tuple[str, int]  # (file, line)
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_TRACE_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _user(frames: List[Frame]) -> List[Frame]:
+    return [f for f in frames if not f[0].startswith(_TORCH_DIR)]
+
+
+def break_frames(gm: fx.GraphModule) -> Optional[List[Frame]]:
+    """The user's frames at the graph break that ended ``gm`` (None: not known)."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    stack = getattr(reason, "user_stack", None)
+    if not getattr(reason, "graph_break", False) or not stack:
+        return None
+    return _user([(str(f.filename), int(f.lineno or 0)) for f in stack])
+
+
+def _node_frames(node: fx.Node) -> List[Frame]:
+    trace = str(node.meta.get("stack_trace") or "")
+    return _user([(file, int(line)) for file, line in _TRACE_FRAME.findall(trace)])
+
+
+def _forward_lines(cls: Any) -> Optional[Tuple[str, int, int]]:
+    """(file, first line, last line) of a module class's ``forward``, if it is Python code."""
+    forward = inspect.unwrap(getattr(cls, "forward", None)) if isinstance(cls, type) else None
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return None
+    lines = [line for _, _, line in code.co_lines() if line is not None] or [code.co_firstlineno]
+    return code.co_filename, code.co_firstlineno, max(lines)
+
+
+def _first_frame_inside(node: fx.Node, key: str, frames: List[Frame]) -> int:
+    """Index in ``frames`` of the first frame inside the module call ``key`` of ``node``'s
+    module stack: the ``forward`` of it or of the first module inside it that is the user's
+    code; ``len(frames)`` when none is (torch's own modules leave no frame)."""
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    paths = [str(path) for path, _ in stack]
+    if key not in paths:
+        return len(frames)
+    for _, cls in stack[paths.index(key) :]:
+        where = _forward_lines(cls)
+        if where is None:
+            continue
+        for i, (file, line) in enumerate(frames):
+            if file == where[0] and where[1] <= line <= where[2]:
+                return i
+    return len(frames)
+
+
+def returned_before_break(node: fx.Node, key: str, at_break: Optional[List[Frame]]) -> bool:
+    """Whether the module call ``key`` (an ``nn_module_stack`` path of ``node``, its last
+    node) had returned when the graph broke at ``at_break`` (``break_frames``). Unknown
+    frames, or a break on the very line that made the call, count as not returned."""
+    if at_break is None:
+        return False
+    frames = _node_frames(node)
+    if not frames:
+        return False
+    inside = _first_frame_inside(node, key, frames)
+    return at_break[:inside] != frames[:inside]
