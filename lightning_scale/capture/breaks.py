@@ -14,12 +14,12 @@ from __future__ import annotations
 import inspect
 import os
 import re
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import fx
 
-__all__ = ["break_frames", "returned_before_break"]
+__all__ = ["break_frames", "resumed_module_frames", "returned_before_break"]
 
 Frame = Tuple[str, int]  # (file, line)
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -83,3 +83,50 @@ def returned_before_break(node: fx.Node, key: str, at_break: Optional[List[Frame
         return False
     inside = _first_frame_inside(node, key, frames)
     return at_break[:inside] != frames[:inside]
+
+
+# ---------------------------------------------------------------------------------------
+# Frames resumed inside a module after a nested graph break
+
+_NESTED_SELF = re.compile(r"^L\['__nested_frame_values'\]\[(\d+)\]\[\d+\]")
+
+
+def _trace_functions(node: fx.Node) -> List[Tuple[str, str]]:
+    """(file, function) of each of the user's frames in ``node``'s stack trace, outermost first."""
+    trace = str(node.meta.get("stack_trace") or "")
+    found = re.findall(r'File "([^"]+)", line \d+, in (\S+)', trace)
+    return [(file, name) for file, name in found if not file.startswith(_TORCH_DIR)]
+
+
+def resumed_module_frames(gm: fx.GraphModule) -> None:
+    """Put each node computed in a module's frame resumed after a nested graph break under
+    that module in its ``nn_module_stack``, as nodes of an unbroken call are.
+
+    After a break inside ``inner.forward``, dynamo resumes the outer frame with the inner
+    frame's values (``L['__nested_frame_values'][0]``); only calls of submodules of it have
+    a module stack (``L['__nested_frame_values'][0][1].fc2``), and ops in the frame's own
+    code (a ``relu``) have none. The frame at depth ``i + 1`` of the stack trace is the one
+    of ``__nested_frame_values[i]``; its ``self`` is the module those submodule calls start
+    from. Known from one such call, the module then heads the stack of every node computed
+    in that frame, so ops get its path and its output is found (``inner``)."""
+    selves: Dict[int, Tuple[str, Tuple[str, str]]] = {}  # depth -> (module's stack path, its frame)
+    for node in gm.graph.nodes:
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            m = _NESTED_SELF.match(str(path))
+            frames = _trace_functions(node)
+            depth = int(m.group(1)) + 1 if m else -1
+            if m and depth < len(frames):
+                selves.setdefault(depth, (m.group(0), frames[depth]))
+    if not selves:
+        return
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        frames = _trace_functions(node)
+        depths = [d for d in sorted(selves, reverse=True) if d < len(frames) and frames[d] == selves[d][1]]
+        if not depths:
+            continue
+        path = selves[depths[0]][0]
+        stack = dict(node.meta.get("nn_module_stack") or {})
+        if not any(str(p) == path for p, _ in stack.values()):
+            node.meta["nn_module_stack"] = {path: (path, None), **stack}

@@ -171,6 +171,8 @@ def node_sites(
 ) -> List[NodeSite]:
     """Sites of the tensor nodes of ``gm`` (node names prefixed for checkpoint bodies);
     a resume frame's inputs were recorded where they were produced, before the break."""
+    if not prefix:
+        breaks.resumed_module_frames(gm)  # (ops of a module's frame resumed after a break: under it)
     sites = []
     for node in gm.graph.nodes:
         if node.op in ("output", "get_attr"):
