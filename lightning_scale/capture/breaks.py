@@ -19,11 +19,20 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import fx
 
-__all__ = ["break_frames", "resumed_module_frames", "returned_before_break"]
+__all__ = ["break_frames", "module_stack", "resumed_module_frames", "returned_before_break"]
 
 Frame = Tuple[str, int]  # (file, line)
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _TRACE_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+# A node's module stack as the capture reads it: dynamo's ``nn_module_stack``, or one with the
+# module of a resumed frame added (``resumed_module_frames``). Kept apart: the graph goes on
+# to the user's backend, whose passes read dynamo's own.
+_STACK = "lightning_scale_module_stack"
+
+
+def module_stack(node: fx.Node) -> Dict[str, Any]:
+    """Module path key -> (path, module type) of the calls ``node`` is computed in, outermost first."""
+    return node.meta.get(_STACK) or node.meta.get("nn_module_stack") or {}
 
 
 def _user(frames: List[Frame]) -> List[Frame]:
@@ -58,7 +67,7 @@ def _first_frame_inside(node: fx.Node, key: str, frames: List[Frame]) -> int:
     """Index in ``frames`` of the first frame inside the module call ``key`` of ``node``'s
     module stack: the ``forward`` of it or of the first module inside it that is the user's
     code; ``len(frames)`` when none is (torch's own modules leave no frame)."""
-    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    stack = list(module_stack(node).values())
     paths = [str(path) for path, _ in stack]
     if key not in paths:
         return len(frames)
@@ -100,7 +109,7 @@ def _trace_functions(node: fx.Node) -> List[Tuple[str, str]]:
 
 def resumed_module_frames(gm: fx.GraphModule) -> None:
     """Put each node computed in a module's frame resumed after a nested graph break under
-    that module in its ``nn_module_stack``, as nodes of an unbroken call are.
+    that module in its ``module_stack``, as nodes of an unbroken call are.
 
     After a break inside ``inner.forward``, dynamo resumes the outer frame with the inner
     frame's values (``L['__nested_frame_values'][0]``); only calls of submodules of it have
@@ -111,7 +120,7 @@ def resumed_module_frames(gm: fx.GraphModule) -> None:
     in that frame, so ops get its path and its output is found (``inner``)."""
     selves: Dict[int, Tuple[str, Tuple[str, str]]] = {}  # depth -> (module's stack path, its frame)
     for node in gm.graph.nodes:
-        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        for path, _ in module_stack(node).values():
             m = _NESTED_SELF.match(str(path))
             frames = _trace_functions(node)
             depth = int(m.group(1)) + 1 if m else -1
@@ -127,6 +136,6 @@ def resumed_module_frames(gm: fx.GraphModule) -> None:
         if not depths:
             continue
         path = selves[depths[0]][0]
-        stack = dict(node.meta.get("nn_module_stack") or {})
+        stack = dict(module_stack(node))
         if not any(str(p) == path for p, _ in stack.values()):
-            node.meta["nn_module_stack"] = {path: (path, None), **stack}
+            node.meta[_STACK] = {path: (path, None), **stack}

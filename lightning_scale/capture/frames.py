@@ -158,7 +158,7 @@ def _op_site(node: fx.Node, op_name: Callable[[fx.Node], str]) -> NodeSite:
     """An op's site; an item of a tuple output sits where its source does, as ``source[i]``."""
     item = indexed_item(node, lambda n: isinstance(n.meta.get("example_value"), (tuple, list)))
     source = node if item is None else item[0]
-    stack = source.meta.get("nn_module_stack") or {}
+    stack = breaks.module_stack(source)
     root, path = _site_path(str(list(stack.values())[-1][0])) if stack else (None, "")
     site = NodeSite(node.name, root, path, op_name(source), _source(source))
     if item is not None:
@@ -212,7 +212,7 @@ def module_outputs(
     order = {n: i for i, n in enumerate(computing)}
     spans: Dict[str, List[fx.Node]] = {}
     for node in computing:
-        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        for path, _ in breaks.module_stack(node).values():
             spans.setdefault(str(path), []).append(node)
     out = []
     for key, nodes in spans.items():
