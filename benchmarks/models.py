@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests", "capture")]
 
 import timing  # noqa: E402
 import test_models as cases  # noqa: E402

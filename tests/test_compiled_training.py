@@ -5,6 +5,7 @@ switching between tracked and untracked steps compiles nothing."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -103,11 +104,31 @@ def monitor(**kwargs: Any) -> ScaleMonitor:
 @pytest.fixture(scope="module")
 def uncompiled(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Dict[int, float]]:
     """What the uncompiled model logs, through the dynamo route (whose labels the compiled
-    route gives; fx numbers the shape-unpacking ``getitem`` nodes of attention too)."""
+    route gives)."""
     path = tmp_path_factory.mktemp("uncompiled")
     fit(path, None, monitor(capture="dynamo"))
     torch._dynamo.reset()
     return logged(path)
+
+
+@pytest.fixture(scope="module")
+def uncompiled_fx(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Dict[int, float]]:
+    """What the uncompiled model logs through the fx route."""
+    path = tmp_path_factory.mktemp("uncompiled_fx")
+    fit(path, None, monitor(capture="fx"))
+    return logged(path)
+
+
+def test_fx_and_dynamo_log_the_same_tags(
+    uncompiled: Dict[str, Dict[int, float]], uncompiled_fx: Dict[str, Dict[int, float]]
+) -> None:
+    """q, k and v of attention are ``attn/split[0..2]`` on both routes (they were
+    ``getitem_3..5`` under fx, numbered after the shape items, and ``getitem..getitem_2``
+    under dynamo), so the uncompiled routes log the same tags, with the same values."""
+    assert sorted(uncompiled_fx) == sorted(uncompiled)
+    assert "scale/fwd/model.blocks.1.attn/split[0]" in uncompiled
+    for tag, values in uncompiled.items():
+        assert uncompiled_fx[tag] == pytest.approx(values, rel=1e-6), tag
 
 
 @pytest.mark.parametrize("pattern", ["whole", "in_place", "blocks"])
@@ -128,6 +149,9 @@ def test_compiled_gpt_is_seen_inside_and_trains_unchanged(
     got = logged(tmp_path / "tracked")
     assert "scale/fwd/model.blocks.1.mlp.fc1/linear" in got and "scale/bwd/model.blocks.0.attn" in got
     assert set(uncompiled) <= set(got), sorted(set(uncompiled) - set(got))
+    assert "scale/fwd/model.blocks.0.attn/split[1]" in got  # k: named after its source on this route too
+    # the rest is the compiled modules' own outputs, as fx leaves (`model/gpt`, `model.blocks.0/block`)
+    assert all(re.fullmatch(r"scale/(fwd|bwd)/model(\.blocks\.\d)?/(gpt|block)", t) for t in set(got) - set(uncompiled))
     for tag, values in uncompiled.items():
         # step 0: the same parameters and batch; Inductor rounds float32 work differently
         # (fused layer norm, GELU, softmax): ~1e-6 relative per element

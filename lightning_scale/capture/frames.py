@@ -23,6 +23,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import fx, nn
 
+from lightning_scale.capture import breaks
+from lightning_scale.capture.labels import indexed_item
 from lightning_scale.record import recorder
 
 __all__ = ["FrameGraph", "Labeller", "exact_checkpoint", "module_paths", "observe_node", "strip_compiled"]
@@ -83,6 +85,8 @@ class NodeSite:
     op: str
     source: str
     is_attr: bool = False
+    origin: str = ""  # an item of a tuple output (``chunk[0]``): the tuple's node; ``index`` its ``[0]``
+    index: str = ""
 
 
 @dataclass
@@ -150,11 +154,25 @@ def _placeholder_site(node: fx.Node) -> Optional[NodeSite]:
     return NodeSite(node.name, None, "", name, "")
 
 
+def _op_site(node: fx.Node, op_name: Callable[[fx.Node], str]) -> NodeSite:
+    """An op's site; an item of a tuple output sits where its source does, as ``source[i]``."""
+    item = indexed_item(node, lambda n: isinstance(n.meta.get("example_value"), (tuple, list)))
+    source = node if item is None else item[0]
+    stack = breaks.module_stack(source)
+    root, path = _site_path(str(list(stack.values())[-1][0])) if stack else (None, "")
+    site = NodeSite(node.name, root, path, op_name(source), _source(source))
+    if item is not None:
+        site.origin, site.index = source.name, item[1]
+    return site
+
+
 def node_sites(
     gm: fx.GraphModule, op_name: Callable[[fx.Node], str], prefix: str = "", resume: bool = False
 ) -> List[NodeSite]:
     """Sites of the tensor nodes of ``gm`` (node names prefixed for checkpoint bodies);
     a resume frame's inputs were recorded where they were produced, before the break."""
+    if not prefix:
+        breaks.resumed_module_frames(gm)  # (ops of a module's frame resumed after a break: under it)
     sites = []
     for node in gm.graph.nodes:
         if node.op in ("output", "get_attr"):
@@ -169,9 +187,7 @@ def node_sites(
             site = None if prefix or not tensor else _placeholder_site(node)
             site = None if site is None or (resume and not site.is_attr) else site
         elif isinstance(node.meta.get("example_value"), torch.Tensor) or prefix:
-            stack = node.meta.get("nn_module_stack") or {}
-            root, path = _site_path(str(list(stack.values())[-1][0])) if stack else (None, "")
-            site = NodeSite(node.name, root, path, op_name(node), _source(node))
+            site = _op_site(node, op_name)
         else:
             site = None
         if site is not None:
@@ -189,12 +205,14 @@ def module_outputs(
     """(root, path, node) for each module call that ends inside ``gm``: its last node whose
     value leaves the module. Modules called more than once in the graph are left out;
     ``complete=False`` (the graph ends at a graph break) leaves out a region that ends the
-    graph and only reaches its output, since the module may continue in the next graph."""
+    graph and only reaches its output when the module may continue in the next graph: unless
+    the break fell after the call returned (``breaks.returned_before_break``)."""
+    at_break = None if complete else breaks.break_frames(gm)
     computing = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     order = {n: i for i, n in enumerate(computing)}
     spans: Dict[str, List[fx.Node]] = {}
     for node in computing:
-        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        for path, _ in breaks.module_stack(node).values():
             spans.setdefault(str(path), []).append(node)
     out = []
     for key, nodes in spans.items():
@@ -207,7 +225,8 @@ def module_outputs(
         outside = [u for u in last.users if u not in inside]
         if not isinstance(value, (torch.Tensor, fx.Node)) or not outside:
             continue
-        if not complete and all(u.op == "output" for u in outside) and order[last] == len(computing) - 1:
+        ends_graph = all(u.op == "output" for u in outside) and order[last] == len(computing) - 1
+        if not complete and ends_graph and not breaks.returned_before_break(last, key, at_break):
             continue  # the graph breaks right after it: the module may go on in the next graph
         root, path = parse(key)
         if path or root:  # a module held in a frame local (``L['___stack0']``) has no path under it
@@ -305,18 +324,22 @@ def table_for(graph: FrameGraph, scope: Tuple[str, ...], labeller: Labeller) -> 
     """Node name -> label for ``graph`` run by the modules in ``scope``."""
     where = dict(zip(graph.roots(), scope[1:]))
     seen: Dict[Tuple[str, str], int] = {}
-    table = {}
+    table: Dict[str, str] = {}
     for site in graph.sites:
         base_path = where.get(site.root, scope[0]) if site.root else scope[0]
         path = ".".join(p for p in (base_path, site.path) if p)
         if site.is_attr:
             table[site.name] = labeller.label(path, "", 0)
             continue
-        base = f"{path}/{site.op}" if path else site.op
-        n = seen.get((base, site.source), 0)
-        seen[(base, site.source)] = n + 1
-        table[site.name] = labeller.label(base, site.source, n)
-    return table
+        key = site.origin or site.name  # (the items of one tuple share their source's label)
+        if key not in table:
+            base = f"{path}/{site.op}" if path else site.op
+            n = seen.get((base, site.source), 0)
+            seen[(base, site.source)] = n + 1
+            table[key] = labeller.label(base, site.source, n)
+        if site.origin:
+            table[site.name] = labeller.label(table[key] + site.index, "", 0)
+    return {s.name: table[s.name] for s in graph.sites}
 
 
 @contextmanager

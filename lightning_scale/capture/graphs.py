@@ -193,11 +193,20 @@ class Capture:
         """The instrumented forward of the whole module (fx): what ``tracked()`` returns."""
         self._fns[:] = [fn]
 
-    def add_unit(self, path: str, unit: nn.Module, gm: fx.GraphModule, fallbacks: Dict[str, str]) -> None:
+    def add_unit(
+        self,
+        path: str,
+        unit: nn.Module,
+        gm: fx.GraphModule,
+        fallbacks: Dict[str, str],
+        passthrough: Optional[Dict[str, str]] = None,
+    ) -> None:
         """A separately captured unit (FSDP) at ``path``: its graph, labelled within this
-        capture, and its instrumented forward (run through the unit's own ``__call__``)."""
+        capture with its modules' outputs (``blocks.0.mlp.fc1``), and its instrumented
+        forward (run through the unit's own ``__call__``)."""
         labels = label_graph(gm, unit, self._taken, scope=path)
-        aliases = view_aliases(gm, labels)
+        aliases = {**self.aliases, **view_aliases(gm, labels)}  # (an output tagged before keeps its tag)
+        labels = _with_module_outputs(gm, labels, aliases, passthrough, scope=path)
         self.add_graph(gm, labels)
         self.aliases.update(aliases)
         self.fallbacks.update({f"{path}.{k}": v for k, v in fallbacks.items()})
@@ -387,7 +396,7 @@ def _add_units(
         unit = root.get_submodule(path)
         inner = tuple(u[len(path) + 1 :] for u in units if u.startswith(path + "."))
         tracer = DeepTracer(autowrap_modules, autowrap_functions, leaves + inner)
-        cap.add_unit(path, unit, trace_module(unit, tracer), tracer.fallbacks)
+        cap.add_unit(path, unit, trace_module(unit, tracer), tracer.fallbacks, tracer.passthrough)
 
 
 def _with_module_outputs(

@@ -2,20 +2,23 @@
 
 A label is the module path of a node plus its op (``blocks.0.mlp.fc1/linear``), the
 attribute path of a parameter or buffer, or an input's name; a repeated label gets
-``_1``, ``_2``, ... in graph order. ``view_aliases`` finds reshape-like nodes whose
-statistics equal their input's, so they are copied rather than computed.
+``_1``, ``_2``, ... in graph order. An item of a tuple output (``qkv(x).chunk(3)[0]``, the
+``[1]`` of an LSTM's ``(output, state)``) is named after its source and index:
+``blocks.0.attn/chunk[0]``, ``rnn/lstm[1][0]`` (``indexed_item``). ``view_aliases`` finds
+reshape-like nodes whose statistics equal their input's, so they are copied rather than
+computed.
 """
 
 from __future__ import annotations
 
 import operator
 import re
-from typing import Dict, Optional, Set
+from typing import Callable, Dict, Optional, Set, Tuple
 
 import torch
 from torch import fx, nn
 
-__all__ = ["label_graph", "view_aliases"]
+__all__ = ["TUPLE_OPS", "indexed_item", "label_graph", "view_aliases"]
 
 
 def _op_name(node: fx.Node, root: Optional[nn.Module]) -> str:
@@ -81,19 +84,41 @@ def _base_label(node: fx.Node, root: Optional[nn.Module], scope: str) -> str:
         return f"{scope}/{name}" if scope else name
     if node.op == "call_module":
         return f"{under(str(node.target))}/{_op_name(node, root)}"
-    leaf = _leaf_item(node)
-    if leaf is not None:  # an item of a leaf's tuple output (an LSTM's): under the leaf's path
-        return f"{under(str(leaf.target))}/getitem"
     path = under(_module_path(node))
     return f"{path}/{_op_name(node, root)}" if path else _op_name(node, root)
 
 
-def _leaf_item(node: fx.Node) -> Optional[fx.Node]:
-    """The ``call_module`` node whose output ``node`` indexes (``out, state = rnn(x)``), if any."""
-    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-        source = node.args[0]
-        return source if source.op == "call_module" else _leaf_item(source)
-    return None
+#: Ops whose output is a tuple of tensors: an int item of their output is named ``op[i]``.
+TUPLE_OPS = frozenset(
+    "split split_with_sizes tensor_split chunk unbind hsplit vsplit dsplit topk sort max min median nanmedian"
+    " mode kthvalue cummax cummin aminmax var_mean std_mean frexp unique_consecutive broadcast_tensors meshgrid".split()
+)
+
+
+def indexed_item(node: fx.Node, is_tuple: Callable[[fx.Node], bool]) -> Optional[Tuple[fx.Node, str]]:
+    """(source, index) when ``node`` takes an int item of a tuple output, items of items
+    included: ``chunk[0]`` -> (the ``chunk`` node, ``"[0]"``), ``lstm[1][0]`` -> (the LSTM's
+    node, ``"[1][0]"``). ``is_tuple`` says whether a node's output is a tuple."""
+    if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
+        return None
+    source, index = node.args
+    if not isinstance(source, fx.Node) or type(index) is not int:
+        return None
+    outer = indexed_item(source, is_tuple)
+    if outer is not None:
+        return outer[0], f"{outer[1]}[{index}]"
+    return (source, f"[{index}]") if is_tuple(source) else None
+
+
+def _fx_tuple(root: Optional[nn.Module]) -> Callable[[fx.Node], bool]:
+    """Whether an fx node (no example values) returns a tuple: a leaf module, or a ``TUPLE_OPS`` op."""
+
+    def is_tuple(node: fx.Node) -> bool:
+        if node.op == "call_module":
+            return True
+        return node.op in ("call_method", "call_function") and _op_name(node, root) in TUPLE_OPS
+
+    return is_tuple
 
 
 def label_graph(
@@ -114,16 +139,22 @@ def label_graph(
         only: label only these node names (default: all).
 
     Returns:
-        node name -> label, for every node but the output and function placeholders.
+        node name -> label, for every node but the output and function placeholders. An
+        int item of a tuple output is its source's label and index (``blocks.0/chunk[0]``).
     """
     taken = {} if taken is None else taken
     labels: Dict[str, str] = {}
+    is_tuple = _fx_tuple(root)
     for node in gm.graph.nodes:
         if node.op == "output" or str(node.target).startswith("function_placeholder__"):
             continue
         if only is not None and node.name not in only:
             continue
-        base = _base_label(node, root, scope)
+        item = indexed_item(node, is_tuple)
+        if item is not None and item[0].name in labels:
+            base = labels[item[0].name] + item[1]  # (unique: its source's label is)
+        else:
+            base = _base_label(node, root, scope)
         count = taken.get(base, 0)
         taken[base] = count + 1
         labels[node.name] = base if count == 0 else f"{base}_{count}"

@@ -246,6 +246,15 @@ def test_fsdp2_records_ops_inside_each_unit(trained: Callable[..., Run]) -> None
     for unit_output, inner in units.items():  # outputs of units named by the user's class
         for d in ("fwd", "bwd"):
             assert logged[f"scale/{d}/{unit_output}"] == pytest.approx(logged[f"scale/{d}/{inner}"], rel=REL)
+    # the outputs of the modules inside a unit are tagged under their paths, as without FSDP
+    inside = {
+        "model.layers.0.fc": ACTIVATIONS[0],
+        "model.layers.0.act": ACTIVATIONS[1],
+        "model.layers.1.fc": ACTIVATIONS[2],
+    }
+    for module_output, op in inside.items():
+        for d in ("fwd", "bwd"):
+            assert logged[f"scale/{d}/{module_output}"] == logged[f"scale/{d}/{op}"], (module_output, d)
     for label in PARAMETERS:  # the full parameter, not a shard: std of the whole tensor
         full = ref[label][0][0]
         assert logged[f"scale/fwd/{label}"] == pytest.approx(float(full.std()), rel=REL)
