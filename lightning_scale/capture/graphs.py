@@ -47,7 +47,7 @@ from typing import (
 import torch
 from torch import fx, nn
 
-from lightning_scale.capture import coverage, frames
+from lightning_scale.capture import coverage, frames, tensor_parallel
 from lightning_scale.capture.compiled import CompiledRoute, compiled_modules
 from lightning_scale.capture.compiled_labels import CompiledLabels
 from lightning_scale.capture.dynamo import MODULE_KEY, WeakBackend, opaque_module_paths, tracked_forward
@@ -275,6 +275,9 @@ class Capture:
             parts.append("fx fallbacks: " + ", ".join(f"{k} ({v})" for k, v in self.fallbacks.items()))
         if self.reason:
             parts.append(self.reason)
+        meshes = tensor_parallel.meshes_of(self.module)
+        if meshes:
+            parts.append(tensor_parallel.mesh_line(meshes))
         if self.compiled is not None:
             parts.append(self.compiled.describe())
         return "; ".join(parts)

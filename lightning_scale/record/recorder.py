@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optio
 import torch
 from torch import Tensor
 
-from lightning_scale.record import kernels, stats
+from lightning_scale.record import kernels, placements, stats
 from lightning_scale.record.short_records import MAX_ELEMENTS, ShortRecords, batchable
 
 __all__ = ["BACKWARD", "FORWARD", "HOST_READS_ENV", "Recorder", "active", "observe", "recording"]
@@ -95,7 +95,9 @@ class Recorder:
         slot = self._slots.get(key)  # (one lookup: this runs after every node of a tracked step)
         if slot is None:
             slot = self.slot(key)
-        if x.layout is not torch.strided:
+        if placements.is_distributed(x):  # a DTensor: this rank's part of the full tensor
+            self._add_part(slot, FORWARD, x)
+        elif x.layout is not torch.strided:
             self._skip(slot, FORWARD, x)
         else:
             prev = self._previous
@@ -139,6 +141,14 @@ class Recorder:
             self.slot(key)
         self._later.append((list(keys), direction, rows))
 
+    def _add_part(self, slot: int, direction: int, x: Tensor) -> None:
+        """Record this rank's disjoint part of the DTensor ``x`` (``placements.local_part``)."""
+        local, why = placements.local_part(x)
+        if why is not None:
+            self.skipped[(self._keys[slot], direction)] = why
+        elif local is not None:
+            self._add(slot, direction, local)
+
     def _skip(self, slot: int, direction: int, x: Tensor) -> None:
         """No statistics for ``x``: they are defined here for strided tensors only."""
         self.skipped[(self._keys[slot], direction)] = f"{str(x.layout).replace('torch.', '')} layout"
@@ -154,6 +164,9 @@ class Recorder:
             self._skip(slot, BACKWARD, grad)
             return
         try:
+            if placements.is_distributed(grad):  # (a DTensor's gradient: its part, as its value's)
+                self._add_part(slot, BACKWARD, grad)
+                return
             # Autograd hands the very same gradient tensor to several nodes (an add passes
             # its output's gradient to both inputs: the residual stream): unchanged since
             # (same version), it has the same statistics. Reuse, do not recompute.

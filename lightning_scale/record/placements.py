@@ -1,0 +1,54 @@
+"""Placements: the part of a distributed tensor (``DTensor``) that this rank records.
+
+The pool merges every rank's record of a node as if their tensors were concatenated, so
+a node's pooled record is that of the full logical tensor when the ranks' records describe
+disjoint parts of it. Over the mesh of a ``DTensor`` that means, per mesh dimension:
+
+* ``Shard(d)``: every rank records its local shard (the shards are disjoint);
+* ``Replicate()``: only the rank at coordinate 0 of that dimension records; the others add
+  nothing (an empty record is the merge identity);
+* ``Partial()``: the local values are summands, not a part; they are not recorded here
+  (``PARTIAL``), so a capture records such a node through the node that reduces it.
+
+Statistics are then taken on ``to_local()``, a plain tensor: no DTensor op runs inside
+them (those would be collectives, or implicit replications of the scalar results).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+from torch import Tensor
+
+__all__ = ["PARTIAL", "first_of_replicas", "is_distributed", "local_part"]
+
+#: why a ``Partial`` tensor is not recorded on any rank (``Recorder.skipped``)
+PARTIAL = "Partial placement (reduced only by a later node)"
+
+
+def is_distributed(x: Any) -> bool:
+    """Whether ``x`` is a ``DTensor`` (without importing ``torch.distributed`` when absent)."""
+    cls = type(x)
+    return cls.__name__ == "DTensor" and hasattr(x, "placements") and hasattr(x, "to_local")
+
+
+def first_of_replicas(mesh: Any, dims: Optional[Tuple[int, ...]] = None) -> bool:
+    """Whether this rank is at coordinate 0 of ``mesh`` on ``dims`` (all by default): the
+    one copy of a tensor replicated over them that is recorded. False off the mesh."""
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return False
+    return all(coordinate[d] == 0 for d in (range(len(coordinate)) if dims is None else dims))
+
+
+def local_part(x: Tensor) -> Tuple[Optional[Tensor], Optional[str]]:
+    """``(tensor to record, why none)`` for a ``DTensor`` ``x``: its local tensor where this
+    rank holds a disjoint part of the full tensor, ``(None, None)`` where another rank
+    records the same values (a replica), ``(None, PARTIAL)`` where no rank holds a part."""
+    placements = tuple(x.placements)  # type: ignore[attr-defined]
+    if any(p.is_partial() for p in placements):
+        return None, PARTIAL
+    replicated = tuple(i for i, p in enumerate(placements) if p.is_replicate())
+    if not first_of_replicas(x.device_mesh, replicated):  # type: ignore[attr-defined]
+        return None, None
+    return x.detach().to_local(), None  # type: ignore[attr-defined]  # (no autograd node of ours)

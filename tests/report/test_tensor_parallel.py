@@ -1,0 +1,187 @@
+"""Tensor parallelism (DTensor TP through ``ModelParallelStrategy``) on 2 CPU processes over
+gloo: every logged node's statistics (std, absmax, count, format counts, forward and
+backward) are those of the full logical tensor, checked against a single-process float64
+reference of the unsharded model with the same weights and batch, written out without the
+library or the model class; training is bit-identical with and without the callback; the
+run warns of nothing. The training script is ``tests/dist_scripts/run_tp.py``."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Dict, Iterator, Tuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import Tensor
+
+from tests.report.test_distributed import _free_ports
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "dist_scripts" / "run_tp.py"
+REL = 1e-5  # TensorBoard stores scalars as float32
+HEADS = 4
+#: statistic -> its tag prefix; the format counts are fractions of the count
+STATISTICS = {"std": "scale", "absmax": "absmax", "count": "count", "zeros": "zeros"}
+BOUNDS = {"underflow_e4m3": 2.0**-9, "below_normal_e4m3": 2.0**-6, "underflow_e5m2": 2.0**-16}
+Key = Tuple[str, str]  # (model, callback)
+RUNS = [("mlp", "on"), ("mlp", "off"), ("attn", "on")]
+Nodes = Dict[str, Tuple[Tensor, Tensor]]  # label -> (value, gradient), float64
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str, str], Tuple[Path, str]]]:
+    """(output folder, console output) of each run of ``RUNS``; all started together."""
+    base = tmp_path_factory.mktemp("tp")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    procs: Dict[Key, "subprocess.Popen[str]"] = {}
+    for (model, mode), port in zip(RUNS, _free_ports(len(RUNS))):
+        (base / f"{model}_{mode}").mkdir()
+        procs[(model, mode)] = subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(base / f"{model}_{mode}"), model, mode],
+            cwd=ROOT,
+            env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+    outputs: Dict[Key, str] = {}
+
+    def get(model: str, mode: str = "on") -> Tuple[Path, str]:
+        if (model, mode) not in outputs:
+            proc = procs[(model, mode)]
+            try:
+                outputs[(model, mode)], _ = proc.communicate(timeout=300)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                pytest.fail(f"{model} {mode} timed out: {proc.communicate()[0][-3000:]}")
+            assert proc.returncode == 0, outputs[(model, mode)][-3000:]
+        return base / f"{model}_{mode}", outputs[(model, mode)]
+
+    yield get
+    for proc in procs.values():
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+def _scalars(out: Path) -> Dict[str, float]:
+    acc = EventAccumulator(str(out / "logs" / "version_0"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: acc.Scalars(tag)[0].value for tag in acc.Tags()["scalars"]}
+
+
+# ---- the float64 reference of the unsharded model ---------------------------------------
+
+
+def _mlp(w: Dict[str, Tensor], idx: Tensor) -> Dict[str, Tensor]:
+    x = F.embedding(idx, w["emb.weight"])
+    h1 = F.linear(x, w["fc1.weight"], w["fc1.bias"])
+    a = F.gelu(h1)
+    h2 = F.linear(a, w["fc2.weight"], w["fc2.bias"])
+    o = F.linear(h2, w["head.weight"], w["head.bias"])
+    return {"emb": x, "fc1": h1, "act": a, "fc2": h2, "head": o}
+
+
+def _attention(w: Dict[str, Tensor], idx: Tensor) -> Dict[str, Tensor]:
+    x = F.embedding(idx, w["emb.weight"])
+    b, t, d = x.shape
+    qkv = {n: F.linear(x, w[f"{n}.weight"], w.get(f"{n}.bias")) for n in "qkv"}
+    q, k, v = (a.view(b, t, HEADS, d // HEADS).transpose(1, 2) for a in qkv.values())  # (B, nh, T, hs)
+    y = F.scaled_dot_product_attention(q, k, v)
+    out = F.linear(y.transpose(1, 2).reshape(b, t, d), w["out.weight"], w["out.bias"])
+    o = F.linear(out, w["head.weight"], w["head.bias"])
+    return {"emb": x, **qkv, "sdpa": y, "out": out, "head": o}
+
+
+def _reference(out: Path, model: str) -> Nodes:
+    """Label -> (value, gradient) of every module output, op and parameter, in float64."""
+    init = torch.load(out / "init.pt")
+    idx, y = torch.load(out / "batch_rank0.pt")
+    w = {k: v.double().requires_grad_() for k, v in init.items()}
+    acts = (_mlp if model == "mlp" else _attention)(w, idx)
+    for a in acts.values():
+        a.retain_grad()
+    F.cross_entropy(acts["head"].flatten(0, 1), y.flatten()).backward()
+    ops = {"emb": "embedding", "act": "gelu"}
+    nodes: Nodes = {}
+    for name, a in acts.items():
+        pair = (a.detach(), a.grad)
+        if name == "sdpa":
+            nodes["model/scaled_dot_product_attention"] = pair
+            continue
+        nodes[f"model.{name}"] = nodes[f"model.{name}/{ops.get(name, 'linear')}"] = pair
+    nodes["model"] = nodes["model.head"]
+    nodes.update({f"model.{k}": (p.detach(), p.grad) for k, p in w.items()})
+    return nodes
+
+
+def _expected(t: Tensor) -> Dict[str, float]:
+    a = t.float().double().abs()  # (the run's values are float32)
+    nonzero = a > 0
+    out = {
+        "std": float(t.std()),
+        "absmax": float(a.max()),
+        "count": t.numel(),
+        "zeros": float((~nonzero).double().mean()),
+    }
+    out.update({name: float((nonzero & (a < bound)).double().mean()) for name, bound in BOUNDS.items()})
+    return out
+
+
+def _check(logged: Dict[str, float], nodes: Nodes) -> None:
+    for label, tensors in nodes.items():
+        for direction, t in zip(("fwd", "bwd"), tensors):
+            for stat, value in _expected(t).items():
+                tag = f"{STATISTICS.get(stat, stat)}/{direction}/{label}"
+                assert tag in logged, tag
+                assert logged[tag] == pytest.approx(value, rel=REL, abs=1e-7), (tag, logged[tag], value)
+
+
+# ---- the runs ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["mlp", "attn"])
+def test_every_node_has_the_statistics_of_the_full_tensor(
+    model: str, trained: Callable[[str, str], Tuple[Path, str]]
+) -> None:
+    """fc1/q/k/v outputs are column shards, fc2/out outputs and everything outside the
+    parallel layers replicas, the matmul before the row-parallel all-reduce a partial sum,
+    the parameters DTensor shards or replicas: each equals the unsharded model's tensor."""
+    out, _ = trained(model, "on")
+    logged = _scalars(out)
+    nodes = _reference(out, model)
+    _check(logged, nodes)
+    logged_nodes = {tag.split("/", 2)[2] for tag in logged if tag.startswith("count/fwd/")}
+    assert logged_nodes == set(nodes), "every node of the unsharded model, and only those"
+    shard = "model.fc1" if model == "mlp" else "model.q"  # not half the tensor: both shards
+    assert logged[f"count/fwd/{shard}"] == nodes[shard][0].numel()
+    assert logged[f"scale/fwd/{shard}"] != pytest.approx(float(nodes[shard][0].chunk(2, -1)[0].std()), rel=1e-3)
+
+
+def test_training_is_identical_with_and_without_the_callback(trained: Callable[[str, str], Tuple[Path, str]]) -> None:
+    (on, _), (off, _) = trained("mlp", "on"), trained("mlp", "off")
+    with_cb, without, init = (torch.load(p) for p in (on / "params.pt", off / "params.pt", on / "init.pt"))
+    assert with_cb.keys() == without.keys() == init.keys()
+    for name in init:
+        assert torch.equal(with_cb[name], without[name]), name
+        assert not torch.equal(with_cb[name], init[name]), f"{name} did not train"
+
+
+@pytest.mark.parametrize("model", ["mlp", "attn"])
+def test_the_capture_is_verified_names_the_mesh_and_nothing_warns(
+    model: str, trained: Callable[[str, str], Tuple[Path, str]]
+) -> None:
+    _, output = trained(model, "on")
+    assert re.search(r"ScaleMonitor: capture of Module verified \(dynamo: bit-identical\)", output), output[-3000:]
+    assert re.search(r"ScaleMonitor: captured Module: .*DTensor mesh dims: tensor_parallel=2", output)
+    assert "implicitly creating a replicated DTensor" not in output
+    assert not [line for line in output.splitlines() if "lightning_scale" in line and "Warning" in line]
+    assert "skipped" not in output and "untracked" not in output
