@@ -341,6 +341,12 @@ def _capture(
     # a module compiled in place runs its compiled code: a leaf, as an OptimizedModule
     in_place = [path for path, m in compiled_modules(module) if path and not isinstance(m, OptimizedModule)]
     leaves = tuple(DEFAULT_LEAF_TYPES) + tuple(leaf_modules) + tuple(in_place)
+    parallel = tensor_parallel.distributed_modules(module)
+    if parallel:  # (tensor parallelism: fx would keep the layers as leaves, placements unknown)
+        why = "fx cannot see the placements of tensor-parallel layers " + ", ".join(parallel[:3])
+        if mode == "fx":
+            raise CaptureError(f"{why}; capture them with dynamo")
+        return Capture("dynamo", module, reason=f"auto: {why}")
     if units:
         cap = _fx_capture(module, leaves + tuple(units), autowrap_modules, autowrap_functions)
         _add_units(cap, module, units, leaves, autowrap_modules, autowrap_functions)

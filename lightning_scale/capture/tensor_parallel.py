@@ -28,9 +28,9 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 from torch import Tensor, fx, nn
 
-from lightning_scale.record.placements import first_of_replicas, is_distributed
+from lightning_scale.record.placements import first_beyond, first_of_replicas, is_distributed
 
-__all__ = ["TensorParallelGraph", "local_tensor", "mesh_line", "meshes_of"]
+__all__ = ["TensorParallelGraph", "distributed_modules", "local_tensor", "mesh_line", "meshes_of"]
 
 _CONVERSIONS = {"from_local", "to_local", "redistribute", "full_tensor"}
 
@@ -95,9 +95,12 @@ class TensorParallelGraph:
         self.hidden = {n.name for n in gm.graph.nodes if _is_conversion(n) and n.name not in self.aliases}
         self.replicas = _replicas(gm)
 
-    def observer(self, observe: Callable[[Any, str], None]) -> Callable[[Any, str], None]:
-        """``observe`` for this graph: replicas at coordinate 0 of the mesh only, partial
-        sums not at all, and their reduced values under their own node's name."""
+    def observer(self, observe: Callable[..., None]) -> Callable[[Any, str], None]:
+        """``observe(x, name, forward=True)`` for this graph: replicas at coordinate 0 of the
+        mesh only, partial sums not at all, and their reduced values under their own node's
+        name. A plain parameter (a leaf) is one value on every data-parallel replica too, but
+        its gradient is each replica's own: its value is recorded at coordinate 0 of the
+        root mesh's other dims, its gradient at every one."""
         if self.mesh is None:
             return observe
         mesh, replicas, reduced = self.mesh, frozenset(self.replicas), dict(self.reduced)
@@ -107,7 +110,8 @@ class TensorParallelGraph:
         def run(x: Any, name: str) -> None:
             if name in partial or (name in replicas and not first_of_replicas(mesh)):
                 return
-            observe(x, reduced.get(name, name))
+            leaf = name in replicas and isinstance(x, Tensor) and x.is_leaf and x.requires_grad
+            observe(x, reduced.get(name, name), not leaf or first_beyond(mesh))
 
         return run
 
@@ -169,3 +173,15 @@ def mesh_line(meshes: List[Any]) -> str:
         for name, size in zip(names, mesh.shape):
             seen.setdefault(name, size)
     return "DTensor mesh dims: " + ", ".join(f"{n}={s}" for n, s in seen.items())
+
+
+def distributed_modules(root: nn.Module) -> List[str]:
+    """Paths of the submodules that ``torch.distributed.tensor.distribute_module`` (under
+    every ``ParallelStyle`` of ``parallelize_module``) gave input or output hooks. fx runs
+    them as leaves, whose local outputs carry no placement: only dynamo records them exactly."""
+    out = []
+    for path, m in root.named_modules():
+        hooks = [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]  # (torch's own tables)
+        if any(getattr(h, "__qualname__", "").startswith("distribute_module.") for h in hooks):
+            out.append(path)
+    return out

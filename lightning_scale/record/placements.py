@@ -20,7 +20,7 @@ from typing import Any, Optional, Tuple
 
 from torch import Tensor
 
-__all__ = ["PARTIAL", "first_of_replicas", "is_distributed", "local_part"]
+__all__ = ["PARTIAL", "first_beyond", "first_of_replicas", "is_distributed", "local_part"]
 
 #: why a ``Partial`` tensor is not recorded on any rank (``Recorder.skipped``)
 PARTIAL = "Partial placement (reduced only by a later node)"
@@ -41,14 +41,29 @@ def first_of_replicas(mesh: Any, dims: Optional[Tuple[int, ...]] = None) -> bool
     return all(coordinate[d] == 0 for d in (range(len(coordinate)) if dims is None else dims))
 
 
-def local_part(x: Tensor) -> Tuple[Optional[Tensor], Optional[str]]:
+def local_part(x: Tensor, parameter: bool = False) -> Tuple[Optional[Tensor], Optional[str]]:
     """``(tensor to record, why none)`` for a ``DTensor`` ``x``: its local tensor where this
     rank holds a disjoint part of the full tensor, ``(None, None)`` where another rank
-    records the same values (a replica), ``(None, PARTIAL)`` where no rank holds a part."""
+    records the same values (a replica), ``(None, PARTIAL)`` where no rank holds a part.
+
+    ``parameter``: ``x`` is a parameter's value, the same on every data-parallel replica of
+    its mesh (FSDP2 x TP: the unsharded parameter lives on the tensor-parallel submesh of
+    a (data_parallel, tensor_parallel) mesh): recorded at coordinate 0 of the other dims."""
     placements = tuple(x.placements)  # type: ignore[attr-defined]
     if any(p.is_partial() for p in placements):
         return None, PARTIAL
     replicated = tuple(i for i, p in enumerate(placements) if p.is_replicate())
-    if not first_of_replicas(x.device_mesh, replicated):  # type: ignore[attr-defined]
+    mesh = x.device_mesh  # type: ignore[attr-defined]
+    if not first_of_replicas(mesh, replicated) or (parameter and not first_beyond(mesh)):
         return None, None
     return x.detach().to_local(), None  # type: ignore[attr-defined]  # (no autograd node of ours)
+
+
+def first_beyond(mesh: Any) -> bool:
+    """Whether this rank is at coordinate 0 of the dims of ``mesh``'s root mesh that
+    ``mesh`` (a submesh, sliced by name) does not have; True for a root mesh."""
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh  # (torch's own accessor)
+    if root is mesh or not root.mesh_dim_names or not mesh.mesh_dim_names:
+        return True
+    others = tuple(i for i, name in enumerate(root.mesh_dim_names) if name not in mesh.mesh_dim_names)
+    return first_of_replicas(root, others)

@@ -89,13 +89,16 @@ class Recorder:
             self._keys.append(key)
         return self._slots[key]
 
-    def observe(self, key: Hashable, x: Tensor) -> None:
+    def observe(self, key: Hashable, x: Tensor, forward: bool = True) -> None:
         """Record ``x`` (forward) now and its gradient (backward) when it arrives. A tensor
-        of another layout than strided (sparse, mkldnn) is not recorded: ``skipped`` says so."""
+        of another layout than strided (sparse, mkldnn) is not recorded: ``skipped`` says so.
+        ``forward=False``: the gradient only (another rank records the same value)."""
         slot = self._slots.get(key)  # (one lookup: this runs after every node of a tracked step)
         if slot is None:
             slot = self.slot(key)
-        if placements.is_distributed(x):  # a DTensor: this rank's part of the full tensor
+        if not forward:
+            pass
+        elif placements.is_distributed(x):  # a DTensor: this rank's part of the full tensor
             self._add_part(slot, FORWARD, x)
         elif x.layout is not torch.strided:
             self._skip(slot, FORWARD, x)
@@ -143,7 +146,7 @@ class Recorder:
 
     def _add_part(self, slot: int, direction: int, x: Tensor) -> None:
         """Record this rank's disjoint part of the DTensor ``x`` (``placements.local_part``)."""
-        local, why = placements.local_part(x)
+        local, why = placements.local_part(x, parameter=direction == FORWARD and x.is_leaf)
         if why is not None:
             self.skipped[(self._keys[slot], direction)] = why
         elif local is not None:
@@ -391,7 +394,7 @@ def recording(recorder: Recorder) -> Iterator[Recorder]:
 
 
 @torch.compiler.disable
-def observe(x: Any, key: Hashable) -> None:
+def observe(x: Any, key: Hashable, forward: bool = True) -> None:
     """Called by instrumented graphs after each node: record floating tensors.
 
     Opaque to TorchDynamo: when the user compiles code that runs a tracked forward,
@@ -403,6 +406,6 @@ def observe(x: Any, key: Hashable) -> None:
     rec = _ACTIVE
     if rec is not None and rec.error is None and isinstance(x, Tensor) and x.is_floating_point():
         try:
-            rec.observe(key, x)
+            rec.observe(key, x, forward)
         except Exception as err:  # noqa: BLE001 - reported by the owner of the recorder
             rec.error = err

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Dict, Iterator, Tuple
+from typing import Callable, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
@@ -26,25 +26,26 @@ from tests.report.test_distributed import _free_ports
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "dist_scripts" / "run_tp.py"
 REL = 1e-5  # TensorBoard stores scalars as float32
-HEADS = 4
+HEADS, TP = 4, 2
 #: statistic -> its tag prefix; the format counts are fractions of the count
 STATISTICS = {"std": "scale", "absmax": "absmax", "count": "count", "zeros": "zeros"}
 BOUNDS = {"underflow_e4m3": 2.0**-9, "below_normal_e4m3": 2.0**-6, "underflow_e5m2": 2.0**-16}
-Key = Tuple[str, str]  # (model, callback)
-RUNS = [("mlp", "on"), ("mlp", "off"), ("attn", "on")]
+Key = Tuple[str, str, int]  # (model, callback, data-parallel size)
+RUNS = [("mlp", "on", 1), ("mlp", "off", 1), ("attn", "on", 1), ("mlp", "on", 2)]
 Nodes = Dict[str, Tuple[Tensor, Tensor]]  # label -> (value, gradient), float64
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str, str], Tuple[Path, str]]]:
-    """(output folder, console output) of each run of ``RUNS``; all started together."""
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Tuple[Path, str]]]:
+    """(output folder, console output) of each run of ``RUNS``, by (model, callback,
+    data-parallel size); all started together (each is mostly start-up and compiling)."""
     base = tmp_path_factory.mktemp("tp")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     procs: Dict[Key, "subprocess.Popen[str]"] = {}
-    for (model, mode), port in zip(RUNS, _free_ports(len(RUNS))):
-        (base / f"{model}_{mode}").mkdir()
-        procs[(model, mode)] = subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(base / f"{model}_{mode}"), model, mode],
+    for key, port in zip(RUNS, _free_ports(len(RUNS))):
+        (base / "_".join(map(str, key))).mkdir()
+        procs[key] = subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(base / "_".join(map(str, key))), key[0], key[1], str(key[2]), str(TP)],
             cwd=ROOT,
             env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
             stdout=subprocess.PIPE,
@@ -54,16 +55,17 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str,
         )
     outputs: Dict[Key, str] = {}
 
-    def get(model: str, mode: str = "on") -> Tuple[Path, str]:
-        if (model, mode) not in outputs:
-            proc = procs[(model, mode)]
+    def get(model: str, mode: str = "on", dp: int = 1) -> Tuple[Path, str]:
+        key = (model, mode, dp)
+        if key not in outputs:
+            proc = procs[key]
             try:
-                outputs[(model, mode)], _ = proc.communicate(timeout=300)
+                outputs[key], _ = proc.communicate(timeout=300)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-                pytest.fail(f"{model} {mode} timed out: {proc.communicate()[0][-3000:]}")
-            assert proc.returncode == 0, outputs[(model, mode)][-3000:]
-        return base / f"{model}_{mode}", outputs[(model, mode)]
+                pytest.fail(f"{key} timed out: {proc.communicate()[0][-3000:]}")
+            assert proc.returncode == 0, outputs[key][-3000:]
+        return base / "_".join(map(str, key)), outputs[key]
 
     yield get
     for proc in procs.values():
@@ -101,25 +103,32 @@ def _attention(w: Dict[str, Tensor], idx: Tensor) -> Dict[str, Tensor]:
     return {"emb": x, **qkv, "sdpa": y, "out": out, "head": o}
 
 
-def _reference(out: Path, model: str) -> Nodes:
-    """Label -> (value, gradient) of every module output, op and parameter, in float64."""
+def _reference(out: Path, model: str, dp: int = 1) -> Nodes:
+    """Label -> (value, gradient) of every module output, op and parameter, in float64:
+    each data-parallel rank's tensors concatenated (its own batch, its own loss), a
+    parameter's value once (every replica holds it), its gradients each replica's own."""
     init = torch.load(out / "init.pt")
-    idx, y = torch.load(out / "batch_rank0.pt")
-    w = {k: v.double().requires_grad_() for k, v in init.items()}
-    acts = (_mlp if model == "mlp" else _attention)(w, idx)
-    for a in acts.values():
-        a.retain_grad()
-    F.cross_entropy(acts["head"].flatten(0, 1), y.flatten()).backward()
+    runs: List[Dict[str, Tuple[Tensor, Tensor]]] = []
+    for rank in range(0, dp * TP, TP):  # (ranks are data-parallel major: rank = dp_index * TP + tp_index)
+        idx, y = torch.load(out / f"batch_rank{rank}.pt")
+        w = {k: v.double().requires_grad_() for k, v in init.items()}
+        acts = (_mlp if model == "mlp" else _attention)(w, idx)
+        for a in acts.values():
+            a.retain_grad()
+        F.cross_entropy(acts["head"].flatten(0, 1), y.flatten()).backward()
+        runs.append({**{n: (a.detach(), a.grad) for n, a in acts.items()}, **{k: (p, p.grad) for k, p in w.items()}})
     ops = {"emb": "embedding", "act": "gelu"}
     nodes: Nodes = {}
-    for name, a in acts.items():
-        pair = (a.detach(), a.grad)
-        if name == "sdpa":
+    for name in runs[0]:
+        value = runs[0][name][0].detach() if name in init else torch.cat([r[name][0] for r in runs])
+        pair = (value, torch.cat([r[name][1] for r in runs]))
+        if name in init:
+            nodes[f"model.{name}"] = pair
+        elif name == "sdpa":
             nodes["model/scaled_dot_product_attention"] = pair
-            continue
-        nodes[f"model.{name}"] = nodes[f"model.{name}/{ops.get(name, 'linear')}"] = pair
+        else:
+            nodes[f"model.{name}"] = nodes[f"model.{name}/{ops.get(name, 'linear')}"] = pair
     nodes["model"] = nodes["model.head"]
-    nodes.update({f"model.{k}": (p.detach(), p.grad) for k, p in w.items()})
     return nodes
 
 
@@ -148,16 +157,19 @@ def _check(logged: Dict[str, float], nodes: Nodes) -> None:
 # ---- the runs ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model", ["mlp", "attn"])
+@pytest.mark.parametrize("model, dp", [("mlp", 1), ("attn", 1), ("mlp", 2)])
 def test_every_node_has_the_statistics_of_the_full_tensor(
-    model: str, trained: Callable[[str, str], Tuple[Path, str]]
+    model: str, dp: int, trained: Callable[..., Tuple[Path, str]]
 ) -> None:
     """fc1/q/k/v outputs are column shards, fc2/out outputs and everything outside the
     parallel layers replicas, the matmul before the row-parallel all-reduce a partial sum,
-    the parameters DTensor shards or replicas: each equals the unsharded model's tensor."""
-    out, _ = trained(model, "on")
+    the parameters DTensor shards or replicas: each equals the unsharded model's tensor.
+    With ``dp=2`` (FSDP2 x TP, 4 ranks) the two data-parallel batches are pooled too."""
+    out, _ = trained(model, "on", dp)
     logged = _scalars(out)
-    nodes = _reference(out, model)
+    nodes = _reference(out, model, dp)
+    if dp > 1:  # (the root FSDP2 unit's output has no label of its own on the dynamo route)
+        del nodes["model"]
     _check(logged, nodes)
     logged_nodes = {tag.split("/", 2)[2] for tag in logged if tag.startswith("count/fwd/")}
     assert logged_nodes == set(nodes), "every node of the unsharded model, and only those"
@@ -166,7 +178,7 @@ def test_every_node_has_the_statistics_of_the_full_tensor(
     assert logged[f"scale/fwd/{shard}"] != pytest.approx(float(nodes[shard][0].chunk(2, -1)[0].std()), rel=1e-3)
 
 
-def test_training_is_identical_with_and_without_the_callback(trained: Callable[[str, str], Tuple[Path, str]]) -> None:
+def test_training_is_identical_with_and_without_the_callback(trained: Callable[..., Tuple[Path, str]]) -> None:
     (on, _), (off, _) = trained("mlp", "on"), trained("mlp", "off")
     with_cb, without, init = (torch.load(p) for p in (on / "params.pt", off / "params.pt", on / "init.pt"))
     assert with_cb.keys() == without.keys() == init.keys()
@@ -175,13 +187,14 @@ def test_training_is_identical_with_and_without_the_callback(trained: Callable[[
         assert not torch.equal(with_cb[name], init[name]), f"{name} did not train"
 
 
-@pytest.mark.parametrize("model", ["mlp", "attn"])
+@pytest.mark.parametrize("model, dp", [("mlp", 1), ("attn", 1), ("mlp", 2)])
 def test_the_capture_is_verified_names_the_mesh_and_nothing_warns(
-    model: str, trained: Callable[[str, str], Tuple[Path, str]]
+    model: str, dp: int, trained: Callable[..., Tuple[Path, str]]
 ) -> None:
-    _, output = trained(model, "on")
+    _, output = trained(model, "on", dp)
     assert re.search(r"ScaleMonitor: capture of Module verified \(dynamo: bit-identical\)", output), output[-3000:]
-    assert re.search(r"ScaleMonitor: captured Module: .*DTensor mesh dims: tensor_parallel=2", output)
+    mesh = "data_parallel=2, tensor_parallel=2" if dp == 2 else "tensor_parallel=2"
+    assert re.search(rf"ScaleMonitor: captured Module: .*auto: fx cannot see .*; DTensor mesh dims: {mesh}", output)
     assert "implicitly creating a replicated DTensor" not in output
     assert not [line for line in output.splitlines() if "lightning_scale" in line and "Warning" in line]
     assert "skipped" not in output and "untracked" not in output
