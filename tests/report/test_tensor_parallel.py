@@ -1,12 +1,14 @@
 """Tensor parallelism (DTensor TP through ``ModelParallelStrategy``) on 2 CPU processes over
 gloo: every logged node's statistics (std, absmax, count, format counts, forward and
-backward) are those of the full logical tensor, checked against a single-process float64
+backward) are those of the full logical tensor (``use_local_output`` True for the MLP,
+False for the attention model), checked against a single-process float64
 reference of the unsharded model with the same weights and batch, written out without the
 library or the model class; training is bit-identical with and without the callback; the
 run warns of nothing. The training script is ``tests/dist_scripts/run_tp.py``."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -32,6 +34,9 @@ STATISTICS = {"std": "scale", "absmax": "absmax", "count": "count", "zeros": "ze
 BOUNDS = {"underflow_e4m3": 2.0**-9, "below_normal_e4m3": 2.0**-6, "underflow_e5m2": 2.0**-16}
 Key = Tuple[str, str, int]  # (model, callback, data-parallel size)
 RUNS = [("mlp", "on", 1), ("mlp", "off", 1), ("attn", "on", 1), ("mlp", "on", 2)]
+#: ``use_local_output`` of the parallel layers: the attention model gets DTensor outputs
+#: and takes them to local tensors itself (``to_local``)
+LOCAL = {"mlp": 1, "attn": 0}
 Nodes = Dict[str, Tuple[Tensor, Tensor]]  # label -> (value, gradient), float64
 
 
@@ -45,7 +50,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., 
     for key, port in zip(RUNS, _free_ports(len(RUNS))):
         (base / "_".join(map(str, key))).mkdir()
         procs[key] = subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(base / "_".join(map(str, key))), key[0], key[1], str(key[2]), str(TP)],
+            [sys.executable, str(SCRIPT), str(base / "_".join(map(str, key))), *map(str, (*key, TP, LOCAL[key[0]]))],
             cwd=ROOT,
             env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
             stdout=subprocess.PIPE,
@@ -198,3 +203,19 @@ def test_the_capture_is_verified_names_the_mesh_and_nothing_warns(
     assert "implicitly creating a replicated DTensor" not in output
     assert not [line for line in output.splitlines() if "lightning_scale" in line and "Warning" in line]
     assert "skipped" not in output and "untracked" not in output
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_pooling_adds_no_collective_for_tensor_parallelism(dp: int, trained: Callable[..., Tuple[Path, str]]) -> None:
+    """Every rank makes the pool's four collectives over the default group, with the same
+    bytes, on the tracked step only: placements decide locally what each rank records."""
+    out, _ = trained("mlp", "on", dp)
+    ranks = [json.loads((out / f"collectives_rank{r}.json").read_text()) for r in range(dp * TP)]
+    assert all(r == ranks[0] for r in ranks)
+    assert [(name, op) for name, op, _, _ in ranks[0]] == [
+        ("all_reduce", "MAX"),
+        ("all_reduce", "MAX"),
+        ("all_reduce", "SUM"),
+        ("reduce", "SUM"),
+    ]
+    assert len({step for *_, step in ranks[0]}) == 1
