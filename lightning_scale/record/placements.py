@@ -8,7 +8,10 @@ disjoint parts of it. Over the mesh of a ``DTensor`` that means, per mesh dimens
 * ``Replicate()``: only the rank at coordinate 0 of that dimension records; the others add
   nothing (an empty record is the merge identity);
 * ``Partial()``: the local values are summands, not a part; they are not recorded here
-  (``PARTIAL``), so a capture records such a node through the node that reduces it.
+  (``PARTIAL``), so a capture records such a node through the node that reduces it. A
+  ``Partial`` gradient that no node reduces (a ``SequenceParallel`` norm's parameter
+  gradient, reduced by the optimizer step) stays unrecorded, and the coverage line says so:
+  reducing it would take a collective of its own.
 
 Statistics are then taken on ``to_local()``, a plain tensor: no DTensor op runs inside
 them (those would be collectives, or implicit replications of the scalar results).
@@ -23,7 +26,7 @@ from torch import Tensor
 __all__ = ["PARTIAL", "first_beyond", "first_of_replicas", "is_distributed", "local_part"]
 
 #: why a ``Partial`` tensor is not recorded on any rank (``Recorder.skipped``)
-PARTIAL = "Partial placement (reduced only by a later node)"
+PARTIAL = "Partial placement (a sum over ranks that no node of the step reduces)"
 
 
 def is_distributed(x: Any) -> bool:

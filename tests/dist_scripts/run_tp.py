@@ -1,8 +1,9 @@
 """Train a tiny language model with tensor parallelism on CPU processes (gloo).
 
 Usage: ``python run_tp.py OUT MODEL CALLBACK [DP [TP [LOCAL]]]`` with MODEL ``mlp``
-(embedding - fc1 colwise - gelu - fc2 rowwise - head) or ``attn`` (embedding - head-sharded
-q, k, v colwise - attention - out rowwise - head), CALLBACK ``on`` or ``off``, DP x TP the
+(embedding - fc1 colwise - gelu - fc2 rowwise - head), ``attn`` (embedding - head-sharded
+q, k, v colwise - attention - out rowwise - head) or ``sp`` (sequence parallel: ``mlp``
+with LayerNorms before fc1 and after fc2, see ``SequenceParallelMLP``), CALLBACK ``on`` or ``off``, DP x TP the
 mesh (``ModelParallelStrategy``; DP > 1 adds FSDP2's ``fully_shard``) and LOCAL ``1``
 (``use_local_output=True``, the default) or ``0`` (DTensor outputs, taken back to local
 tensors by the model). Lightning's launcher re-runs this script for the other ranks.
@@ -87,11 +88,45 @@ class Attention(nn.Module):
         return {**col, "out": RowwiseParallel(use_local_output=local)}
 
 
+class SequenceParallelMLP(nn.Module):
+    """The MLP with LayerNorms whose activations are sharded on the sequence dim
+    (``SequenceParallel``): the embedding rowwise (vocabulary-sharded, its partial sums
+    reduce-scattered to sequence shards), the head gathering the full logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.norm = nn.LayerNorm(D)
+        self.fc1 = nn.Linear(D, H)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(H, D)
+        self.norm2 = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(self.norm(self.emb(idx))))
+        return self.head(self.norm2(self.fc2(h)))
+
+    @staticmethod
+    def plan(local: bool) -> dict:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import SequenceParallel
+
+        return {
+            "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "fc1": ColwiseParallel(input_layouts=Shard(1)),
+            "fc2": RowwiseParallel(output_layouts=Shard(1)),
+            "norm2": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+
+
 class Module(pl.LightningModule):
     def __init__(self, out: Path, model: str, local: bool) -> None:
         super().__init__()
         self.out, self.local = out, local
-        self.model = MLP() if model == "mlp" else Attention()
+        self.model = {"mlp": MLP, "attn": Attention, "sp": SequenceParallelMLP}[model]()
 
     def configure_model(self) -> None:
         parallelize_module(self.model, self.device_mesh["tensor_parallel"], self.model.plan(self.local))

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 
 import pytest
 import torch
@@ -33,10 +33,10 @@ HEADS, TP = 4, 2
 STATISTICS = {"std": "scale", "absmax": "absmax", "count": "count", "zeros": "zeros"}
 BOUNDS = {"underflow_e4m3": 2.0**-9, "below_normal_e4m3": 2.0**-6, "underflow_e5m2": 2.0**-16}
 Key = Tuple[str, str, int]  # (model, callback, data-parallel size)
-RUNS = [("mlp", "on", 1), ("mlp", "off", 1), ("attn", "on", 1), ("mlp", "on", 2)]
+RUNS = [("mlp", "on", 1), ("mlp", "off", 1), ("attn", "on", 1), ("mlp", "on", 2), ("sp", "on", 1)]
 #: ``use_local_output`` of the parallel layers: the attention model gets DTensor outputs
 #: and takes them to local tensors itself (``to_local``)
-LOCAL = {"mlp": 1, "attn": 0}
+LOCAL = {"mlp": 1, "attn": 0, "sp": 1}
 Nodes = Dict[str, Tuple[Tensor, Tensor]]  # label -> (value, gradient), float64
 
 
@@ -108,6 +108,22 @@ def _attention(w: Dict[str, Tensor], idx: Tensor) -> Dict[str, Tensor]:
     return {"emb": x, **qkv, "sdpa": y, "out": out, "head": o}
 
 
+def _sequence_parallel(w: Dict[str, Tensor], idx: Tensor) -> Dict[str, Tensor]:
+    x = F.embedding(idx, w["emb.weight"])
+    norm = F.layer_norm(x, x.shape[-1:], w["norm.weight"], w["norm.bias"])
+    h1 = F.linear(norm, w["fc1.weight"], w["fc1.bias"])
+    a = F.gelu(h1)
+    h2 = F.linear(a, w["fc2.weight"], w["fc2.bias"])
+    norm2 = F.layer_norm(h2, h2.shape[-1:], w["norm2.weight"], w["norm2.bias"])
+    o = F.linear(norm2, w["head.weight"], w["head.bias"])
+    return {"emb": x, "norm": norm, "fc1": h1, "act": a, "fc2": h2, "norm2": norm2, "head": o}
+
+
+MODELS = {"mlp": _mlp, "attn": _attention, "sp": _sequence_parallel}
+#: SequenceParallel norms' parameter gradients: Partial in the hook (summed by the optimizer step)
+UNREDUCED = [f"model.{n}.{p}" for n in ("norm", "norm2") for p in ("weight", "bias")]
+
+
 def _reference(out: Path, model: str, dp: int = 1) -> Nodes:
     """Label -> (value, gradient) of every module output, op and parameter, in float64:
     each data-parallel rank's tensors concatenated (its own batch, its own loss), a
@@ -117,12 +133,12 @@ def _reference(out: Path, model: str, dp: int = 1) -> Nodes:
     for rank in range(0, dp * TP, TP):  # (ranks are data-parallel major: rank = dp_index * TP + tp_index)
         idx, y = torch.load(out / f"batch_rank{rank}.pt")
         w = {k: v.double().requires_grad_() for k, v in init.items()}
-        acts = (_mlp if model == "mlp" else _attention)(w, idx)
+        acts = MODELS[model](w, idx)
         for a in acts.values():
             a.retain_grad()
         F.cross_entropy(acts["head"].flatten(0, 1), y.flatten()).backward()
         runs.append({**{n: (a.detach(), a.grad) for n, a in acts.items()}, **{k: (p, p.grad) for k, p in w.items()}})
-    ops = {"emb": "embedding", "act": "gelu"}
+    ops = {"emb": "embedding", "act": "gelu", "norm": "layer_norm", "norm2": "layer_norm"}
     nodes: Nodes = {}
     for name in runs[0]:
         value = runs[0][name][0].detach() if name in init else torch.cat([r[name][0] for r in runs])
@@ -150,9 +166,12 @@ def _expected(t: Tensor) -> Dict[str, float]:
     return out
 
 
-def _check(logged: Dict[str, float], nodes: Nodes) -> None:
+def _check(logged: Dict[str, float], nodes: Nodes, unreduced: Sequence[str] = ()) -> None:
     for label, tensors in nodes.items():
         for direction, t in zip(("fwd", "bwd"), tensors):
+            if direction == "bwd" and label in unreduced:
+                assert f"scale/bwd/{label}" not in logged, label
+                continue
             for stat, value in _expected(t).items():
                 tag = f"{STATISTICS.get(stat, stat)}/{direction}/{label}"
                 assert tag in logged, tag
@@ -162,25 +181,28 @@ def _check(logged: Dict[str, float], nodes: Nodes) -> None:
 # ---- the runs ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model, dp", [("mlp", 1), ("attn", 1), ("mlp", 2)])
+@pytest.mark.parametrize("model, dp", [("mlp", 1), ("attn", 1), ("mlp", 2), ("sp", 1)])
 def test_every_node_has_the_statistics_of_the_full_tensor(
     model: str, dp: int, trained: Callable[..., Tuple[Path, str]]
 ) -> None:
     """fc1/q/k/v outputs are column shards, fc2/out outputs and everything outside the
     parallel layers replicas, the matmul before the row-parallel all-reduce a partial sum,
     the parameters DTensor shards or replicas: each equals the unsharded model's tensor.
-    With ``dp=2`` (FSDP2 x TP, 4 ranks) the two data-parallel batches are pooled too."""
+    With ``dp=2`` (FSDP2 x TP, 4 ranks) the two data-parallel batches are pooled too. With
+    ``sp`` (sequence parallel) the embedding's partial sums are reduce-scattered to sequence
+    shards, the norms run on them; only the norms' parameter gradients, still partial sums
+    in the hook, are not logged (``test_sequence_parallel_names_what_it_could_not_record``)."""
     out, _ = trained(model, "on", dp)
     logged = _scalars(out)
     nodes = _reference(out, model, dp)
     if dp > 1:  # (the root FSDP2 unit's output has no label of its own on the dynamo route)
         del nodes["model"]
-    _check(logged, nodes)
+    _check(logged, nodes, UNREDUCED if model == "sp" else ())
     logged_nodes = {tag.split("/", 2)[2] for tag in logged if tag.startswith("count/fwd/")}
     assert logged_nodes == set(nodes), "every node of the unsharded model, and only those"
-    shard = "model.fc1" if model == "mlp" else "model.q"  # not half the tensor: both shards
-    assert logged[f"count/fwd/{shard}"] == nodes[shard][0].numel()
-    assert logged[f"scale/fwd/{shard}"] != pytest.approx(float(nodes[shard][0].chunk(2, -1)[0].std()), rel=1e-3)
+    shard, dim = {"mlp": ("model.fc1", -1), "attn": ("model.q", -1), "sp": ("model.norm", 1)}[model]
+    assert logged[f"count/fwd/{shard}"] == nodes[shard][0].numel()  # not half the tensor: both shards
+    assert logged[f"scale/fwd/{shard}"] != pytest.approx(float(nodes[shard][0].chunk(2, dim)[0].std()), rel=1e-3)
 
 
 def test_training_is_identical_with_and_without_the_callback(trained: Callable[..., Tuple[Path, str]]) -> None:
@@ -219,3 +241,13 @@ def test_pooling_adds_no_collective_for_tensor_parallelism(dp: int, trained: Cal
         ("reduce", "SUM"),
     ]
     assert len({step for *_, step in ranks[0]}) == 1
+
+
+def test_sequence_parallel_names_what_it_could_not_record(trained: Callable[..., Tuple[Path, str]]) -> None:
+    _, output = trained("sp", "on")
+    assert re.search(r"ScaleMonitor: capture of Module verified \(dynamo: bit-identical\)", output), output[-3000:]
+    line = re.search(r"ScaleMonitor: coverage: [^\n]*", output)
+    assert line is not None, output[-3000:]
+    assert "4 nodes skipped: Partial placement (a sum over ranks that no node of the step reduces)" in line[0]
+    assert sorted(re.findall(r"model\.norm2?\.\w+ grad", line[0])) == sorted(f"{p} grad" for p in UNREDUCED)
+    assert "implicitly creating a replicated DTensor" not in output
