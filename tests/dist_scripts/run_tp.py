@@ -3,7 +3,8 @@
 Usage: ``python run_tp.py OUT MODEL CALLBACK [DP [TP [LOCAL]]]`` with MODEL ``mlp``
 (embedding - fc1 colwise - gelu - fc2 rowwise - head), ``attn`` (embedding - head-sharded
 q, k, v colwise - attention - out rowwise - head) or ``sp`` (sequence parallel: ``mlp``
-with LayerNorms before fc1 and after fc2, see ``SequenceParallelMLP``), CALLBACK ``on`` or ``off``, DP x TP the
+with LayerNorms before fc1 and after fc2 and a ``loss_parallel`` loss, see
+``SequenceParallelMLP``), CALLBACK ``on`` or ``off``, DP x TP the
 mesh (``ModelParallelStrategy``; DP > 1 adds FSDP2's ``fully_shard``) and LOCAL ``1``
 (``use_local_output=True``, the default) or ``0`` (DTensor outputs, taken back to local
 tensors by the model). Lightning's launcher re-runs this script for the other ranks.
@@ -15,6 +16,7 @@ batch), ``params.pt`` (full parameters after training), ``logs/`` (TensorBoard, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -91,7 +93,8 @@ class Attention(nn.Module):
 class SequenceParallelMLP(nn.Module):
     """The MLP with LayerNorms whose activations are sharded on the sequence dim
     (``SequenceParallel``): the embedding rowwise (vocabulary-sharded, its partial sums
-    reduce-scattered to sequence shards), the head gathering the full logits."""
+    reduce-scattered to sequence shards), the head's logits sharded on the vocabulary (a
+    DTensor), their loss taken with ``loss_parallel``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -118,7 +121,7 @@ class SequenceParallelMLP(nn.Module):
             "fc1": ColwiseParallel(input_layouts=Shard(1)),
             "fc2": RowwiseParallel(output_layouts=Shard(1)),
             "norm2": SequenceParallel(),
-            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
         }
 
 
@@ -142,7 +145,18 @@ class Module(pl.LightningModule):
         idx, y = batch
         if self.global_step == 0:
             torch.save((idx, y), self.out / f"batch_rank{self.global_rank}.pt")
-        return F.cross_entropy(self(idx).flatten(0, 1), y.flatten())
+        with self._loss_context():
+            return F.cross_entropy(self(idx).flatten(0, 1), y.flatten())
+
+    def backward(self, loss: torch.Tensor, *args: object, **kwargs: object) -> None:
+        with self._loss_context():
+            super().backward(loss, *args, **kwargs)
+
+    def _loss_context(self) -> "contextlib.AbstractContextManager[object]":
+        """``loss_parallel`` (vocabulary-sharded logits) for the ``sp`` model, forward and backward."""
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel() if isinstance(self.model, SequenceParallelMLP) else contextlib.nullcontext()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.5)
