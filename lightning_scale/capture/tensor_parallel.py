@@ -117,9 +117,11 @@ class TensorParallelGraph:
 
 
 def _mesh_of(gm: fx.GraphModule) -> Any:
+    """The mesh of the first DTensor the graph computes (not of an input: FSDP2 alone hands
+    a graph sharded parameters, and its activations are every rank's own)."""
     for node in gm.graph.nodes:
         value = _value(node)
-        if is_distributed(value):
+        if node.op != "placeholder" and is_distributed(value):
             return value.device_mesh
     return None
 
