@@ -67,6 +67,7 @@ class Recorder:
             int, Tuple[Any, int, Union[List[stats.Entry], Tensor]]
         ] = {}  # id -> (weakref, version, entry)
         self._short = ShortRecords(self.groups)  # host tensors of a few elements: taken together
+        self._partials = placements.PartialSums()  # gradients no node reduces: summed at flush()
         self._fast = stats.fast_host_record(self.groups)  # host tensors above them: one read, few steps
         self.error: Optional[BaseException] = None
         #: keys whose values' log2 histogram (``stats.log2_histogram``) is also taken
@@ -161,6 +162,8 @@ class Recorder:
         self._on_grad(slot, grad)
 
     def _on_grad(self, slot: int, grad: Tensor) -> None:
+        if placements.is_partial(grad) and self._partials.add((slot, BACKWARD), grad):
+            return  # (kept whatever the error state: every rank joins their reduction in ``flush``)
         if self.error is not None:
             return
         if grad.layout is not torch.strided:  # (a sparse embedding's weight gradient)
@@ -261,6 +264,8 @@ class Recorder:
         """Compute the records of the short tensors observed so far (``ShortRecords``).
         ``records()`` flushes first; call it before reading ``error`` to have their
         failure there too (kept in ``error``, never raised: monitoring must not break a step)."""
+        if len(self._partials):
+            self._reduce_partials()
         if self.error is not None:
             return
         try:
@@ -270,6 +275,16 @@ class Recorder:
                 taken = rows()
                 if taken is not None:
                     self.add_rows(keys, direction, taken)
+        except Exception as err:  # noqa: BLE001 - reported by the owner of the recorder
+            self.error = err
+
+    def _reduce_partials(self) -> None:
+        """Record the ``Partial`` gradients kept this step, summed over their ranks (one
+        collective per mesh group: ``placements.PartialSums``)."""
+        try:
+            for (slot, direction), summed in self._partials.reduce():
+                if summed is not None and self.error is None:
+                    self._add(slot, direction, summed)
         except Exception as err:  # noqa: BLE001 - reported by the owner of the recorder
             self.error = err
 
@@ -305,6 +320,7 @@ class Recorder:
         self.histograms.clear()
         self.skipped.clear()
         self._later.clear()
+        self._partials.clear()
         self.error = None
         self.remove_hooks()
 

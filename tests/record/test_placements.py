@@ -59,6 +59,23 @@ def test_the_recorder_records_a_dtensor_and_its_gradient_as_the_local_tensor(mes
         assert got["absmax"] == float(t.abs().max())
 
 
+def test_a_partial_gradient_is_summed_over_its_group_at_flush(mesh: DeviceMesh) -> None:
+    """A gradient that reaches its hook as a ``Partial`` DTensor (a SequenceParallel norm's
+    parameter) is kept and summed over the mesh group when the step is flushed (1 rank:
+    the sum is the value itself), then recorded."""
+    w = DTensor.from_local(torch.randn(5, dtype=torch.float64), mesh, [Replicate()]).detach().requires_grad_()
+    xs = torch.randn(4, 5, dtype=torch.float64)  # (the sequence-sharded activations)
+    rec = Recorder()
+    rec.observe("w", w)
+    seen = []
+    w.register_hook(lambda grad: seen.append(tuple(grad.placements)))
+    (w * DTensor.from_local(xs, mesh, [Shard(0)])).to_local().sum().backward()
+    assert seen == [(Partial(),)] and rec.skipped == {}
+    g = xs.sum(0)  # the gradient, summed over the shards
+    got = stats.summarise(rec.records(["w"])[0, BACKWARD], ["count", "std"])
+    assert got == {"count": 5, "std": pytest.approx(float(g.std()), rel=1e-12)}
+
+
 def test_a_partial_dtensor_is_not_recorded_and_the_recorder_says_why(mesh: DeviceMesh) -> None:
     rec = Recorder()
     rec.observe("p", DTensor.from_local(torch.randn(3, 2), mesh, [Partial()]))
