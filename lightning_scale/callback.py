@@ -353,8 +353,8 @@ class ScaleMonitor(Callback):
         named = active.capture.add_skipped(active.recorder.skipped)
         self.reporter.warn_once(
             "skipped",
-            f"ScaleMonitor: {skipped_line(named)} at step {active.step}: statistics are taken of strided tensors "
-            "only; the rest of the step is recorded",
+            f"ScaleMonitor: {skipped_line(named)} at step {active.step}: no statistics of these tensors, for the "
+            "reason given; the rest of the step is recorded",
         )
 
     def _abort(self, pl_module: pl.LightningModule) -> None:

@@ -132,8 +132,8 @@ def test_sparse_tensors_are_skipped_named_and_the_rest_logged(
     initial = Embedded() if kind == "embedding" else Masked()
     assert not torch.equal(initial.fc.weight, tracked.net.fc.weight)  # training changed it: not a vacuous match
     assert warned == [
-        f"ScaleMonitor: 1 node skipped: sparse_coo layout ({skipped}) at step 0: statistics are taken of strided "
-        "tensors only; the rest of the step is recorded"
+        f"ScaleMonitor: 1 node skipped: sparse_coo layout ({skipped}) at step 0: no statistics of these tensors, "
+        "for the reason given; the rest of the step is recorded"
     ]
     coverage = [line for line in lines if line.startswith("ScaleMonitor: coverage:")]
     assert len(coverage) == 1 and coverage[0].endswith(f"; 1 node skipped: sparse_coo layout ({skipped})")

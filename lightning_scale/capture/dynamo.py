@@ -26,6 +26,7 @@ from lightning_scale.capture import frames
 from lightning_scale.capture.forward_swap import ForwardSwap
 from lightning_scale.capture.interpreter import instrument
 from lightning_scale.capture.labels import view_aliases
+from lightning_scale.capture.tensor_parallel import TensorParallelGraph
 from lightning_scale.record import recorder
 
 # The backend reads and extends the state of a ``graphs.Capture`` (which imports this
@@ -100,10 +101,12 @@ def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
     for prefix, body in bodies:
         sites += frames.node_sites(body, _op, prefix)
         outputs += frames.module_outputs(body, prefix)
+    tp = TensorParallelGraph(gm)  # DTensors: conversions are aliases, replicas recorded once
+    sites = [s for s in sites if s.name not in tp.hidden]
     names = {s.name: s.name for s in sites}
     views = view_aliases(gm, {k: v for k, v in names.items() if "." not in k})
-    graph = frames.FrameGraph(gm, sites, outputs, views)
-    fn = instrument(gm, {k: k for k in names if "." not in k}, observer=frames.observe_node)
+    graph = frames.FrameGraph(gm, sites, outputs, {**tp.aliases, **views})
+    fn = instrument(gm, {k: k for k in names if "." not in k}, observer=tp.observer(frames.observe_node))
     roots, anchors = graph.roots(), graph.anchors()
     weak = weakref.ref(cap)  # dynamo's code cache keeps this function for the process
 

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from lightning_scale.capture.graphs import Capture
 from lightning_scale.capture.module_state import Snapshot
+from lightning_scale.capture.tensor_parallel import local_tensor
 from lightning_scale.capture.tracer import failure_reason
 
 __all__ = ["NOISE_FACTOR", "Outcome", "ProbeInterrupted", "Verdict", "compare", "verify"]
@@ -115,7 +116,7 @@ def _leaves(x: Any, name: str, depth: int = 0) -> Iterator[Tuple[str, Any]]:
 def _comparable(t: Tensor) -> Tensor:
     """A detached copy, dense: comparisons (``==``, ``isnan``) exist for strided tensors only
     (a sparse embedding's gradient, a sparse buffer)."""
-    t = t.detach()
+    t = local_tensor(t.detach())  # (a DTensor: its local shard; DTensor ops would be collectives)
     return t.to_dense() if t.layout != torch.strided else t.clone()
 
 

@@ -49,12 +49,13 @@ def module_paths(root: nn.Module) -> Dict[int, str]:
 
 
 @torch.compiler.disable
-def observe_node(x: Any, name: str) -> None:
-    """Observe ``x`` under the label the running graph's table gives node ``name``."""
+def observe_node(x: Any, name: str, forward: bool = True) -> None:
+    """Observe ``x`` under the label the running graph's table gives node ``name``
+    (``forward=False``: its gradient only)."""
     if _TABLES and recorder.active() is not None:
         label = _TABLES[-1].get(name)
         if label is not None:
-            recorder.observe(x, label)
+            recorder.observe(x, label, forward)
 
 
 def exact_checkpoint(body: Callable[..., Any], *args: Any, use_reentrant: bool = False, **_: Any) -> Any:

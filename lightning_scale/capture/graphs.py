@@ -47,7 +47,7 @@ from typing import (
 import torch
 from torch import fx, nn
 
-from lightning_scale.capture import coverage, frames
+from lightning_scale.capture import coverage, frames, tensor_parallel
 from lightning_scale.capture.compiled import CompiledRoute, compiled_modules
 from lightning_scale.capture.compiled_labels import CompiledLabels
 from lightning_scale.capture.dynamo import MODULE_KEY, WeakBackend, opaque_module_paths, tracked_forward
@@ -284,6 +284,9 @@ class Capture:
             parts.append("fx fallbacks: " + ", ".join(f"{k} ({v})" for k, v in self.fallbacks.items()))
         if self.reason:
             parts.append(self.reason)
+        meshes = tensor_parallel.meshes_of(self.module)
+        if meshes:
+            parts.append(tensor_parallel.mesh_line(meshes))
         if self.compiled is not None:
             parts.append(self.compiled.describe())
         return "; ".join(parts)
@@ -347,6 +350,12 @@ def _capture(
     # a module compiled in place runs its compiled code: a leaf, as an OptimizedModule
     in_place = [path for path, m in compiled_modules(module) if path and not isinstance(m, OptimizedModule)]
     leaves = tuple(DEFAULT_LEAF_TYPES) + tuple(leaf_modules) + tuple(in_place)
+    parallel = tensor_parallel.distributed_modules(module)
+    if parallel:  # (tensor parallelism: fx would keep the layers as leaves, placements unknown)
+        why = "fx cannot see the placements of tensor-parallel layers " + ", ".join(parallel[:3])
+        if mode == "fx":
+            raise CaptureError(f"{why}; capture them with dynamo")
+        return Capture("dynamo", module, reason=f"auto: {why}")
     if units:
         cap = _fx_capture(module, leaves + tuple(units), autowrap_modules, autowrap_functions)
         _add_units(cap, module, units, leaves, autowrap_modules, autowrap_functions)

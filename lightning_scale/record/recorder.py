@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optio
 import torch
 from torch import Tensor
 
-from lightning_scale.record import kernels, stats
+from lightning_scale.record import kernels, placements, stats
 from lightning_scale.record.short_records import MAX_ELEMENTS, ShortRecords, batchable
 
 __all__ = ["BACKWARD", "FORWARD", "HOST_READS_ENV", "Recorder", "active", "observe", "recording"]
@@ -67,6 +67,7 @@ class Recorder:
             int, Tuple[Any, int, Union[List[stats.Entry], Tensor]]
         ] = {}  # id -> (weakref, version, entry)
         self._short = ShortRecords(self.groups)  # host tensors of a few elements: taken together
+        self._partials = placements.PartialSums()  # gradients no node reduces: summed at flush()
         self._fast = stats.fast_host_record(self.groups)  # host tensors above them: one read, few steps
         self.error: Optional[BaseException] = None
         #: keys whose values' log2 histogram (``stats.log2_histogram``) is also taken
@@ -89,13 +90,18 @@ class Recorder:
             self._keys.append(key)
         return self._slots[key]
 
-    def observe(self, key: Hashable, x: Tensor) -> None:
+    def observe(self, key: Hashable, x: Tensor, forward: bool = True) -> None:
         """Record ``x`` (forward) now and its gradient (backward) when it arrives. A tensor
-        of another layout than strided (sparse, mkldnn) is not recorded: ``skipped`` says so."""
+        of another layout than strided (sparse, mkldnn) is not recorded: ``skipped`` says so.
+        ``forward=False``: the gradient only (another rank records the same value)."""
         slot = self._slots.get(key)  # (one lookup: this runs after every node of a tracked step)
         if slot is None:
             slot = self.slot(key)
-        if x.layout is not torch.strided:
+        if not forward:
+            pass
+        elif placements.is_distributed(x):  # a DTensor: this rank's part of the full tensor
+            self._add_part(slot, FORWARD, x)
+        elif x.layout is not torch.strided:
             self._skip(slot, FORWARD, x)
         else:
             prev = self._previous
@@ -139,6 +145,14 @@ class Recorder:
             self.slot(key)
         self._later.append((list(keys), direction, rows))
 
+    def _add_part(self, slot: int, direction: int, x: Tensor) -> None:
+        """Record this rank's disjoint part of the DTensor ``x`` (``placements.local_part``)."""
+        local, why = placements.local_part(x, parameter=direction == FORWARD and x.is_leaf)
+        if why is not None:
+            self.skipped[(self._keys[slot], direction)] = why
+        elif local is not None:
+            self._add(slot, direction, local)
+
     def _skip(self, slot: int, direction: int, x: Tensor) -> None:
         """No statistics for ``x``: they are defined here for strided tensors only."""
         self.skipped[(self._keys[slot], direction)] = f"{str(x.layout).replace('torch.', '')} layout"
@@ -148,12 +162,17 @@ class Recorder:
         self._on_grad(slot, grad)
 
     def _on_grad(self, slot: int, grad: Tensor) -> None:
+        if placements.is_partial(grad) and self._partials.add((slot, BACKWARD), grad):
+            return  # (kept whatever the error state: every rank joins their reduction in ``flush``)
         if self.error is not None:
             return
         if grad.layout is not torch.strided:  # (a sparse embedding's weight gradient)
             self._skip(slot, BACKWARD, grad)
             return
         try:
+            if placements.is_distributed(grad):  # (a DTensor's gradient: its part, as its value's)
+                self._add_part(slot, BACKWARD, grad)
+                return
             # Autograd hands the very same gradient tensor to several nodes (an add passes
             # its output's gradient to both inputs: the residual stream): unchanged since
             # (same version), it has the same statistics. Reuse, do not recompute.
@@ -245,6 +264,8 @@ class Recorder:
         """Compute the records of the short tensors observed so far (``ShortRecords``).
         ``records()`` flushes first; call it before reading ``error`` to have their
         failure there too (kept in ``error``, never raised: monitoring must not break a step)."""
+        if len(self._partials):
+            self._reduce_partials()
         if self.error is not None:
             return
         try:
@@ -254,6 +275,16 @@ class Recorder:
                 taken = rows()
                 if taken is not None:
                     self.add_rows(keys, direction, taken)
+        except Exception as err:  # noqa: BLE001 - reported by the owner of the recorder
+            self.error = err
+
+    def _reduce_partials(self) -> None:
+        """Record the ``Partial`` gradients kept this step, summed over their ranks (one
+        collective per mesh group: ``placements.PartialSums``)."""
+        try:
+            for (slot, direction), summed in self._partials.reduce():
+                if summed is not None and self.error is None:
+                    self._add(slot, direction, summed)
         except Exception as err:  # noqa: BLE001 - reported by the owner of the recorder
             self.error = err
 
@@ -289,6 +320,7 @@ class Recorder:
         self.histograms.clear()
         self.skipped.clear()
         self._later.clear()
+        self._partials.clear()
         self.error = None
         self.remove_hooks()
 
@@ -378,7 +410,7 @@ def recording(recorder: Recorder) -> Iterator[Recorder]:
 
 
 @torch.compiler.disable
-def observe(x: Any, key: Hashable) -> None:
+def observe(x: Any, key: Hashable, forward: bool = True) -> None:
     """Called by instrumented graphs after each node: record floating tensors.
 
     Opaque to TorchDynamo: when the user compiles code that runs a tracked forward,
@@ -390,6 +422,6 @@ def observe(x: Any, key: Hashable) -> None:
     rec = _ACTIVE
     if rec is not None and rec.error is None and isinstance(x, Tensor) and x.is_floating_point():
         try:
-            rec.observe(key, x)
+            rec.observe(key, x, forward)
         except Exception as err:  # noqa: BLE001 - reported by the owner of the recorder
             rec.error = err

@@ -1,0 +1,189 @@
+"""Tensor parallelism in a captured graph: which nodes' values each rank records.
+
+A model parallelized with ``torch.distributed.tensor.parallel`` (``ColwiseParallel``,
+``RowwiseParallel``, ...) runs its parallel modules on ``DTensor`` values, and their hooks
+turn plain local tensors into DTensors (``DTensor.from_local``) and back (``to_local``,
+``redistribute``). TorchDynamo traces those hooks into the graph, so the graph says, node
+by node, what each value is:
+
+* a DTensor node carries its placements: the recorder records this rank's part of it
+  (``record.placements``);
+* a DTensor conversion (``from_local``, ``redistribute``, ``to_local``) holds the same
+  logical tensor as its input: it is an alias of its input (its only user). When the
+  input is ``Partial`` (a row-parallel matmul before its all-reduce), the conversion's
+  reduced value is recorded under the input's label instead of the partial sums;
+* a plain tensor is a local shard when it is computed from the local output of a sharded
+  DTensor (``to_local`` of ``Shard``: a column-parallel layer's output with
+  ``use_local_output=True``), directly or through other plain ops; every other plain
+  tensor (the embedding's output, a row-parallel layer's all-reduced output, the head's)
+  is the same on every rank of the mesh: only the rank at coordinate 0 records it.
+
+Nothing here compares values across ranks: the placements decide.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+import torch
+from torch import Tensor, fx, nn
+
+from lightning_scale.record.placements import first_beyond, first_of_replicas, is_distributed
+
+__all__ = ["TensorParallelGraph", "distributed_modules", "local_tensor", "mesh_line", "meshes_of"]
+
+_CONVERSIONS = {"from_local", "to_local", "redistribute", "full_tensor"}
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """``t``'s local tensor if it is a DTensor (compared shard by shard), else ``t``."""
+    return t.to_local() if is_distributed(t) else t  # type: ignore[attr-defined]
+
+
+def _value(node: fx.Node) -> Any:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _is_conversion(node: fx.Node) -> bool:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return node.op in ("call_method", "call_function") and name in _CONVERSIONS
+
+
+def _source(node: fx.Node) -> Optional[fx.Node]:
+    return node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+
+
+def _partial(node: fx.Node) -> bool:
+    value = _value(node)
+    return is_distributed(value) and any(p.is_partial() for p in value.placements)
+
+
+def _sharded_local(node: fx.Node) -> bool:
+    """A ``to_local`` (or local output) of a DTensor with a ``Shard`` placement."""
+    src = _source(node)
+    value = _value(src) if src is not None else None
+    return (
+        node.op == "call_method"
+        and node.target == "to_local"
+        and is_distributed(value)
+        and any(p.is_shard() for p in value.placements)
+    )
+
+
+class TensorParallelGraph:
+    """What tensor parallelism means for one dynamo graph ``gm``.
+
+    Attributes:
+        mesh: the device mesh of the graph's DTensors (None: the graph has none, and every
+            node is recorded as before).
+        aliases: node -> node holding the same logical tensor (DTensor conversions).
+        reduced: conversion -> the ``Partial`` node whose reduced value it holds.
+        hidden: conversions that are neither (``from_local`` of a tensor with other users:
+            its gradient is this user's partial sum); not nodes of the model, not labelled.
+        replicas: plain-tensor nodes every rank of ``mesh`` holds whole and equal.
+    """
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.mesh = _mesh_of(gm)
+        self.aliases: Dict[str, str] = {}
+        self.reduced: Dict[str, str] = {}
+        self.replicas: Set[str] = set()
+        self.hidden: Set[str] = set()
+        if self.mesh is None:
+            return
+        self.aliases, self.reduced = _conversion_aliases(gm)
+        self.hidden = {n.name for n in gm.graph.nodes if _is_conversion(n) and n.name not in self.aliases}
+        self.replicas = _replicas(gm)
+
+    def observer(self, observe: Callable[..., None]) -> Callable[[Any, str], None]:
+        """``observe(x, name, forward=True)`` for this graph: replicas at coordinate 0 of the
+        mesh only, partial sums not at all, and their reduced values under their own node's
+        name. A plain parameter (a leaf) is one value on every data-parallel replica too, but
+        its gradient is each replica's own: its value is recorded at coordinate 0 of the
+        root mesh's other dims, its gradient at every one."""
+        if self.mesh is None:
+            return observe
+        mesh, replicas, reduced = self.mesh, frozenset(self.replicas), dict(self.reduced)
+        partial = frozenset(reduced.values())
+
+        @torch.compiler.disable
+        def run(x: Any, name: str) -> None:
+            if name in partial or (name in replicas and not first_of_replicas(mesh)):
+                return
+            leaf = name in replicas and isinstance(x, Tensor) and x.is_leaf and x.requires_grad
+            observe(x, reduced.get(name, name), not leaf or first_beyond(mesh))
+
+        return run
+
+
+def _mesh_of(gm: fx.GraphModule) -> Any:
+    """The mesh of the first DTensor the graph computes (not of an input: FSDP2 alone hands
+    a graph sharded parameters, and its activations are every rank's own)."""
+    for node in gm.graph.nodes:
+        value = _value(node)
+        if node.op != "placeholder" and is_distributed(value):
+            return value.device_mesh
+    return None
+
+
+def _conversion_aliases(gm: fx.GraphModule) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """(conversion -> its input, where the conversion is the input's only user: one logical
+    tensor, forward and backward; conversion -> its ``Partial`` input, which it reduces)."""
+    aliases: Dict[str, str] = {}
+    reduced: Dict[str, str] = {}
+    for node in gm.graph.nodes:
+        src = _source(node)
+        if not _is_conversion(node) or src is None or len(src.users) != 1 or src.op == "placeholder":
+            continue
+        if _partial(src) and not _partial(node):
+            reduced[node.name] = src.name
+        if not _partial(src) or not _partial(node):
+            aliases[node.name] = src.name
+    return aliases, reduced
+
+
+def _replicas(gm: fx.GraphModule) -> Set[str]:
+    """Plain-tensor nodes not computed from a local shard (see the module docstring)."""
+    sharded: Set[str] = set()
+    replicas: Set[str] = set()
+    for node in gm.graph.nodes:
+        value = _value(node)
+        if node.op == "output" or not isinstance(value, Tensor) or is_distributed(value):
+            continue
+        inputs: List[fx.Node] = [n for n in node.all_input_nodes if not is_distributed(_value(n))]
+        if _sharded_local(node) or any(n.name in sharded for n in inputs):
+            sharded.add(node.name)
+        else:
+            replicas.add(node.name)
+    return replicas
+
+
+def meshes_of(module: nn.Module) -> List[Any]:
+    """The distinct device meshes of ``module``'s DTensor parameters, in order."""
+    out: List[Any] = []
+    for p in module.parameters():
+        if is_distributed(p) and all(m is not p.device_mesh for m in out):  # type: ignore[attr-defined]
+            out.append(p.device_mesh)  # type: ignore[attr-defined]
+    return out
+
+
+def mesh_line(meshes: List[Any]) -> str:
+    """``DTensor mesh dims: tensor_parallel=2`` (each named dimension once, with its size)."""
+    seen: Dict[str, int] = {}
+    for mesh in meshes:
+        names = getattr(mesh, "mesh_dim_names", None) or tuple(f"dim{i}" for i in range(mesh.ndim))
+        for name, size in zip(names, mesh.shape):
+            seen.setdefault(name, size)
+    return "DTensor mesh dims: " + ", ".join(f"{n}={s}" for n, s in seen.items())
+
+
+def distributed_modules(root: nn.Module) -> List[str]:
+    """Paths of the submodules that ``torch.distributed.tensor.distribute_module`` (under
+    every ``ParallelStyle`` of ``parallelize_module``) gave input or output hooks. fx runs
+    them as leaves, whose local outputs carry no placement: only dynamo records them exactly."""
+    out = []
+    for path, m in root.named_modules():
+        hooks = [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]  # (torch's own tables)
+        if any(getattr(h, "__qualname__", "").startswith("distribute_module.") for h in hooks):
+            out.append(path)
+    return out

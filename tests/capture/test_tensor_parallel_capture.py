@@ -1,0 +1,99 @@
+"""``capture/tensor_parallel.py`` in one process (a 1-rank gloo mesh): a model with
+tensor-parallel layers is refused by fx, captured by dynamo under ``auto`` (the capture
+line names the mesh), its DTensor conversions are aliases, the row-parallel matmul's
+partial sums are recorded through their reduction, and every node's record equals the
+unparallelized model's, forward and backward. Several ranks: ``tests/report/test_tensor_parallel.py``."""
+
+from __future__ import annotations
+
+import copy
+import socket
+from typing import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from lightning_scale.capture.graphs import CaptureError, capture
+from lightning_scale.capture.tensor_parallel import distributed_modules
+from lightning_scale.record import stats
+from lightning_scale.record.recorder import Recorder, recording
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[DeviceMesh]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    finally:
+        torch._dynamo.reset()
+        dist.destroy_process_group()
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def _parallel(mesh: DeviceMesh) -> "tuple[nn.Module, nn.Module]":
+    torch.manual_seed(0)
+    model = MLP()
+    plain = copy.deepcopy(model)
+    parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    return model, plain
+
+
+def test_fx_refuses_tensor_parallel_layers_and_auto_chooses_dynamo(mesh: DeviceMesh) -> None:
+    model, plain = _parallel(mesh)
+    assert distributed_modules(model) == ["fc1", "fc2"] and distributed_modules(plain) == []
+    with pytest.raises(CaptureError, match=r"fx cannot see the placements of tensor-parallel layers fc1, fc2"):
+        capture(model, "fx")
+    cap = capture(model, "auto")
+    assert cap.mode == "dynamo"
+    assert cap.describe().endswith(
+        "auto: fx cannot see the placements of tensor-parallel layers fc1, fc2; DTensor mesh dims: tp=1"
+    )
+
+
+def test_every_node_is_recorded_as_in_the_unparallelized_model(mesh: DeviceMesh) -> None:
+    model, plain = _parallel(mesh)
+    cap = capture(model, "dynamo")
+    x = torch.randn(3, 8)
+    rec = Recorder()
+    with recording(rec):
+        out = cap.tracked()(x)
+    out.square().sum().backward()
+    labels = cap.node_labels
+    records = rec.records(labels, cap.aliases)
+    assert rec.skipped == {}
+    assert not [
+        label
+        for label in labels
+        if label.split("/")[-1] in ("from_local", "to_local", "redistribute") and label not in cap.aliases
+    ]
+
+    h = plain.fc1(x)
+    a = F.gelu(h)
+    o = plain.fc2(a)
+    for t in (h, a, o):
+        t.retain_grad()
+    o.square().sum().backward()
+    expected = {"fc1/linear": h, "act/gelu": a, "fc2/linear": o}
+    expected.update({f"{n}.{p}": getattr(getattr(plain, n), p) for n in ("fc1", "fc2") for p in ("weight", "bias")})
+    for label, t in expected.items():
+        row = records[labels.index(label)]
+        for d, value in enumerate((t.detach(), t.grad)):
+            got = stats.summarise(row[d], ["count", "std"])
+            assert got["count"] == value.numel(), (label, d)
+            assert got["std"] == pytest.approx(float(value.double().std()), rel=1e-5), (label, d)

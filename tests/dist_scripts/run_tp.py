@@ -1,0 +1,198 @@
+"""Train a tiny language model with tensor parallelism on CPU processes (gloo).
+
+Usage: ``python run_tp.py OUT MODEL CALLBACK [DP [TP [LOCAL]]]`` with MODEL ``mlp``
+(embedding - fc1 colwise - gelu - fc2 rowwise - head), ``attn`` (embedding - head-sharded
+q, k, v colwise - attention - out rowwise - head) or ``sp`` (sequence parallel: ``mlp``
+with LayerNorms before fc1 and after fc2 and a ``loss_parallel`` loss, see
+``SequenceParallelMLP``), CALLBACK ``on`` or ``off``, DP x TP the
+mesh (``ModelParallelStrategy``; DP > 1 adds FSDP2's ``fully_shard``) and LOCAL ``1``
+(``use_local_output=True``, the default) or ``0`` (DTensor outputs, taken back to local
+tensors by the model). Lightning's launcher re-runs this script for the other ranks.
+
+Writes to OUT: ``init.pt`` (initial parameters), ``batch_rank<r>.pt`` (each rank's first
+batch), ``params.pt`` (full parameters after training), ``logs/`` (TensorBoard, rank 0),
+``collectives_rank<r>.json`` (the package's collectives, as ``run_dist.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_dist import count_collectives, full_state  # noqa: E402
+
+from lightning_scale import ScaleMonitor  # noqa: E402
+
+VOCAB, D, H, HEADS, T = 32, 16, 32, 4, 6
+STATISTICS = ["std", "absmax", "count", "zeros", "underflow_e4m3", "below_normal_e4m3", "underflow_e5m2"]
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.fc1 = nn.Linear(D, H)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(H, D)
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.act(_local(self.fc1(self.emb(idx))))
+        return self.head(_local(self.fc2(h)))
+
+    @staticmethod
+    def plan(local: bool) -> dict:
+        return {"fc1": ColwiseParallel(use_local_output=local), "fc2": RowwiseParallel(use_local_output=local)}
+
+
+class Attention(nn.Module):
+    """Self-attention whose heads are split over the tensor-parallel ranks (not causal: the
+    first query's gradient would be zero only up to rounding, its format counts a coin toss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.q, self.v = nn.Linear(D, D), nn.Linear(D, D)
+        self.k = nn.Linear(D, D, bias=False)  # (a key bias shifts every score of a query alike: its gradient is 0)
+        self.out = nn.Linear(D, D)
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        b, t, _ = x.shape
+        q, k, v = (_local(f(x)) for f in (self.q, self.k, self.v))
+        q, k, v = (a.view(b, t, -1, D // HEADS).transpose(1, 2) for a in (q, k, v))  # (B, heads here, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v)
+        y = y.transpose(1, 2).reshape(b, t, -1)
+        return self.head(_local(self.out(y)))
+
+    @staticmethod
+    def plan(local: bool) -> dict:
+        col = {n: ColwiseParallel(use_local_output=local) for n in ("q", "k", "v")}
+        return {**col, "out": RowwiseParallel(use_local_output=local)}
+
+
+class SequenceParallelMLP(nn.Module):
+    """The MLP with LayerNorms whose activations are sharded on the sequence dim
+    (``SequenceParallel``): the embedding rowwise (vocabulary-sharded, its partial sums
+    reduce-scattered to sequence shards), the head's logits sharded on the vocabulary (a
+    DTensor), their loss taken with ``loss_parallel``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.norm = nn.LayerNorm(D)
+        self.fc1 = nn.Linear(D, H)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(H, D)
+        self.norm2 = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(self.norm(self.emb(idx))))
+        return self.head(self.norm2(self.fc2(h)))
+
+    @staticmethod
+    def plan(local: bool) -> dict:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import SequenceParallel
+
+        return {
+            "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "fc1": ColwiseParallel(input_layouts=Shard(1)),
+            "fc2": RowwiseParallel(output_layouts=Shard(1)),
+            "norm2": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        }
+
+
+class Module(pl.LightningModule):
+    def __init__(self, out: Path, model: str, local: bool) -> None:
+        super().__init__()
+        self.out, self.local = out, local
+        self.model = {"mlp": MLP, "attn": Attention, "sp": SequenceParallelMLP}[model]()
+
+    def configure_model(self) -> None:
+        parallelize_module(self.model, self.device_mesh["tensor_parallel"], self.model.plan(self.local))
+        if self.device_mesh["data_parallel"].size() > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        idx, y = batch
+        if self.global_step == 0:
+            torch.save((idx, y), self.out / f"batch_rank{self.global_rank}.pt")
+        with self._loss_context():
+            return F.cross_entropy(self(idx).flatten(0, 1), y.flatten())
+
+    def backward(self, loss: torch.Tensor, *args: object, **kwargs: object) -> None:
+        with self._loss_context():
+            super().backward(loss, *args, **kwargs)
+
+    def _loss_context(self) -> "contextlib.AbstractContextManager[object]":
+        """``loss_parallel`` (vocabulary-sharded logits) for the ``sp`` model, forward and backward."""
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel() if isinstance(self.model, SequenceParallelMLP) else contextlib.nullcontext()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def main(out: Path, model: str, mode: str, dp: int = 1, tp: int = 2, local: int = 1) -> None:
+    holder: "list[pl.Trainer]" = []
+    calls = count_collectives(holder)
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randint(0, VOCAB, (4 * dp, T)), torch.randint(0, VOCAB, (4 * dp, T)))
+    module = Module(out, model, bool(local))
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        torch.save(full_state(module.model), out / "init.pt")
+    monitor = ScaleMonitor(
+        every_n_steps=None, steps=[0], statistics=STATISTICS, histograms=False, figure=False, code=False
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=dp * tp,
+        strategy=ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp),
+        max_steps=2,
+        logger=TensorBoardLogger(str(out), name="logs", version=0),
+        callbacks=[monitor] if mode == "on" else [],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    holder.append(trainer)
+    trainer.fit(module, DataLoader(data, batch_size=2, shuffle=False))
+    (out / f"collectives_rank{trainer.global_rank}.json").write_text(json.dumps(calls))
+    state = full_state(module.model)
+    if trainer.is_global_zero:
+        torch.save(state, out / "params.pt")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3], *(int(a) for a in sys.argv[4:]))
