@@ -2,7 +2,8 @@
 
 Usage: ``python run_dist.py OUT STRATEGY CALLBACK [WORLD [CAPTURE]]`` with STRATEGY one of
 ``ddp``, ``ddp_spawn``, ``fsdp2``, ``fsdp2_compiled`` (FSDP2, each block then compiled:
-``torch.compile(block)`` after ``fully_shard(block)``, Inductor), CALLBACK ``on``, ``off`` or ``fail`` (on, and every
+``torch.compile(block)`` after ``fully_shard(block)``; the backend is the environment's
+``RUN_DIST_BACKEND``, ``inductor`` by default), CALLBACK ``on``, ``off`` or ``fail`` (on, and every
 statistic raises on rank 1 only), or ``branch``, ``branch_off``, ``branch_strict`` (rank 1's
 forward has an extra ``tanh``, so the ranks capture different graphs; tracked steps 0 and 1;
 the callback on, off, on with ``strict_ranks=True``), WORLD the number of processes (2) and CAPTURE the
@@ -77,7 +78,7 @@ class Module(pl.LightningModule):
         fully_shard(self.model, mesh=mesh)
         if self.compiled:  # (the per-block pattern of large trainers)
             for i, layer in enumerate(self.model.layers):
-                self.model.layers[i] = torch.compile(layer)
+                self.model.layers[i] = torch.compile(layer, backend=os.environ.get("RUN_DIST_BACKEND", "inductor"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
