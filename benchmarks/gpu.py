@@ -22,6 +22,11 @@ Then the host-sync check: the tracked forward and backward run under
 ``torch.cuda.set_sync_debug_mode("error")`` (any synchronizing call raises); exit status
 1 if they sync.
 
+The compiled GPT (issue 29): the same GPT held as ``self.model = torch.compile(gpt)``
+(Inductor), std: its tracked step (the compiled route: statistics compiled into its own
+graphs) against its plain compiled step, the tracked version's compile time, peak memory,
+and the same host-sync check (``compiled_row``; target <= 1.15x as the eager route's std).
+
 ``--smoke`` runs a tiny model on the CPU (torch's kernels; no memory, profiler or sync
 checks) to test this script on a machine without a GPU.
 """
@@ -196,6 +201,64 @@ def measure(steps: Steps, rounds: int) -> List[Dict[str, Any]]:
     return rows
 
 
+class Holder(torch.nn.Module):
+    """The captured module around the user's compiled GPT (``self.model = torch.compile(gpt)``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+class CompiledSteps(Steps):
+    """``Steps`` of the compiled GPT: plain runs the user's compiled module, tracked the capture's
+    tracked forward, whose compiled submodule runs its instrumented compiled version."""
+
+    def __init__(self, work: Workload, device: str, groups: Tuple[str, ...] = ("moments",)) -> None:
+        work.model = Holder(torch.compile(work.model))  # type: ignore[assignment]
+        self.work, self.device = work, device
+        self.cap = capture(work.model, "auto", groups=groups)
+        if self.cap.compiled is None:
+            raise RuntimeError("the capture found no compiled submodule")
+        self.fn = self.cap.tracked()
+        self.rec = Recorder(groups=groups, host_reads=False)
+        self.records = 0
+
+    def read(self) -> torch.Tensor:
+        if self.rec.error is not None:
+            raise RuntimeError(f"statistics failed: {self.rec.error!r}") from self.rec.error
+        out = self.rec.records(self.cap.tags, self.cap.aliases)
+        self.records = out.shape[0]
+        out = out.cpu()
+        self.rec.clear()
+        return out
+
+
+def compiled_row(size: Size, device: str, rounds: int) -> Dict[str, Any]:
+    """The compiled GPT's row: step ratio, compile seconds, memory and the sync check."""
+    row: Dict[str, Any] = {"statistics": "std", "kernel": "compiled (Inductor)"}
+    try:
+        steps = CompiledSteps(Workload(size, device=device), device)
+        watch = time.perf_counter()
+        _synced(steps.plain, device)()
+        row["user_compile_s"] = time.perf_counter() - watch
+        _synced(steps.tracked, device)()  # compiles the tracked version
+        row["compile_s"] = steps.cap.compiled.compile_seconds  # type: ignore[union-attr]
+        times = step_times(steps, rounds)
+        row["ratio"] = times["tracked"] / times["plain"]
+        row["plain_ms"], row["tracked_ms"] = times["plain"] * 1e3, times["tracked"] * 1e3
+        if device == "cuda":
+            row["memory"] = peak_memory(steps.tracked) / peak_memory(steps.plain)
+            row["sync"] = sync_check(steps)
+        row["records"] = steps.records
+    except torch.OutOfMemoryError as err:
+        row["error"] = f"out of memory: {str(err).splitlines()[0][:120]}"
+    print(row, file=sys.stderr, flush=True)
+    return row
+
+
 def table(size: Size, device: str, rows: List[Dict[str, Any]]) -> str:
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke test)"
     lines = [
@@ -213,6 +276,8 @@ def table(size: Size, device: str, rows: List[Dict[str, Any]]) -> str:
         mem = f"{r['memory']:.3f}x (<= {MEMORY_TARGET})" if "memory" in r else "-"
         kern = f"{r['kernels']:.1f}" if "kernels" in r else "-"
         sync = ("none" if not r["sync"] else "SYNC: " + r["sync"]) if "sync" in r else "-"
+        if "compile_s" in r:
+            kern = f"- (tracked version compiled in {r['compile_s']:.1f} s; the user's {r['user_compile_s']:.1f} s)"
         lines.append(
             f"| {r['statistics']} | {r['kernel']} | {r['records']} | {r['plain_ms']:.1f} | {r['tracked_ms']:.1f} | "
             f"{r['ratio']:.3f}x (<= {TARGETS[r['statistics']]}) | {mem} | {kern} | {sync} |"
@@ -237,6 +302,7 @@ def main(argv: List[str]) -> int:
     if device == "cuda":
         print(f"device statistics: {kernels.status(torch.device('cuda'))}", file=sys.stderr)
     rows = measure(steps, args.rounds)
+    rows.append(compiled_row(size, device, args.rounds))
     print(table(size, device, rows))
     print(f"\n({time.perf_counter() - start:.0f} s)")
     return 1 if any(r.get("sync") for r in rows) else 0

@@ -4,8 +4,9 @@ Step time of every variant at three GPT sizes (interleaved rounds), untracked an
 steps in a real Trainer fit loop, whole fits with ``ScaleMonitor()``'s defaults, peak memory
 in fresh processes, and capture time of a 12-layer GPT, and the accelerator path's cost of
 one record per statistic group and kernel (Triton's fused kernel or torch's;
-``kernel_ops``). Prints a markdown page and writes it to ``--out``. ``--quick`` runs a few
-rounds of everything, to check the suite itself (minutes matter on a 2-core machine).
+``kernel_ops``), and the compiled route's cost on a compiled GPT (``compiled_cost``).
+Prints a markdown page and writes it to ``--out``. ``--quick`` runs a few rounds of
+everything, to check the suite itself (minutes matter on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import workload  # noqa: F401 - first: puts the checkout's package on sys.path
 import anomaly_cost
 import breakdown
 import capture_time
+import compiled_cost
 import format_bytes
 import kernel_ops
 import fit_loop
@@ -211,6 +213,17 @@ def accelerator_costs() -> str:
     return kernel_ops.section(res)
 
 
+def compiled_route(quick: bool) -> str:
+    """The compiled route's section (``compiled_cost``): tracked / plain compiled steps, idle, compile time."""
+    try:
+        cost = compiled_cost.measure(quick=quick)
+    except Exception as err:  # noqa: BLE001 - e.g. no C++ compiler for Inductor: say so, keep the suite
+        title = "## The compiled route (a compiled GPT, Inductor on the CPU)"
+        return f"{title}\n\nNot measured: {type(err).__name__}: {str(err).splitlines()[0][:300]}"
+    _log(cost.line())
+    return compiled_cost.section(cost)
+
+
 def row_labels() -> Dict[str, str]:
     """Variant -> row label, in table order: the Trainer fit rows after the tracked ones."""
     ours = [k for k in VARIANTS if k not in ("reference", "interpreter")]
@@ -261,9 +274,10 @@ def main(argv: List[str]) -> int:
         res.probe = [probe_cost.measure(name, probe_cost.MODELS[name], 2) for name in models]
     except Exception as err:  # noqa: BLE001 - e.g. transformers missing: the page says so
         res.probe_missing = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    compiled_section = compiled_route(args.quick)
     res.seconds = time.perf_counter() - start
     res.load = (load_start, load_average())
-    text = render.page(res) + "\n\n" + kernel_section + "\n"
+    text = render.page(res) + "\n\n" + kernel_section + "\n\n" + compiled_section + "\n"
     print(text)
     if args.out:
         with open(args.out, "w") as f:

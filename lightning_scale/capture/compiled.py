@@ -256,7 +256,7 @@ class CompiledRoute:
 
     Args:
         module: the captured module (labels are paths in it).
-        groups: statistic groups of each row (``Recorder.groups``; ``fp8`` stays NaN).
+        groups: statistic groups of each row (``Recorder.groups``: every group is traceable).
         labels: where the labels go (a capture's ``CompiledLabels``; new by default).
     """
 

@@ -331,10 +331,19 @@ def capture(
     """
     if mode not in CAPTURE_MODES:
         raise ValueError(f"`mode` must be one of {list(CAPTURE_MODES)}, got {mode!r}")
+    units = _outside_compiled(module, units)
     cap = _capture(module, mode, leaf_modules, autowrap_modules, autowrap_functions, units)
-    if not units:  # (FSDP units with compiled parts: not supported yet)
-        cap.add_compiled_route(groups)
+    cap.add_compiled_route(groups)
     return cap
+
+
+def _outside_compiled(module: nn.Module, units: Sequence[str]) -> List[str]:
+    """The units not inside a compiled submodule: an FSDP unit compiled after ``fully_shard``
+    (``torch.compile(block)``) runs, on tracked calls, the compiled route's instrumented version
+    of it, with its FSDP hooks, as the user's compiled version does."""
+    compiled = [path for path, _ in compiled_modules(module) if path]
+    inside = lambda unit: any(unit == c or unit.startswith(c + ".") for c in compiled)  # noqa: E731
+    return [u for u in units if not inside(frames.strip_compiled(u))]
 
 
 def _capture(

@@ -16,6 +16,7 @@ from typing import Any, Callable, List, Optional
 from torch import Tensor, nn
 
 from lightning_scale.capture import Capture
+from lightning_scale.capture.frames import strip_compiled
 from lightning_scale.capture.forward_swap import ForwardSwap
 from lightning_scale.record.recorder import Recorder, recording
 from lightning_scale.step.verification import CaptureCheck, Verify
@@ -83,8 +84,10 @@ def _recording(fn: Any, rec: Recorder) -> Any:
 
 
 def replicated_labels(target: nn.Module) -> "set[str]":
-    """Parameter and buffer paths: under data parallelism every rank holds them whole."""
-    return {n for n, _ in target.named_parameters()} | {n for n, _ in target.named_buffers()}
+    """Parameter and buffer paths, as labels name them (a compiled submodule's ``_orig_mod``
+    left out): under data parallelism every rank holds them whole."""
+    names = [n for n, _ in target.named_parameters()] + [n for n, _ in target.named_buffers()]
+    return {strip_compiled(n) for n in names}
 
 
 def fsdp_units(target: nn.Module) -> List[str]:

@@ -83,7 +83,7 @@ def test_traceable_record_equals_the_device_path(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got[exact], want[exact], rtol=0, atol=0)
     summary, reference = row_summary(got), float64_summary(x)
     assert_close_summary(summary, reference, 1e-9, str(dtype))
-    assert torch.isnan(got[[IX[f] for f in stats.GROUPS["fp8"]]]).all()  # (not traceable yet)
+    assert torch.isnan(got[[IX[f] for f in stats.GROUPS["fp8"]]]).all()  # (a group not asked for)
 
 
 @pytest.mark.parametrize("noise", [1e-3, 0.032])

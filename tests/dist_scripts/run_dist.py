@@ -1,7 +1,9 @@
 """Train a tiny MLP on CPU processes (gloo) and save what the distributed tests check.
 
 Usage: ``python run_dist.py OUT STRATEGY CALLBACK [WORLD [CAPTURE]]`` with STRATEGY one of
-``ddp``, ``ddp_spawn``, ``fsdp2``, CALLBACK ``on``, ``off`` or ``fail`` (on, and every
+``ddp``, ``ddp_spawn``, ``fsdp2``, ``fsdp2_compiled`` (FSDP2, each block then compiled:
+``torch.compile(block)`` after ``fully_shard(block)``; the backend is the environment's
+``RUN_DIST_BACKEND``, ``inductor`` by default), CALLBACK ``on``, ``off`` or ``fail`` (on, and every
 statistic raises on rank 1 only), or ``branch``, ``branch_off``, ``branch_strict`` (rank 1's
 forward has an extra ``tanh``, so the ranks capture different graphs; tracked steps 0 and 1;
 the callback on, off, on with ``strict_ranks=True``), WORLD the number of processes (2) and CAPTURE the
@@ -60,9 +62,9 @@ class MLP(nn.Module):
 
 
 class Module(pl.LightningModule):
-    def __init__(self, out: Path, fsdp: bool, branch: bool = False) -> None:
+    def __init__(self, out: Path, fsdp: bool, branch: bool = False, compiled: bool = False) -> None:
         super().__init__()
-        self.out, self.fsdp = out, fsdp
+        self.out, self.fsdp, self.compiled = out, fsdp, compiled
         self.model = MLP(branch)
 
     def configure_model(self) -> None:
@@ -74,6 +76,9 @@ class Module(pl.LightningModule):
         for layer in self.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
+        if self.compiled:  # (the per-block pattern of large trainers)
+            for i, layer in enumerate(self.model.layers):
+                self.model.layers[i] = torch.compile(layer, backend=os.environ.get("RUN_DIST_BACKEND", "inductor"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -157,14 +162,11 @@ def main(out: Path, strategy_name: str, mode: str, world: int = 2, capture: str 
     calls = count_collectives(holder)
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(8 * world, 8), torch.randn(8 * world, 4))
-    module = Module(out, fsdp=strategy_name == "fsdp2", branch=branch)
+    fsdp = strategy_name.startswith("fsdp2")
+    module = Module(out, fsdp=fsdp, branch=branch, compiled=strategy_name == "fsdp2_compiled")
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         torch.save(full_state(module.model), out / "init.pt")
-    strategy = (
-        ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
-        if strategy_name == "fsdp2"
-        else strategy_name
-    )
+    strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1) if fsdp else strategy_name
     callbacks = (
         [
             ScaleMonitor(

@@ -7,8 +7,17 @@ Inductor can fuse its reductions (a float64 accumulation of every element, read 
 tensor's own buffer) with the kernels that produce the tensor.
 
 Moments take one pass, in float64, about the tensor's first element, so a mean far above
-the spread (|mean| / std of 1e3 and more) costs no accuracy (``_moments`` says why). The
-``fp8`` group is not traceable yet: its fields are NaN here.
+the spread (|mean| / std of 1e3 and more) costs no accuracy (``_moments`` says why).
+
+Every group is traceable. The optional ones reuse the device path's own functions, which are
+torch ops on tensors throughout (their only Python branches are on shapes), called with the
+whole tensor as one piece: ``fp8`` (``fp8.fp8_fields_in_pieces``: the per-tensor amax,
+then the casts), ``blocks`` (``blocks.block_fields``: MXFP8/MXFP4/NVFP4 casts, bit tricks on
+float32 and float16 views) and ``kurtosis`` (``outliers.moments_row``: central moments
+about each row's own mean, merged in float64). The device path reads large tensors in
+pieces to bound its temporaries; in a compiled graph the compiler fuses the pointwise work
+into the reductions instead (Inductor keeps few whole-size temporaries: ``blocks`` and
+``fp8`` still hold some, see docs/limitations.md).
 """
 
 from __future__ import annotations
@@ -19,12 +28,15 @@ from typing import Collection, Dict, List
 import torch
 from torch import Tensor
 
-from lightning_scale.record.stats.fields import FIELDS, FORMATS, GROUPS
+from lightning_scale.record.stats.blocks import BLOCK_FIELDS, block_fields
+from lightning_scale.record.stats.fields import FIELDS, FORMATS, FP8_FIELDS, GROUPS, sum64
+from lightning_scale.record.stats.fp8 import fp8_fields_in_pieces
+from lightning_scale.record.stats.outliers import moments_row
 
 __all__ = ["TRACEABLE_GROUPS", "traceable_record"]
 
 #: The groups ``traceable_record`` computes; fields of other groups are NaN.
-TRACEABLE_GROUPS = ("moments", "range", "formats")
+TRACEABLE_GROUPS = ("moments", "range", "formats", "fp8", "blocks", "kurtosis")
 
 
 def traceable_record(x: Tensor, groups: Collection[str] = ("moments", "range")) -> Tensor:
@@ -33,7 +45,7 @@ def traceable_record(x: Tensor, groups: Collection[str] = ("moments", "range")) 
     Args:
         x: a floating-point tensor with at least one element.
         groups: which of ``GROUPS`` to compute ("moments" always is); fields of the other
-            groups, and of ``fp8``, are NaN.
+            groups are NaN.
 
     Example:
         >>> row = traceable_record(torch.tensor([1.0, 2.0, 3.0]))
@@ -46,6 +58,7 @@ def traceable_record(x: Tensor, groups: Collection[str] = ("moments", "range")) 
         values["absmax"] = x.abs().amax().double()  # (NaN with a NaN, as the device path)
     if "formats" in groups:
         values.update(_formats(x, values["nan"]))
+    values.update(_what_ifs(x, groups))
     nan = torch.full((), math.nan, dtype=torch.float64, device=x.device)
     return torch.stack([values.get(name, nan) for name in FIELDS])
 
@@ -87,4 +100,19 @@ def _formats(x: Tensor, nan: Tensor) -> Dict[str, Tensor]:
     missing: List[str] = [f for f in GROUPS["formats"] if f not in out]
     if missing:  # the field table and this function must name the same fields
         raise ValueError(f"`formats` fields without a traceable formula: {missing}")
+    return out
+
+
+def _what_ifs(x: Tensor, groups: Collection[str]) -> Dict[str, Tensor]:
+    """The ``fp8``, ``blocks`` and ``kurtosis`` fields of ``groups``: the device path's
+    functions on ``x`` as one piece (so one traced copy of their ops, whatever ``x``'s size)."""
+    whole = x.numel()
+    out: Dict[str, Tensor] = {}
+    if "fp8" in groups:
+        out.update(zip(FP8_FIELDS, fp8_fields_in_pieces(x, sum64, whole)))
+    if "blocks" in groups:
+        out.update(zip(BLOCK_FIELDS, block_fields(x, whole)))
+    if "kurtosis" in groups:
+        row = moments_row(x, whole)  # (count, mean, m2, m3, m4) of the finite elements
+        out["m3"], out["m4"] = row[3], row[4]
     return out

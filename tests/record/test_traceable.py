@@ -1,0 +1,179 @@
+"""Every statistic group as graph ops (``traceable_record``, the compiled route's rows), eager and
+compiled by Inductor, against the float64 references of the device path's tests: an fsum
+quantisation for ``fp8``, torchao's emulated casts for ``blocks``, fsum central moments for
+``kurtosis``, including tensors whose |mean| is far above their spread."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List
+
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_scale.record import stats
+from lightning_scale.record.stats.traceable import TRACEABLE_GROUPS, traceable_record
+from test_blocks_whatif import FORMATS as BLOCK_FORMATS
+from test_blocks_whatif import what_if as block_what_if
+from test_fp8_whatif import FP8
+from test_fp8_whatif import what_if as fp8_what_if
+from test_outliers import assert_moments_close, reference_moments
+
+ALL_GROUPS = tuple(stats.GROUPS)
+IX = {name: i for i, name in enumerate(stats.FIELDS)}
+# Inductor compiles C++ with g++: ~20 s cold here, minutes on a loaded machine.
+pytestmark = pytest.mark.timeout(1200)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+#: Same shape (one compile serves all), float32: a last dimension that is not a multiple of 32
+#: (zero-padded blocks), and means from 0 to 1e4 times the spread.
+CASES: Dict[str, Callable[[], Tensor]] = {
+    "gaussian": lambda: torch.randn(6, 100, generator=_gen(0)),
+    "mean_1e3_std": lambda: 1 + 1e-3 * torch.randn(6, 100, generator=_gen(1)),
+    "mean_1e4_std": lambda: (torch.randn(6, 100, generator=_gen(2), dtype=torch.float64) + 1e4).float(),
+    "heavy_tails": lambda: torch.exp(2 * torch.randn(6, 100, generator=_gen(3))) * 1e-3,
+    "tiny": lambda: torch.randn(6, 100, generator=_gen(4)) * 1e-30,
+}
+
+
+def test_every_group_is_traceable() -> None:
+    assert set(TRACEABLE_GROUPS) == set(stats.GROUPS)
+    row = traceable_record(torch.randn(4, 40, generator=_gen(9)), ALL_GROUPS)
+    assert not row.isnan().any(), [f for f, v in zip(stats.FIELDS, row.tolist()) if math.isnan(v)]
+    only = traceable_record(torch.randn(4, 40, generator=_gen(9)), ("moments",))
+    assert only[[IX[f] for f in (*stats.GROUPS["fp8"], *stats.GROUPS["blocks"], "m3", "m4")]].isnan().all()
+
+
+def assert_matches_references(row: Tensor, x: Tensor, what: str) -> None:
+    """``row``'s fp8 and block what-ifs and its moments against the float64 references, to the
+    device path's tolerances (test_fp8_whatif.py, test_blocks_whatif.py, test_outliers.py)."""
+    got = stats.summarise(row.double().cpu(), _NAMES)
+    for fmt in FP8:
+        snr, flushed = fp8_what_if(x, fmt)
+        assert got[f"fp8_{fmt}_snr_db"] == pytest.approx(snr, rel=1e-6), (what, fmt)
+        assert got[f"fp8_{fmt}_flushed"] == pytest.approx(flushed, abs=1e-7), (what, fmt)
+    for fmt in BLOCK_FORMATS:
+        snr, flushed = block_what_if(x, fmt)
+        assert got[f"{fmt}_snr_db"] == pytest.approx(snr, abs=1e-4), (what, fmt)  # dB
+        assert got[f"{fmt}_flushed"] == pytest.approx(flushed, abs=1e-7), (what, fmt)
+    moments = torch.stack([row[IX[f]] for f in ("count", "mean", "m2", "m3", "m4")])
+    assert_moments_close(moments, reference_moments(x), 1e-6)
+
+
+_NAMES: List[str] = [
+    *(f"fp8_{fmt}_{k}" for fmt in FP8 for k in ("snr_db", "flushed")),
+    *(f"{fmt}_{k}" for fmt in BLOCK_FORMATS for k in ("snr_db", "flushed")),
+    "kurtosis",
+]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_eager_rows_match_float64_references(case: str) -> None:
+    x = CASES[case]()
+    assert_matches_references(traceable_record(x, ALL_GROUPS), x, case)
+
+
+def test_eager_rows_equal_the_device_path_bit_for_bit_for_every_dtype() -> None:
+    """The same functions, the whole tensor as one piece: the device path's own numbers."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        x = (torch.randn(5, 70, generator=_gen(5)) * 3 + 40).to(dtype)
+        x[0, 0], x[1, 1] = math.inf, math.nan
+        want = stats.assemble([stats.record_of(x, ALL_GROUPS, host_reads=False)])[0]
+        torch.testing.assert_close(traceable_record(x, ALL_GROUPS), want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.fixture(scope="module")
+def compiled_record() -> Callable[[Tensor], Tensor]:
+    torch._dynamo.reset()
+    yield torch.compile(lambda t: traceable_record(t, ALL_GROUPS), fullgraph=True, dynamic=False)
+    torch._dynamo.reset()
+
+
+def test_inductor_rows_match_float64_references(compiled_record: Callable[[Tensor], Tensor]) -> None:
+    """Compiled with Inductor (fused, reordered float32 sums): the references' tolerances hold,
+    and the row stays within float32 rounding of the eager one. One compile for every case."""
+    compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for case, make in CASES.items():
+        x = make()
+        row = compiled_record(x)
+        assert_matches_references(row, x, case)
+        eager = traceable_record(x, ALL_GROUPS)
+        exact = [IX[f] for f in ("count", "nan", "inf", "absmax", "min_nonzero", *stats.FORMAT_FIELDS)]
+        exact += [IX[f] for f in (*stats.GROUPS["fp8"], *stats.GROUPS["blocks"]) if f.endswith("flushed")]
+        torch.testing.assert_close(row[exact], eager[exact], rtol=0, atol=0)
+        torch.testing.assert_close(row, eager, rtol=1e-6, atol=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - compiles == 1
+
+
+def test_inductor_rows_of_non_finite_values_match_the_device_path(compiled_record: Callable[[Tensor], Tensor]) -> None:
+    """NaN and ±Inf are left out of the what-ifs and moments, as on the device path."""
+    x = torch.randn(6, 100, generator=_gen(6)) * 5
+    x[0, 3], x[2, 50], x[5, 99] = math.nan, math.inf, -math.inf
+    want = stats.assemble([stats.record_of(x, ALL_GROUPS, host_reads=False)])[0]
+    got = compiled_record(x)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0, equal_nan=True)
+    assert_moments_close(_finite_moments(got, x), reference_moments(x), 1e-6)
+
+
+def _finite_moments(row: Tensor, x: Tensor) -> Tensor:
+    """(count, mean, m2, m3, m4) of the finite elements: the record's m3/m4 with the finite
+    elements' own count, mean and m2 (the record's moments of a tensor with NaN are NaN)."""
+    finite = x[x.isfinite()]
+    own = traceable_record(finite, ("moments",))
+    return torch.stack([own[IX["count"]], own[IX["mean"]], own[IX["m2"]], row[IX["m3"]], row[IX["m4"]]])
+
+
+class Shifted(torch.nn.Module):
+    """``linear(x) * 1e-3 + 1``: an output whose mean is about 1000 times its spread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(48, 40)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x) * 1e-3 + 1.0
+
+
+class Holder(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+
+def test_compiled_route_records_every_group_of_the_tensors_it_computes() -> None:
+    """A compiled submodule on the compiled route with every group on: each row against the
+    float64 references of the very tensors the compiled step computed (its output and that
+    output's gradient, a parameter and its gradient). The user's backend here is AOTAutograd
+    without Inductor (the route compiles with the user's backend; Inductor's C++ compile of
+    every group on every node takes minutes here, and its rows are checked above)."""
+    from lightning_scale.capture.compiled import CompiledRoute
+    from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder, recording
+
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    holder = Holder(torch.compile(Shifted(), backend="aot_eager"))
+    route = CompiledRoute(holder, ALL_GROUPS)
+    rec = Recorder(groups=ALL_GROUPS)
+    with recording(rec):
+        out = route.forward_for(holder.model)(torch.randn(32, 48, generator=_gen(8)))
+    out.retain_grad()
+    out.square().mean().backward()  # (gradient 2 out / n: its mean too is ~1000 times its spread)
+    records, tags = rec.records(route.labels.tags, route.labels.aliases), route.labels.tags
+    weight = holder.model.lin.weight
+    tensors = {
+        ("model", FORWARD): out,
+        ("model", BACKWARD): out.grad,
+        ("model.lin.weight", FORWARD): weight,
+        ("model.lin.weight", BACKWARD): weight.grad,
+    }
+    for (label, direction), t in tensors.items():
+        assert_matches_references(records[tags.index(label), direction], t.detach(), f"{label} {direction}")
+    torch._dynamo.reset()
