@@ -104,12 +104,9 @@ class Col:
     M3, M4 = IX["m3"], IX["m4"]
 
 
-#: Which record fields each computation group fills (``channels`` none: its rows are kept
-#: beside the records, ``channels.py``).
-GROUPS: Dict[str, Tuple[str, ...]] = {
-    **{f.group: tuple(g.name for g in TABLE if g.group == f.group) for f in TABLE},
-    "channels": (),
-}
+#: Which record fields each computation group fills (``channels`` none: rows beside the records).
+GROUPS: Dict[str, Tuple[str, ...]] = {f.group: tuple(g.name for g in TABLE if g.group == f.group) for f in TABLE}
+GROUPS["channels"] = ()
 
 
 def span(names: Sequence[str]) -> slice:
@@ -144,8 +141,7 @@ STATISTICS: Dict[str, str] = {
     **{f"{fmt}_{kind}": "blocks" for fmt in BLOCK_FORMATS for kind in ("snr_db", "flushed")},
     "kurtosis": "kurtosis",
 }
-#: Every statistic a run may log, by name -> its group: ``STATISTICS`` and the channel
-#: statistics, which come from the channel rows kept beside the records.
+#: Every statistic a run may log -> its group: ``STATISTICS`` and those of the channel rows.
 ALL_STATISTICS: Dict[str, str] = {**STATISTICS, **CHANNEL_STATISTICS}
 
 Entry = Union[float, Tensor]
