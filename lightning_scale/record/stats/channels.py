@@ -15,9 +15,10 @@ numbers, 32 KB: the channel count ``C`` and ``CHANNEL_CAP`` (4,096) slots. Up to
 slot ``j`` is channel ``j``'s maximum (0 in unused slots). Above the cap channels are
 *folded*: slot ``k`` holds the largest maximum of channels ``k, k + CAP, k + 2 CAP, ...``
 and the statistics are those of the ``CAP`` slots. So the largest maximum is always exact;
-above the cap the median is that of the folded maxima (never below the true median, so the
-ratio never above the true ratio) and ``outlier_channels`` the fraction of slots holding an
-outlier channel (at least the true fraction, at most ``ceil(C / CAP)`` times it).
+above the cap the median is that of the slots (each the max of up to ``g = ceil(C / CAP)``
+channels: for channels of similar size, above the channels' median, so a lower ratio) and
+``outlier_channels`` the fraction of slots holding an outlier channel (``k`` outlier
+channels fill between ``ceil(k / g)`` and ``k`` slots).
 
 Every entry merges by a max: the row of a step's tensors over micro-batches and ranks is
 the element-wise max of their rows, exactly the row of their concatenation along any
