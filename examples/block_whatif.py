@@ -79,13 +79,18 @@ def medians(scalars: Scalars, step: int, parameters: Set[str]) -> str:
 
 
 def lowest(scalars: Scalars, fmt: str, d: str, step: int, parameters: Set[str], top: int) -> str:
-    """A markdown table of the ``top`` nodes with the lowest SNR in ``fmt`` in direction ``d``."""
+    """A markdown table of the ``top`` nodes with the lowest SNR in ``fmt`` in direction ``d``,
+    after a line counting the nodes flushed whole (every nonzero to 0: 0 dB), not listed."""
     rows: List[Tuple[float, str]] = []
+    whole = 0
     for label in nodes(scalars, d, step, parameters):
         snr = value(scalars, f"{fmt}_snr_db", d, label, step)
-        if not math.isnan(snr):
+        if value(scalars, f"{fmt}_flushed", d, label, step) == 1.0:
+            whole += 1
+        elif not math.isnan(snr):
             rows.append((snr, label))
     rows.sort()
+    note = f"{whole} of {whole + len(rows)} nodes flushed whole (0 dB), not listed; the lowest of the others:\n\n"
     other = "nvfp4" if fmt == "mxfp4" else "mxfp4"
     head = (
         f"| node | {fmt} SNR dB | {fmt} flushed | {other} SNR dB | kurtosis | channel max/median | outlier channels |"
@@ -98,7 +103,26 @@ def lowest(scalars: Scalars, fmt: str, d: str, step: int, parameters: Set[str], 
         cells += [f"{value(scalars, name, d, label, step):.3g}" for name in OUTLIERS[:2]]
         cells.append(f"{100 * value(scalars, 'outlier_channels', d, label, step):.3g}%")
         lines.append(f"| `{label}`{mark} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return note + "\n".join(lines)
+
+
+def channels(scalars: Scalars, step: int, parameters: Set[str], top: int) -> str:
+    """How many nodes have a channel above 6 (``outlier_channels`` > 0), and the nodes with the
+    largest outlier fraction, then the largest ``channel_max_ratio``, forward and backward."""
+    lines = ["| dir | node | channel max/median | outlier channels | kurtosis |", "|---|---|---:|---:|---:|"]
+    counts = []
+    for d, _ in DIRECTIONS:
+        labels = nodes(scalars, d, step, parameters)
+        ratio = {l: value(scalars, "channel_max_ratio", d, l, step) for l in labels}
+        outliers = {l: value(scalars, "outlier_channels", d, l, step) for l in labels}
+        ranked = sorted((l for l in labels if math.isfinite(ratio[l])), key=lambda l: (-outliers[l], -ratio[l]))
+        for l in ranked[:top]:
+            kurt = value(scalars, "kurtosis", d, l, step)
+            mark = " (param)" if l in parameters else ""
+            lines.append(f"| {d} | `{l}`{mark} | {ratio[l]:.3g} | {100 * outliers[l]:.3g}% | {kurt:.3g} |")
+        spiky = sum(value(scalars, "outlier_channels", d, l, step) > 0 for l in labels)
+        counts.append(f"{spiky} of {len(labels)} {d} nodes have a channel above 6")
+    return "; ".join(counts) + ".\n\n" + "\n".join(lines)
 
 
 def report(scalars: Scalars, step: int, parameters: Set[str], top: int) -> str:
@@ -110,6 +134,8 @@ def report(scalars: Scalars, step: int, parameters: Set[str], top: int) -> str:
         for d, what in DIRECTIONS:
             parts.append(f"#### {what}: lowest SNR in {fmt.upper()} (step {step})")
             parts.append(lowest(scalars, fmt, d, step, parameters, top))
+    parts.append(f"#### Channel outliers: the largest outlier fraction, then channel max/median (step {step})")
+    parts.append(channels(scalars, step, parameters, max(3, top // 2)))
     return "\n\n".join(parts)
 
 

@@ -40,7 +40,7 @@ from lightning_scale.report.options import ReportOptions
 from lightning_scale.report.tensorboard import ScaleWriter
 from lightning_scale.report.worker import Worker
 
-__all__ = ["PooledStep", "Reporter", "StepData", "scale_backward"]
+__all__ = ["PooledStep", "Reporter", "StepData", "scale_backward", "scale_backward_channels"]
 
 PooledStep = pool.Pooled  # one tracked step pooled over all ranks (``Reporter.pool``)
 
@@ -409,9 +409,14 @@ def _channel_statistics(pooled: pool.Pooled, names: Sequence[str], factor: float
     wanted = [n for n in names if n in stats.CHANNEL_STATISTICS]
     if not wanted or pooled.channels is None:
         return {}
-    rows = pooled.channels.clone()
-    rows[:, BACKWARD, 1:] *= abs(factor)
-    return stats.channel_statistics(rows, wanted)
+    return stats.channel_statistics(scale_backward_channels(pooled.channels, factor), wanted)
+
+
+def scale_backward_channels(rows: Tensor, factor: float) -> Tensor:
+    """Channel rows ``[n, 2, CHANNEL_WIDTH]`` with every backward channel maximum multiplied by ``|factor|`` (a copy)."""
+    out = rows.clone()
+    out[:, BACKWARD, 1:] *= abs(factor)
+    return out
 
 
 def scale_backward(records: Tensor, factor: float) -> Tensor:

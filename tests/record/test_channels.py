@@ -30,6 +30,7 @@ from lightning_scale.record.stats.channels import (
     merge_channel_rows,
     outlier_channels,
 )
+from lightning_scale.report.reporting import scale_backward_channels
 from lightning_scale.report.scalars import scalar_values
 from lightning_scale.tools.demo import GPTModule
 from test_fp8_whatif import STEPS, fit, tiny_gpt, twin_tensors
@@ -171,6 +172,16 @@ def test_recorder_merges_micro_batches_and_places_aliases() -> None:
     torch.testing.assert_close(rec2.records(["node"]), plain2.records(["node"]), rtol=0, atol=0, equal_nan=True)
     rec.clear()
     assert not rec.channel_tensor(["node"]).any()
+
+
+def test_unscaled_gradients_move_the_outlier_threshold_not_the_ratio() -> None:
+    """With a loss scale of 1024 the backward maxima 1..8 arrive as 1024..8192: unscaled (x 1/1024)
+    two of eight channels are above 6 again; the ratio does not change; forward rows are untouched."""
+    rows = torch.stack([channel_row(torch.arange(1.0, 9.0)), channel_row(torch.arange(1.0, 9.0) * 1024)])[None]
+    unscaled = scale_backward_channels(rows, -1 / 1024)  # (a negative factor scales maxima by its size)
+    assert torch.equal(unscaled[0, FORWARD], rows[0, FORWARD]) and unscaled[0, BACKWARD, 0] == 8
+    assert outlier_channels(rows[0]).tolist() == [0.25, 1.0] and outlier_channels(unscaled[0]).tolist() == [0.25, 0.25]
+    assert channel_max_ratio(unscaled[0]).tolist() == channel_max_ratio(rows[0]).tolist() == [8 / 4.5, 8 / 4.5]
 
 
 def test_scalars_leave_out_unknown_channel_statistics() -> None:
