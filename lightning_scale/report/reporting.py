@@ -413,7 +413,7 @@ def _channel_statistics(pooled: pool.Pooled, names: Sequence[str], factor: float
 
 
 def scale_backward_channels(rows: Tensor, factor: float) -> Tensor:
-    """Channel rows ``[n, 2, CHANNEL_WIDTH]`` with every backward channel maximum multiplied by ``|factor|`` (a copy)."""
+    """Channel rows ``[n, 2, CHANNEL_WIDTH]``, every backward channel maximum times ``|factor|`` (a copy)."""
     out = rows.clone()
     out[:, BACKWARD, 1:] *= abs(factor)
     return out
