@@ -97,6 +97,13 @@ def test_layouts_and_chunks_read_the_same_channels() -> None:
     assert torch.equal(channel_row(x.t().contiguous().t()), want)  # a column-major layout
     assert torch.equal(channel_row(x.view(4, 12, 96)[:, ::2].reshape(-1, 96)), channel_row(x.view(4, 12, 96)[:, ::2]))
     assert torch.equal(channel_row(x.half()), channel_row(x.half().float()))
+    y = x.clone()  # with NaN and Inf: the host's max/min no longer serve, |x| is read in pieces
+    y[3, 7], y[40, 90] = math.nan, -math.inf
+    ratio, outliers = reference(y)
+    for chunk in (40, 64, 1 << 20):
+        row = channel_row(y.t().contiguous().t(), chunk=chunk)
+        assert float(channel_max_ratio(row)) == pytest.approx(ratio, rel=1e-15)
+        assert float(outlier_channels(row)) == outliers and row[8] == float(torch.cat([x[:3, 7], x[4:, 7]]).abs().max())
 
 
 def test_micro_batches_and_ranks_merge_exactly_by_a_max() -> None:

@@ -67,7 +67,10 @@ CHUNK = 1 << 20
 def channel_maxima(x: Tensor, chunk: int = CHUNK) -> Tensor:
     """float64 ``[C]``: each last-dimension channel's max |x| over the finite elements (0 where none).
 
-    A 0-dim tensor is one channel; ``x`` is read ``chunk`` elements at a time.
+    A 0-dim tensor is one channel. In host memory a max and a min over the leading
+    dimensions (any layout, no temporary) serve where every channel is finite (a free check
+    there); otherwise, and off the host (no host read), ``x`` is read ``chunk`` elements at a
+    time as |x| with NaN and Inf set to 0.
 
     Example:
         >>> channel_maxima(torch.tensor([[1.0, -7.0], [-2.0, float("nan")]])).tolist()
@@ -75,22 +78,16 @@ def channel_maxima(x: Tensor, chunk: int = CHUNK) -> Tensor:
     """
     x = x.detach()
     c = x.shape[-1] if x.dim() else 1
+    if x.is_cpu and x.numel():
+        lead = tuple(range(x.dim() - 1))
+        a = torch.maximum(x.amax(lead), -x.amin(lead)) if lead else x.abs().reshape(c)
+        if bool(a.isfinite().all()):
+            return a.double()
     out = torch.zeros(c, dtype=torch.float64, device=x.device)
     for part, j in row_pieces(x, chunk):
-        a = _piece_maxima(part).double()
+        a = torch.nan_to_num(part.abs(), nan=0.0, posinf=0.0).amax(0).double()
         out[j : j + a.numel()] = torch.maximum(out[j : j + a.numel()], a)
     return out
-
-
-def _piece_maxima(part: Tensor) -> Tensor:
-    """Each column's max |x| over the finite elements of a 2-D piece. In host memory a column
-    max and min (no temporary of the piece's size) serve where every column is finite (a free
-    check there); otherwise, and off the host (no host read), |x| with NaN/Inf as 0."""
-    if part.is_cpu:
-        a = torch.maximum(part.amax(0), -part.amin(0))  # (aminmax over dim 0 is 15x slower here)
-        if bool(a.isfinite().all()):
-            return a
-    return torch.nan_to_num(part.abs(), nan=0.0, posinf=0.0).amax(0)
 
 
 def channel_slots(x: Tensor, chunk: int = CHUNK) -> Tensor:
