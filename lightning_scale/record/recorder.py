@@ -37,7 +37,8 @@ class Recorder:
     """Statistics of observed tensors (forward) and their gradients (backward), by key.
 
     Args:
-        groups: statistic groups to compute (see ``stats.GROUPS``).
+        groups: statistic groups to compute (see ``stats.GROUPS``); with ``channels``, each
+            tensor's channel row too (``channels``, ``channel_tensor``).
         host_reads: allow reading intermediate results on the host (fast on CPU; see
             ``stats.record_of``). ``None`` decides per tensor by its device, unless the
             environment variable ``LIGHTNING_SCALE_HOST_READS`` is ``0`` (device path
