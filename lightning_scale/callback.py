@@ -51,8 +51,8 @@ class ScaleMonitor(Callback):
             ``forward``).
         capture: ``"auto"`` (fx where it traces the model, TorchDynamo otherwise), ``"fx"``
             or ``"dynamo"``.
-        statistics: statistics to log as scalars, from ``lightning_scale.record.stats.STATISTICS``
-            (default ``["std"]``, logged as ``scale/``).
+        statistics: statistics to log as scalars, from ``lightning_scale.record.stats.ALL_STATISTICS``
+            (default ``["std"]``, logged as ``scale/``; with ``channel_max_ratio``, ``outlier_channels``).
         include: regex; log only nodes whose label matches it.
         exclude: regex; do not log nodes whose label matches it.
         prune_views: do not log views/reshapes whose statistics equal their input's
@@ -134,7 +134,7 @@ class ScaleMonitor(Callback):
     ) -> None:
         self.schedule = Schedule(every_n_steps, steps, start_step, stop_step)
         self.capture_mode = check.one_of("capture", capture, CAPTURE_MODES)
-        self.statistics = check.choices("statistics", statistics, stats.STATISTICS, allow_none=True) or ["std"]
+        self.statistics = check.choices("statistics", statistics, stats.ALL_STATISTICS, allow_none=True) or ["std"]
         check.booleans(histograms=histograms, figure=figure, code=code, rank_spread=rank_spread)
         max_tags, figure_every = (
             check.positive_int("max_tags", max_tags),
@@ -152,7 +152,7 @@ class ScaleMonitor(Callback):
         self.verify_capture = check.boolean("verify_capture", verify_capture)
         self.strict_ranks = check.boolean("strict_ranks", strict_ranks)
         self._updates = UpdateTracker()
-        self.groups = sorted({stats.STATISTICS[s] for s in self.statistics} | {"moments"})
+        self.groups = sorted({stats.ALL_STATISTICS[s] for s in self.statistics} | {"moments"})
         self.last_tracked_step = -1
         self.captures = Captures(
             mode=self.capture_mode,

@@ -96,3 +96,14 @@ def test_a_bad_yaml_value_is_a_value_error_naming_the_argument() -> None:
         _build(parser, "monitor:\n  statistics: [std, std]\n")
     with pytest.raises(ValueError, match=r"`anomaly_factor` must be a finite number above 1, got inf"):
         _build(parser, "monitor:\n  anomaly_factor: .inf\n")
+
+
+def test_yaml_names_the_block_kurtosis_and_channel_statistics() -> None:
+    """The opt-in statistics of issue 27 by name from YAML: each switches its group on."""
+    parser = _parser()
+    names = ["std", "kurtosis", "mxfp4_snr_db", "nvfp4_flushed", "channel_max_ratio", "outlier_channels"]
+    monitor = _build(parser, f"monitor:\n  statistics: [{', '.join(names)}]\n")
+    assert monitor.statistics == names
+    assert monitor.groups == ["blocks", "channels", "kurtosis", "moments"]
+    with pytest.raises(ValueError, match=r"`statistics` must be .*'channel_max_ratio'.*got \['channel_ratio'\]"):
+        _build(parser, "monitor:\n  statistics: [channel_ratio]\n")

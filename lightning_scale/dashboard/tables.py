@@ -17,9 +17,30 @@ from lightning_scale.dashboard.data import DIRS, RunData
 from lightning_scale.dashboard.layout import module_group
 from lightning_scale.record.stats import FORMATS
 
-__all__ = ["FP8_RECIPE", "LOG2_STATS", "code", "heatmap", "nearest_step", "outside", "profile", "series", "worst"]
+__all__ = [
+    "FP8_RECIPE",
+    "LOG2_STATS",
+    "STAT_RANKINGS",
+    "code",
+    "heatmap",
+    "nearest_step",
+    "outside",
+    "profile",
+    "series",
+    "worst",
+]
 
 RANKINGS = (*FORMATS, "drift", "fp8")
+_BLOCKS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
+#: Statistics the worst nodes can also be ranked by, when the run logged them: True ranks the
+#: largest first (kurtosis, channel outliers, flushed fractions), False the least (SNRs).
+STAT_RANKINGS: Dict[str, bool] = {
+    **{f"{f}_snr_db": False for f in _BLOCKS},
+    **{f"{f}_flushed": True for f in _BLOCKS},
+    "kurtosis": True,
+    "channel_max_ratio": True,
+    "outlier_channels": True,
+}
 #: Magnitudes, drawn and coloured as log2; every other statistic (fractions, dB, counts) as logged.
 LOG2_STATS = ("std", "absmax", "rms", "min_nonzero")
 #: The FP8 format each direction would be cast to in the usual recipe: the ``fp8`` ranking's SNR.
@@ -148,18 +169,23 @@ def worst(data: RunData, step: Optional[int], by: str = "fp16", pattern: str = "
     """One row per tensor and direction, ranked by headroom to format ``by`` (least first), by
     ``|drift|`` of log2 std since the first tracked step (``by="drift"``, largest first) or by
     the FP8 what-if's SNR (``by="fp8"``, lowest first: E4M3 forward, E5M2 backward,
-    ``FP8_RECIPE``), filtered by regex ``pattern`` (on the label or any of its aliases).
+    ``FP8_RECIPE``) or by a logged statistic of ``STAT_RANKINGS`` (``by="kurtosis"``: its
+    value in the row's ``value``), filtered by regex ``pattern`` (on the label or any of its
+    aliases). ``rankable``: the statistics of ``STAT_RANKINGS`` the run logged.
 
     A label that is an alias of another (``RunData.aliases``: a view, a module's output)
     is listed in its source's row. Each row also says at which tracked step the node first
     was outside the format's range and at how many of the tracked steps it was.
 
     Raises:
-        ValueError: ``by`` is not a format, ``"drift"`` or ``"fp8"`` (or ``"fp8"`` and the run
-            logged no FP8 SNR), or ``pattern`` is not a regex.
+        ValueError: ``by`` is not a format, ``"drift"``, ``"fp8"`` or a statistic of
+            ``STAT_RANKINGS`` the run logged (or ``"fp8"`` and the run logged no FP8 SNR), or
+            ``pattern`` is not a regex.
     """
-    if by not in RANKINGS:
-        raise ValueError(f"`by` must be one of {list(RANKINGS)}, got {by!r}")
+    rankable = [k for k in STAT_RANKINGS if k in data.stats]
+    if by not in RANKINGS and by not in rankable:
+        hint = f" (log it: ScaleMonitor(statistics=[..., {by!r}]))" if by in STAT_RANKINGS else ""
+        raise ValueError(f"`by` must be one of {[*RANKINGS, *rankable]}, got {by!r}{hint}")
     if by == "fp8" and not any(f"fp8_{fmt}_snr_db" in data.stats for fmt in FP8_RECIPE.values()):
         raise ValueError(
             "`by=fp8` needs the FP8 what-if logged: ScaleMonitor(statistics=[..., 'fp8_e4m3_snr_db', "
@@ -179,10 +205,16 @@ def worst(data: RunData, step: Optional[int], by: str = "fp16", pattern: str = "
         "format": fmt,
         "fractions": fractions,
         "fraction_hint": None if fractions else _fraction_hint(fmt),
+        "rankable": rankable,
+        "stat": by if by in STAT_RANKINGS else None,
     }
     if step is None:
         return {**head, "total": 0, "rows": []}
     rows = _worst_rows(data, data.steps.index(step), fmt, fractions, match)
+    if by in STAT_RANKINGS:
+        value, where = data.column(by)[data.steps.index(step)], {l: i for i, l in enumerate(data.labels)}
+        for r in rows:
+            r["value"] = float(value[where[r["label"]], DIRS.index(r["dir"])])
     ranked = _ranked(rows, by)
     clean = [{k: (_clean(v) if isinstance(v, float) else v) for k, v in r.items()} for r in ranked[:limit]]
     return {**head, "total": len(rows), "rows": clean}
@@ -245,6 +277,8 @@ def _worst_rows(data: RunData, t: int, fmt: str, fractions: List[str], match: An
 def _ranked(rows: List[Dict[str, Any]], by: str) -> List[Dict[str, Any]]:
     if by == "drift":
         return headroom.rank(rows, "abs_drift", descending=True)
+    if by in STAT_RANKINGS:
+        return headroom.rank(rows, "value", descending=STAT_RANKINGS[by])
     return headroom.rank(rows, "fp8_snr_db" if by == "fp8" else "headroom")
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_scale.record import kernels, placements, stats
+from lightning_scale.record.channel_rows import ChannelRows
 from lightning_scale.record.short_records import MAX_ELEMENTS, ShortRecords, batchable
 
 __all__ = ["BACKWARD", "FORWARD", "HOST_READS_ENV", "Recorder", "active", "observe", "recording"]
@@ -36,7 +37,8 @@ class Recorder:
     """Statistics of observed tensors (forward) and their gradients (backward), by key.
 
     Args:
-        groups: statistic groups to compute (see ``stats.GROUPS``).
+        groups: statistic groups to compute (see ``stats.GROUPS``); with ``channels``, each
+            tensor's channel row too (``channels``, ``channel_tensor``).
         host_reads: allow reading intermediate results on the host (fast on CPU; see
             ``stats.record_of``). ``None`` decides per tensor by its device, unless the
             environment variable ``LIGHTNING_SCALE_HOST_READS`` is ``0`` (device path
@@ -53,6 +55,9 @@ class Recorder:
 
     def __init__(self, groups: Sequence[str] = ("moments", "range"), host_reads: Optional[bool] = None) -> None:
         self.groups = tuple(groups)
+        #: the ``channels`` group's rows (``stats.channels``), kept beside the records; None without it
+        self.channels: Optional[ChannelRows] = ChannelRows() if "channels" in self.groups else None
+        groups = tuple(g for g in self.groups if g != "channels")  # (the record's groups)
         self.host_reads = _host_reads_from_env() if host_reads is None else host_reads
         self.kernel = kernels.choice()
         self._buffer = _RowBuffer()  # the device rows the fused kernel writes
@@ -66,9 +71,10 @@ class Recorder:
         self._grads: Dict[
             int, Tuple[Any, int, Union[List[stats.Entry], Tensor]]
         ] = {}  # id -> (weakref, version, entry)
-        self._short = ShortRecords(self.groups)  # host tensors of a few elements: taken together
+        self._groups = groups
+        self._short = ShortRecords(groups)  # host tensors of a few elements: taken together
         self._partials = placements.PartialSums()  # gradients no node reduces: summed at flush()
-        self._fast = stats.fast_host_record(self.groups)  # host tensors above them: one read, few steps
+        self._fast = stats.fast_host_record(groups)  # host tensors above them: one read, few steps
         self.error: Optional[BaseException] = None
         #: keys whose values' log2 histogram (``stats.log2_histogram``) is also taken
         self.histogram_keys: set = set()
@@ -181,6 +187,8 @@ class Recorder:
                 self._rows.append((slot, BACKWARD, seen[2]))
                 if self.histogram_keys:
                     self._histogram(slot, BACKWARD, grad)
+                if self.channels is not None:
+                    self.channels.add(slot, BACKWARD, grad)
                 return
             self._grads[id(grad)] = (weakref.ref(grad), version, self._add(slot, BACKWARD, grad))
         except Exception as err:  # noqa: BLE001 - never break the user's backward
@@ -191,7 +199,7 @@ class Recorder:
             self.device = x.device
         host = x.is_cpu if self.host_reads is None else self.host_reads
         n = x.numel()
-        if host and n <= MAX_ELEMENTS and batchable(x, self.groups):  # (numel first: most tensors are long)
+        if host and n <= MAX_ELEMENTS and batchable(x, self._groups):  # (numel first: most tensors are long)
             entry = self._short.add(x)
         else:
             self._host_only = self._host_only and host
@@ -200,13 +208,15 @@ class Recorder:
                 entry = fast
             elif not host and n and kernels.uses_triton(x, self.kernel):
                 entry = self._buffer.take(x.device)
-                kernels.record_into(x, self.groups, entry)
-                stats.torch_groups.fill(x, self.groups, entry)  # (groups the kernel does not compute)
+                kernels.record_into(x, self._groups, entry)
+                stats.torch_groups.fill(x, self._groups, entry)  # (groups the kernel does not compute)
             else:
-                entry = stats.record_of(x, self.groups, host, self.kernel)
+                entry = stats.record_of(x, self._groups, host, self.kernel)
         self._rows.append((slot, direction, entry))
         if self.histogram_keys:
             self._histogram(slot, direction, x)
+        if self.channels is not None:
+            self.channels.add(slot, direction, x)
         return entry
 
     def _histogram(self, slot: int, direction: int, x: Tensor) -> None:
@@ -308,9 +318,18 @@ class Recorder:
                     out[i, d] = h  # the same device: a device-side copy
         return out
 
+    def channel_tensor(self, keys: Sequence[Hashable], aliases: Optional[Mapping[Hashable, Hashable]] = None) -> Tensor:
+        """The channel rows of ``keys`` (``stats.channels``), placed as ``records`` places records:
+        ``[len(keys), 2, CHANNEL_WIDTH]`` float64 on the observed device, zeros (no channel)
+        where a key's direction had none or without the ``channels`` group. Nothing is read back."""
+        rows = self.channels if self.channels is not None else ChannelRows()
+        return rows.tensor(self._targets(list(keys), aliases or {}), len(keys), self.device)
+
     def clear(self) -> None:
         """Forget this step's entries and remove its hooks (keys and their order are kept)."""
         self._rows.clear()
+        if self.channels is not None:
+            self.channels.clear()
         self._host_only = True
         self._previous = None
         self._same.clear()

@@ -25,6 +25,8 @@ world size:
    rank holds whole (parameters, buffers) their forward record and its negation. A
    replicated record is one tensor when every rank sent the same (``MAX == -MAX(-)``):
    it is counted once, and so is its value histogram (the sum over ranks / world).
+   The ``channels`` segment (``stats.channels``: per node and direction a channel row that
+   merges by a max) rides in this collective as it is: no collective of its own.
 3. **Sums**, ``all_reduce(SUM)`` (``stats.merge_sums``): count, count x (mean - c) with
    c the midpoint of the least and largest mean of stage 2 (rounding relative to the
    means' spread, not their size), NaN/Inf/zero and format counts, FP8 sums; the value
@@ -44,7 +46,6 @@ read first: that read decides whether the other collectives may run at all.
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import Collection, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -52,8 +53,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_scale.record import stats
+from lightning_scale.record.stats.channels import CHANNEL_WIDTH
 from lightning_scale.record.updates import USED, UpdateStats
 from lightning_scale.report import update_pool
+from lightning_scale.report.columns import Columns
 from lightning_scale.report.pool_header import (
     Header,
     RankFailedError,
@@ -111,6 +114,8 @@ class Pooled(NamedTuple):
         updates: the pooled update rows ``[k, 2, FIELDS]`` of ``UpdateStats.names``, or None.
         loss_scale: rank 0's loss scale, or None.
         unshared: what the ranks did not share (not pooled), or None when they agreed.
+        channels: ``[n, 2, CHANNEL_WIDTH]``, the max of every rank's channel rows
+            (``stats.channels``) for ``labels``, or None when none were sent.
     """
 
     records: Tensor
@@ -121,6 +126,7 @@ class Pooled(NamedTuple):
     updates: Optional[Tensor] = None
     loss_scale: Optional[float] = None
     unshared: Optional[Unshared] = None
+    channels: Optional[Tensor] = None
 
 
 def pool(records: Tensor, labels: Sequence[str], replicated: Collection[str] = (), failed: bool = False) -> Tensor:
@@ -145,6 +151,7 @@ def pool_step(
     dst: Optional[int] = None,
     groups: Optional[Collection[str]] = None,
     strict: bool = False,
+    channels: Optional[Tensor] = None,
 ) -> Optional[Pooled]:
     """Pool ``records`` ``[n, 2, FIELDS]``, value ``histograms``, ``updates`` and the
     ``loss_scale`` over all ranks, in at most four collectives and one device-to-host
@@ -171,6 +178,8 @@ def pool_step(
             None: every field.
         strict: ranks whose labels differ raise ``RankMismatchError``; otherwise the
             labels every rank has are pooled and ``Pooled.unshared`` names the others.
+        channels: ``[n, 2, CHANNEL_WIDTH]`` channel rows of ``labels`` (``stats.channels``),
+            pooled by their max in the extremes' collective; None: none.
 
     Returns:
         A ``Pooled`` on the host (the step's one device-to-host transfer), or None on a
@@ -182,10 +191,13 @@ def pool_step(
         RankFailedError: a rank passed ``failed=True``.
     """
 
-    def payload(rows: Tensor, names: Sequence[str], hists: Optional[Tensor], hist_names: Sequence[str]) -> _Payload:
-        return _payload(rows, names, hists, hist_names, replicated, spread, updates, loss_scale, groups)
+    def payload(
+        rows: Tensor, names: Sequence[str], hists: Optional[Tensor], hist_names: Sequence[str], chans: Optional[Tensor]
+    ) -> _Payload:
+        sent = _payload(rows, names, hists, hist_names, replicated, spread, updates, loss_scale, groups)
+        return sent if chans is None else _with_channels(sent, chans)
 
-    sent = payload(records, labels, histograms, histogram_labels)
+    sent = payload(records, labels, histograms, histogram_labels, channels)
     if world_size() == 1:
         if failed:
             raise RankFailedError("statistics failed on rank(s) [0]")
@@ -197,9 +209,8 @@ def pool_step(
         raise mismatch_error(differ)
     shared = shared_labels(labels, histogram_labels, records.device)
     rows, hist_rows = (stats.index_tensor(r, records.device) for r in (shared.rows, shared.histogram_rows))
-    sent = payload(
-        records[rows], shared.labels, None if histograms is None else histograms[hist_rows], shared.histogram_labels
-    )
+    hists = None if histograms is None else histograms[hist_rows]
+    sent = payload(records[rows], shared.labels, hists, shared.histogram_labels, _rows(channels, rows))
     differ = _exchange_header(sent, False).differences()
     if differ:  # the labels agree now: something else differs
         raise mismatch_error(differ)
@@ -218,13 +229,23 @@ class _Payload(NamedTuple):
     rep: List[int]  # the rows of replicated labels
     rep_index: Optional[Tensor]  # the same on the device, None if none
     hist_rep: List[Tuple[int, int]]  # (histogram row, its row among the replicated)
-    cols: "_Columns"
+    cols: "Columns"
     spread: bool
     sharded: Optional[List[bool]]  # each update row's sharded flag; None: no update statistics
     loss_scale: bool
     labels: List[str]
     histogram_labels: List[str]
     fingerprint: float
+    channels: Optional[Tensor] = None  # [n, 2, CHANNEL_WIDTH], merged by a max
+
+
+def _rows(t: Optional[Tensor], index: Tensor) -> Optional[Tensor]:
+    return None if t is None else t[index]
+
+
+def _with_channels(p: _Payload, channels: Tensor) -> _Payload:
+    """``p`` with the channel segment (its shape in the fingerprint: ranks must agree on it)."""
+    return p._replace(channels=channels, fingerprint=fingerprint([str(p.fingerprint), f"{tuple(channels.shape)}"]))
 
 
 def _payload(
@@ -256,7 +277,7 @@ def _payload(
     rep = [i for i, label in enumerate(labels) if label in replicated]
     rep_of = {labels[i]: k for k, i in enumerate(rep)}  # label -> its row among the replicated
     hist_rep = [(j, rep_of[label]) for j, label in enumerate(histogram_labels) if label in rep_of]
-    cols = _Columns.of(groups)
+    cols = Columns.of(groups)
     layout = f"{rows.shape[0]}|{hists.shape[0]}|{spread}|{tuple(sums.shape)}|{tuple(whole.shape)}|{rep}|{cols.fields}"
     print_ = fingerprint([*labels, "", *histogram_labels, "", *tags, "", layout])
     rep_index = stats.index_tensor(rep, device) if rep else None
@@ -281,7 +302,7 @@ def _payload(
 
 def _pool_payload(p: _Payload, dst: Optional[int]) -> Optional[Pooled]:
     """Stages 2 (MAX), 3 (SUM) and 4 (SUM), then the one transfer to the host."""
-    ext_top, spread_top, rep_top = _extremes(p)
+    ext_top, spread_top, rep_top, chan_top = _extremes(p)
     add_sum, hist_sum, sums_sum, first_sum = _sums(p, ext_top)
     dev = stats.deviations(p.records, ext_top, add_sum)[..., list(p.cols.central)].contiguous()
     _reduce(dev, dist.ReduceOp.SUM, dst)
@@ -291,23 +312,29 @@ def _pool_payload(p: _Payload, dst: Optional[int]) -> Optional[Pooled]:
     hist_sum = hist_sum.view(p.hists.shape)
     if p.rep_index is not None:
         count_once(merged, hist_sum, rep_top, p.rep_index, p.hist_rep, p.cols.field_index(merged.device))
-    parts = [merged, hist_sum, sums_sum, first_sum]
+    parts = [merged, hist_sum, sums_sum, first_sum, chan_top]
     if p.spread:
         parts.append(spread_of(spread_top.view(-1, 2, SPREAD)))
     host = torch.cat([t.reshape(-1) for t in parts]).cpu()  # the step's one device-to-host transfer
     return _unpack(host, p)
 
 
-def _extremes(p: _Payload) -> Tuple[Tensor, Tensor, Tensor]:
+def _extremes(p: _Payload) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Stage 2, one MAX: (the six extreme columns ``[m, 2, 6]``, the spread part, the
-    replicated part), each as every rank's largest."""
+    replicated part, the channel rows), each as every rank's largest."""
     ext = stats.merge_extremes(p.records)[..., p.cols.extremes]  # (m, 2, E) of the computed fields
     rep_part = replicated_part(p.records[..., p.cols.fields], p.rep_index)
     sent_spread = spread_part(p.records) if p.spread else p.records.new_zeros(0)
-    top = torch.cat([ext.reshape(-1), sent_spread.reshape(-1), rep_part.reshape(-1)])
+    chans = _channels(p)
+    top = torch.cat([ext.reshape(-1), sent_spread.reshape(-1), rep_part.reshape(-1), chans])
     dist.all_reduce(top, op=dist.ReduceOp.MAX)
-    ext_top, spread_top, rep_top = torch.split(top, [ext.numel(), sent_spread.numel(), rep_part.numel()])
-    return p.cols.extremes_of(ext_top.view(ext.shape)), spread_top, rep_top
+    sizes = [ext.numel(), sent_spread.numel(), rep_part.numel(), chans.numel()]
+    ext_top, spread_top, rep_top, chan_top = torch.split(top, sizes)
+    return p.cols.extremes_of(ext_top.view(ext.shape)), spread_top, rep_top, chan_top
+
+
+def _channels(p: _Payload) -> Tensor:
+    return p.records.new_zeros(0) if p.channels is None else p.channels.reshape(-1)
 
 
 def _sums(p: _Payload, ext_top: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -329,46 +356,6 @@ def _exchange_header(p: _Payload, failed: bool) -> Header:
 _HEADER = len(Header._fields)  # 8 float64: 64 bytes
 
 
-class _Columns(NamedTuple):
-    """Which columns of a record (``fields``), of ``stats.merge_extremes`` (``extremes``)
-    and of ``stats.merge_sums`` (``sums``) a step's groups compute: only those travel."""
-
-    fields: Tuple[int, ...]
-    extremes: Tuple[int, ...]
-    sums: Tuple[int, ...]
-    #: of ``stats.deviations`` (the central moments m2, m3, m4)
-    central: Tuple[int, ...]
-
-    @staticmethod
-    def of(groups: Optional[Collection[str]]) -> "_Columns":
-        names = set(stats.FIELDS) if groups is None else {f for g in {"moments", *groups} for f in stats.GROUPS[g]}
-        fields = tuple(i for i, f in enumerate(stats.FIELDS) if f in names)
-        central = tuple(i for i, f in enumerate(stats.CENTRAL) if f in names)
-        return _Columns(fields, stats.extreme_columns(names), stats.sum_columns(names), central)
-
-    def central_of(self, sent: Tensor) -> Tensor:
-        """Every column of ``stats.deviations`` from those sent: a moment not computed is NaN."""
-        full = torch.full((*sent.shape[:-1], len(stats.CENTRAL)), math.nan, dtype=sent.dtype, device=sent.device)
-        full[..., list(self.central)] = sent
-        return full
-
-    def extremes_of(self, sent: Tensor) -> Tensor:
-        """Every column of ``stats.EXTREMES`` from those sent: a field not computed is NaN (flag 1)."""
-        full = torch.full((*sent.shape[:-1], len(stats.EXTREMES)), -math.inf, dtype=sent.dtype, device=sent.device)
-        full[..., list(stats.EXTREME_NAN_FLAGS)] = 1.0
-        full[..., list(self.extremes)] = sent
-        return full
-
-    def sums_of(self, sent: Tensor) -> Tensor:
-        """All additive columns from those sent: a field not computed is NaN."""
-        full = torch.full((*sent.shape[:-1], len(stats.SUMS)), math.nan, dtype=sent.dtype, device=sent.device)
-        full[..., list(self.sums)] = sent
-        return full
-
-    def field_index(self, device: torch.device) -> Tensor:
-        return torch.tensor(self.fields, dtype=torch.long, device=device)
-
-
 def _reduce(t: Tensor, op: "dist.ReduceOp", dst: Optional[int]) -> None:
     if dst is None:
         dist.all_reduce(t, op=op)
@@ -377,7 +364,7 @@ def _reduce(t: Tensor, op: "dist.ReduceOp", dst: Optional[int]) -> None:
 
 
 def _one_rank(p: _Payload) -> Pooled:
-    host = torch.cat([t.reshape(-1) for t in (p.records, p.hists, p.sums, p.first)]).cpu()  # the one transfer
+    host = torch.cat([t.reshape(-1) for t in (p.records, p.hists, p.sums, p.first, _channels(p))]).cpu()  # one copy
     out = _unpack(host, p._replace(spread=False))
     if not p.spread:
         return out
@@ -388,8 +375,9 @@ def _one_rank(p: _Payload) -> Pooled:
 def _unpack(host: Tensor, p: _Payload) -> Pooled:
     """The pooled segments, by name, from the host copy of ``_pool_payload``'s parts."""
     m = p.records.shape[0]
-    sizes = [p.records.numel(), p.hists.numel(), p.sums.numel(), p.first.numel(), m * 2 * 3 if p.spread else 0]
-    records, hists, sums, first, spread_t = torch.split(host, sizes)
+    chans = _channels(p).numel()
+    sizes = [p.records.numel(), p.hists.numel(), p.sums.numel(), p.first.numel(), chans, m * 2 * 3 if p.spread else 0]
+    records, hists, sums, first, chan_t, spread_t = torch.split(host, sizes)
     records = records.view(p.records.shape)
     whole, scale = torch.split(first, [first.numel() - p.loss_scale, int(p.loss_scale)])
     rank_spread = None
@@ -407,6 +395,7 @@ def _unpack(host: Tensor, p: _Payload) -> Pooled:
         rank_spread,
         updates,
         float(scale) if p.loss_scale else None,
+        channels=None if p.channels is None else chan_t.view(p.channels.shape),
     )
 
 
@@ -419,18 +408,21 @@ def collective_bytes(
     sharded: int = 0,
     whole: int = 0,
     loss_scale: bool = False,
+    channels: int = 0,
 ) -> Dict[str, int]:
     """Bytes each rank sends into each collective of ``pool_step`` (and receives back),
     from the number of records, histogram rows, replicated rows, and update statistics of
-    ``sharded`` and ``whole`` parameters: none depends on the world size."""
-    cols = _Columns.of(groups)
+    ``sharded`` and ``whole`` parameters, and ``channels`` rows of channel rows: none
+    depends on the world size."""
+    cols = Columns.of(groups)
     bins = stats.LOG2_HI - stats.LOG2_LO
     rows = records + sharded  # a sharded parameter's gradient moments travel as a record row
     first = whole * 2 * USED + int(loss_scale)
     return {
         "header (MAX)": 8 * _HEADER,
         "extremes (MAX)": 8
-        * (rows * 2 * (len(cols.extremes) + (SPREAD if spread else 0)) + replicated * (2 * len(cols.fields) + 2)),
+        * (rows * 2 * (len(cols.extremes) + (SPREAD if spread else 0)) + replicated * (2 * len(cols.fields) + 2))
+        + 8 * channels * 2 * CHANNEL_WIDTH,
         "sums (SUM)": 8 * (rows * 2 * len(cols.sums) + histograms * 2 * bins + sharded * USED + first),
         "m2 (SUM)": 8 * rows * 2 * len(cols.central),  # (m3 and m4 too with the kurtosis group)
     }

@@ -40,7 +40,7 @@ from lightning_scale.report.options import ReportOptions
 from lightning_scale.report.tensorboard import ScaleWriter
 from lightning_scale.report.worker import Worker
 
-__all__ = ["PooledStep", "Reporter", "StepData", "scale_backward"]
+__all__ = ["PooledStep", "Reporter", "StepData", "scale_backward", "scale_backward_channels"]
 
 PooledStep = pool.Pooled  # one tracked step pooled over all ranks (``Reporter.pool``)
 
@@ -76,6 +76,7 @@ class _Written:
     updates: Optional[Tuple[List[str], Tensor]]  # parameter names, their pooled update rows
     code: Optional[List[Tuple[fx.GraphModule, Dict[str, str]]]]
     aliases: Dict[str, str] = field(default_factory=dict)  # label -> label of the same tensor
+    channels: Dict[str, Tensor] = field(default_factory=dict)  # channel statistic -> [nodes, 2]
 
 
 class Reporter:
@@ -163,6 +164,7 @@ class Reporter:
             dst=0,
             groups=rec.groups,
             strict=strict,
+            channels=rec.channel_tensor(labels, cap.aliases) if rec.channels is not None and not failed else None,
         )
 
     def histogram_labels(self, data: StepData) -> List[str]:
@@ -224,7 +226,8 @@ class Reporter:
         self._warn_cap(len(keep))
         if not loggers:
             return
-        records, spread = _unscaled(pooled, self.unscale_gradients, accumulate / (loss_scale or 1.0))
+        unscale = accumulate / (loss_scale or 1.0) if self.unscale_gradients else 1.0
+        records, spread = _unscaled(pooled, self.unscale_gradients, unscale)
         hist_labels = step.histogram_labels
         job = _Written(
             data.step,
@@ -241,6 +244,7 @@ class Reporter:
             _updates(data, step),
             list(zip(data.capture.graphs, data.capture.labels)) if self.code else None,
             dict(data.capture.aliases),
+            {k: v[keep] for k, v in _channel_statistics(pooled, self.statistics, unscale).items()},
         )
         boards, others = _split(loggers)
         if boards:
@@ -342,7 +346,7 @@ def _split(loggers: Sequence[Any]) -> Tuple[List[Any], List[Any]]:
 
 def _write(writer: ScaleWriter, job: _Written, index: Dict[str, int], all_records: Tensor) -> None:
     code = _code(job.code, index, all_records) if job.code is not None else None
-    writer.write(job.step, job.labels, job.records, code, job.spread, job.aliases)
+    writer.write(job.step, job.labels, job.records, code, job.spread, job.aliases, job.channels)
     if job.loss_scale is not None:
         writer.write_metrics({f"{job.prefix}scale_loss/loss_scale": job.loss_scale}, job.step)
     if job.histograms:
@@ -397,6 +401,22 @@ def _unscaled(pooled: pool.Pooled, unscale: bool, factor: float) -> Tuple[Tensor
         scale[BACKWARD] = abs(factor)
         spread = pool.RankSpread(spread.present, spread.low * scale, spread.high * scale)
     return scale_backward(pooled.records, factor), spread
+
+
+def _channel_statistics(pooled: pool.Pooled, names: Sequence[str], factor: float) -> Dict[str, Tensor]:
+    """The channel statistics among ``names`` (``stats.channels``) of the pooled channel rows,
+    their backward maxima multiplied by ``|factor|`` (unscaled, as the records)."""
+    wanted = [n for n in names if n in stats.CHANNEL_STATISTICS]
+    if not wanted or pooled.channels is None:
+        return {}
+    return stats.channel_statistics(scale_backward_channels(pooled.channels, factor), wanted)
+
+
+def scale_backward_channels(rows: Tensor, factor: float) -> Tensor:
+    """Channel rows ``[n, 2, CHANNEL_WIDTH]``, every backward channel maximum times ``|factor|`` (a copy)."""
+    out = rows.clone()
+    out[:, BACKWARD, 1:] *= abs(factor)
+    return out
 
 
 def scale_backward(records: Tensor, factor: float) -> Tensor:

@@ -16,7 +16,8 @@ cached, the values computed for every node at once, and a step's scalars encoded
 from __future__ import annotations
 
 import functools
-from typing import Dict, Sequence, Tuple
+import math
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -56,17 +57,30 @@ def scalar_metrics(
     return dict(zip(scalar_tags(tuple(labels), tuple(names), log2, mask_key(keep)), values[keep].tolist()))
 
 
-def scalar_values(records: Tensor, names: Sequence[str], log2: bool) -> Tuple[Tensor, Tensor]:
+def scalar_values(
+    records: Tensor, names: Sequence[str], log2: bool, channels: Optional[Mapping[str, Tensor]] = None
+) -> Tuple[Tensor, Tensor]:
     """Every scalar at once: values ``[statistics (+ log2), nodes, 2]`` and which to write
-    (present records; for log2 also a positive finite std)."""
-    rows = [stats.statistic(records, name) for name in names]
+    (present records; for log2 also a positive finite std). The channel statistics come
+    from ``channels`` (``{name: [nodes, 2]}``, ``stats.channels``), written where they are
+    known (not NaN: a node without channel rows, e.g. a compiled graph's, or all zeros)."""
+    rows = [_values(records, name, channels or {}) for name in names]
     keep = (records[..., 0] > 0).expand(len(rows) + log2, -1, -1).clone()
+    for k, name in enumerate(names):
+        if name in stats.CHANNEL_STATISTICS:
+            keep[k] &= ~rows[k].isnan()
     if log2:
         std = rows[names.index("std")] if "std" in names else stats.statistic(records, "std")
         ok = (std > 0) & torch.isfinite(std)
         rows.append(torch.where(ok, std, torch.ones_like(std)).log2())
         keep[-1] &= ok
     return torch.stack(rows), keep
+
+
+def _values(records: Tensor, name: str, channels: Mapping[str, Tensor]) -> Tensor:
+    if name in stats.CHANNEL_STATISTICS:
+        return channels[name] if name in channels else torch.full_like(records[..., 0], math.nan)
+    return stats.statistic(records, name)
 
 
 def mask_key(keep: Tensor) -> MaskKey:

@@ -106,14 +106,16 @@ class ScaleWriter:
         code: Optional[str] = None,
         spread: Any = None,
         aliases: Optional[Dict[str, str]] = None,
+        channels: Optional[Dict[str, Tensor]] = None,
     ) -> None:
         """Write scalars, histograms, figure, text and the dashboard's records for ``step``
         (``labels`` in execution order; ``spread``: a ``pool.RankSpread`` or None;
-        ``aliases``: ``{label: label of the same tensor}``)."""
+        ``aliases``: ``{label: label of the same tensor}``; ``channels``: the channel
+        statistics ``{name: [nodes, 2]}``, ``stats.channels``)."""
         files = self._live()
         if not files and all(o.stopped for o in self.loggers):
             return  # every output has stopped: nothing to compute
-        values, keep = scalar_values(records, self.statistics, self.log2)
+        values, keep = scalar_values(records, self.statistics, self.log2, channels)
         n = len(labels) if self.max_tags is None else min(len(labels), self.max_tags)
         tags = list(self._tags(labels[:n], keep[:, :n]))
         numbers = values[:, :n][keep[:, :n]].tolist()

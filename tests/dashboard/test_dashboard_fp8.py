@@ -1,6 +1,7 @@
-"""The `scales` dashboard shows the FP8 what-if: the heatmap's statistic picker, every statistic in
-the profile, and the worst-nodes ranking by FP8 SNR, against the event file of a real Trainer
-run with the ``fp8`` group read back with TensorBoard's EventAccumulator."""
+"""The `scales` dashboard shows the low-precision statistics: the heatmap's statistic picker, every
+statistic in the profile, and the worst-nodes ranking by FP8 SNR and by the block what-ifs,
+kurtosis and channel outliers, against the event file of a real Trainer run with the ``fp8``,
+``blocks``, ``kurtosis`` and ``channels`` groups read back with TensorBoard's EventAccumulator."""
 
 from __future__ import annotations
 
@@ -26,15 +27,23 @@ from lightning_scale.dashboard.plugin import ScalesPlugin
 
 STEPS = 3
 FP8_STATS = [f"fp8_{f}_{k}" for f in ("e4m3", "e5m2") for k in ("snr_db", "flushed")]
+#: Statistics the worst nodes rank by (``tables.STAT_RANKINGS``): True, the largest first.
+RANKED = {"mxfp4_snr_db": False, "nvfp4_flushed": True, "kurtosis": True, "channel_max_ratio": True}
+OUTLIER_STATS = [*RANKED, "outlier_channels"]
 Scalars = Dict[str, Dict[int, float]]
 
 
 def write_fp8_logs(root: Path) -> Path:
-    """``Blocks`` for ``STEPS`` steps, every step tracked with std, absmax and the FP8 what-if."""
+    """``Blocks`` for ``STEPS`` steps, every step tracked with std, absmax, the FP8 what-if and
+    ``OUTLIER_STATS`` (block what-ifs, kurtosis, channel outliers)."""
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(48, 8), torch.randn(48, 2))
     monitor = ScaleMonitor(
-        every_n_steps=1, statistics=["std", "absmax", *FP8_STATS], figure=False, histograms=False, code=False
+        every_n_steps=1,
+        statistics=["std", "absmax", *FP8_STATS, *OUTLIER_STATS],
+        figure=False,
+        histograms=False,
+        code=False,
     )
     trainer = pl.Trainer(
         max_steps=STEPS,
@@ -138,3 +147,33 @@ def test_fp8_ranking_of_a_run_without_the_what_if_says_how_to_log_it() -> None:
         tables.worst(data, 0, "fp8")
     with pytest.raises(ValueError, match=r"`stat` must be one of the logged statistics \['std'\], got 'absmax'"):
         tables.heatmap(data, "absmax")
+
+
+@pytest.mark.parametrize("stat", list(RANKED))
+def test_worst_ranks_by_block_kurtosis_and_channel_statistics(
+    stat: str, run: Tuple[str, List[str], Scalars, ScalesPlugin]
+) -> None:
+    name, order, scalars, plugin = run
+    body = get(plugin, "/worst", run=name, step=2, by=stat)
+    assert body["stat"] == stat and set(OUTLIER_STATS) - {"outlier_channels"} <= set(body["rankable"])
+    aliases = capture(Blocks(), "auto").aliases
+    rows = [
+        (scalars.get(f"{stat}/{d}/{label}", {}).get(2, math.nan), label, d)
+        for label in order
+        for d in ("fwd", "bwd")
+        if f"scale/{d}/{label}" in scalars and aliases.get(label) not in order
+    ]
+    key = (lambda r: -r[0]) if RANKED[stat] else (lambda r: r[0])
+    known = sorted((r for r in rows if not math.isnan(r[0])), key=key)  # stable: ties in execution order
+    want = [(label, d) for _, label, d in known + [r for r in rows if math.isnan(r[0])]]  # NaN last
+    assert [(r["label"], r["dir"]) for r in body["rows"]] == want
+    for r in body["rows"]:
+        assert r["value"] == pytest.approx(shown(scalars.get(f"{stat}/{r['dir']}/{r['label']}", {}).get(2, math.nan)))
+    assert sum(r["value"] is not None for r in body["rows"]) > 10
+
+
+def test_a_ranking_statistic_the_run_did_not_log_says_how_to_log_it() -> None:
+    data = of_series(["a"], set(), {"std": {"fwd": {"a": {0: 1.0}}}})
+    with pytest.raises(ValueError, match=r"got 'kurtosis' \(log it: ScaleMonitor\(statistics=\[..., 'kurtosis'\]\)\)"):
+        tables.worst(data, 0, "kurtosis")
+    assert tables.worst(data, 0, "fp16")["rankable"] == []

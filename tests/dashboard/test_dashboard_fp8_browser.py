@@ -1,7 +1,9 @@
-"""The FP8 what-if in the `scales` dashboard, in a real browser: headless Chromium against a real
-`tensorboard` server serving a real Trainer run with the ``fp8`` group. The statistic picker
-redraws the profile and the heatmap with the FP8 SNR, and the worst-nodes view ranks by it;
-what each shows is compared with the logged numbers."""
+"""The low-precision statistics in the `scales` dashboard, in a real browser: headless Chromium
+against a real `tensorboard` server serving a real Trainer run with the ``fp8``, ``blocks``,
+``kurtosis`` and ``channels`` groups. The statistic picker redraws the profile and the heatmap
+with the FP8 SNR (and the profile with kurtosis and the channel ratio), and the worst-nodes view
+ranks by the FP8 SNR and by each ranking statistic the run logged; what each shows is compared
+with the logged numbers."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from test_dashboard_browser import (
     heatmap_cell,
     sync_api,
 )
-from test_dashboard_fp8 import write_fp8_logs
+from test_dashboard_fp8 import RANKED, write_fp8_logs
 
 from lightning_scale.capture import capture
 from lightning_scale.dashboard import metadata
@@ -156,4 +158,64 @@ def test_worst_view_ranks_by_fp8_snr(served: Tuple[Any, Any, List[str], Scalars,
     assert [(l, d) for l, d, _ in shown] == [(l, d) for _, l, d in want]
     for (_, _, snr), (v, _, _) in zip(shown, want):
         assert (snr == "" and v == math.inf) or float(snr) == pytest.approx(v, abs=1e-4)
+    assert not errors
+
+
+def _profile_values(frame: Any, stat: str) -> List[Tuple[str, str, str]]:
+    frame.select_option("#stat", stat)
+    frame.wait_for_selector(f"svg.profile[data-stat={stat}]")
+    return frame.eval_on_selector_all(
+        "svg.profile g.node", "gs => gs.map(g => [g.dataset.label, g.dataset.fwd, g.dataset.bwd])"
+    )
+
+
+def test_profile_draws_kurtosis_and_the_channel_ratio(served: Tuple[Any, Any, List[str], Scalars, List[str]]) -> None:
+    _, frame, order, scalars, errors = served
+    frame.click("button[data-view=profile]")
+    frame.wait_for_selector("svg.profile g.node")
+    options = frame.eval_on_selector_all("#stat option", "os => os.map(o => o.value)")
+    assert {"kurtosis", "mxfp4_snr_db", "nvfp4_flushed", "channel_max_ratio", "outlier_channels"} <= set(options)
+    for stat in ("kurtosis", "channel_max_ratio"):
+        rows = _profile_values(frame, stat)
+        step = int(frame.inner_text("#step-value"))
+        assert [r[0] for r in rows] == order
+        drawn = 0
+        for label, fwd, bwd in rows:
+            for d, value in (("fwd", fwd), ("bwd", bwd)):
+                want = _value(scalars, f"{stat}/{d}/{label}", step)
+                assert (value == "" and want is None) or float(value) == pytest.approx(want, rel=1e-6), (stat, label)
+                drawn += value != ""
+        assert drawn > 10, stat
+    assert not errors
+
+
+@pytest.mark.parametrize("stat", list(RANKED))
+def test_worst_view_ranks_by_the_logged_statistics(
+    stat: str, served: Tuple[Any, Any, List[str], Scalars, List[str]]
+) -> None:
+    _, frame, order, scalars, errors = served
+    frame.click("button[data-view=worst]")
+    frame.wait_for_selector("tr.worst-row")
+    assert stat in frame.eval_on_selector_all("#by option", "os => os.map(o => o.value)")
+    frame.select_option("#by", stat)
+    frame.wait_for_function(
+        f"document.querySelector('p.note') && document.querySelector('p.note').textContent.includes('{stat} (')"
+    )
+    step = int(frame.inner_text("#step-value"))
+    shown = frame.eval_on_selector_all(
+        "tr.worst-row", "rs => rs.map(r => [r.dataset.label, r.dataset.dir, r.dataset.value])"
+    )
+    rows = [
+        (scalars.get(f"{stat}/{d}/{label}", {}).get(step, math.nan), label, d)
+        for label in order
+        for d in ("fwd", "bwd")
+        if f"scale/{d}/{label}" in scalars and ALIASES.get(label) not in order
+    ]
+    key = (lambda r: -r[0]) if RANKED[stat] else (lambda r: r[0])
+    want = sorted((r for r in rows if not math.isnan(r[0])), key=key) + [r for r in rows if math.isnan(r[0])]
+    assert [(l, d) for l, d, _ in shown] == [(l, d) for _, l, d in want]
+    for (_, _, value), (v, _, _) in zip(shown, want):
+        assert (value == "" and not math.isfinite(v)) or float(value) == pytest.approx(v, rel=1e-6)
+    header = frame.eval_on_selector_all("table.worst th", "hs => hs.map(h => h.textContent)")
+    assert header[-1] == stat
     assert not errors

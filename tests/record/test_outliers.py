@@ -1,32 +1,16 @@
-"""Kurtosis and channel outliers (record/stats/outliers.py) against float64 computations of the same
-tensors, and their per-node rows merged across micro-batches and ranks against the whole."""
+"""Kurtosis (record/stats/outliers.py) against float64 computations of the same tensors, and its
+per-node rows merged across micro-batches and ranks against the whole (channels: test_channels.py)."""
 
 from __future__ import annotations
 
 import math
 from typing import List, Tuple
 
-import numpy as np
 import pytest
 import torch
 from torch import Tensor
 
-from lightning_scale.record.stats.outliers import (
-    CHANNEL_CAP,
-    CHANNEL_MAX_WIDTH,
-    CHANNEL_WIDTH,
-    HIST_BINS_PER_OCTAVE,
-    OUTLIER,
-    channel_max_ratio,
-    channel_maxima,
-    channel_row,
-    kurtosis,
-    merge_channel_rows,
-    merge_moments,
-    moment_deviations,
-    moments_row,
-    outlier_channels,
-)
+from lightning_scale.record.stats.outliers import kurtosis, merge_moments, moment_deviations, moments_row
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -149,78 +133,6 @@ def test_batched_merge() -> None:
     rows = torch.stack([torch.stack([moments_row(p) for p in node]) for node in x])  # (nodes, parts, 5)
     for merged, node in zip(merge_moments(rows), x):
         assert_moments_close(merged, reference_moments(node), F32)
-
-
-# ---------------------------------------------------------------------------------------
-# Channels
-
-
-def reference_channels(x: Tensor) -> Tuple[float, float]:
-    """(max / median of the channel maxima, fraction above 6), in float64 with numpy."""
-    a = np.nan_to_num(np.abs(x.double().numpy()), nan=0.0, posinf=0.0).reshape(-1, x.shape[-1])
-    m = a.max(0)
-    return float(m.max() / np.median(m)), float((m > OUTLIER).mean())
-
-
-def spiky(rows: int, channels: int, seed: int) -> Tensor:
-    """Gaussian activations with a few outlier channels (as LLM hidden states have)."""
-    x = torch.randn(rows, channels, generator=_gen(seed))
-    x[:, 5] *= 40
-    x[rows // 2, 7] = -25.0
-    return x
-
-
-@pytest.mark.parametrize("shape", [(64, 100), (2, 16, 33), (7,), (1, 4096)])
-def test_channel_statistics_equal_a_direct_computation(shape: tuple) -> None:
-    x = torch.randn(shape, generator=_gen(11)) * 3
-    x.view(-1)[0] = 50.0
-    row = channel_row(x)
-    assert row.shape == (CHANNEL_WIDTH,)
-    ratio, outliers = reference_channels(x)
-    assert float(channel_max_ratio(row)) == pytest.approx(ratio, rel=1e-14)
-    assert float(outlier_channels(row)) == pytest.approx(outliers, abs=0)
-
-
-def test_channels_merge_across_ranks_exactly_up_to_the_cap() -> None:
-    x = spiky(96, 512, 12)
-    ranks = torch.stack([channel_row(p) for p in x.split([10, 50, 36])])
-    merged = merge_channel_rows(ranks)
-    assert torch.equal(merged, channel_row(x))
-    ratio, outliers = reference_channels(x)
-    assert float(channel_max_ratio(merged)) == pytest.approx(ratio, rel=1e-14)
-    assert float(outlier_channels(merged)) == outliers == 2 / 512
-
-
-def test_above_the_cap_a_histogram_of_the_pooled_maxima() -> None:
-    """5000 channels: the largest maximum is exact, the outlier fraction that of the ranks' own
-    channel maxima pooled, the median read from the histogram within half a bin."""
-    x = spiky(40, CHANNEL_CAP + 904, 13)
-    parts = x.split([15, 25])
-    merged = merge_channel_rows(torch.stack([channel_row(p) for p in parts]))
-    assert merged[0] == CHANNEL_CAP + 904 and merged[1] == float(x.abs().max())
-    assert torch.all(merged[2:CHANNEL_MAX_WIDTH] == -math.inf)  # no slot kept
-    pooled = torch.cat([channel_maxima(p) for p in parts])
-    assert float(outlier_channels(merged)) == pytest.approx(float((pooled > OUTLIER).double().mean()), abs=1e-15)
-    median = float(pooled.median())  # (the lower middle one)
-    got = float(x.abs().max()) / float(channel_max_ratio(merged))
-    assert abs(math.log2(got / median)) <= 1 / (2 * HIST_BINS_PER_OCTAVE)
-
-
-def test_non_finite_values_and_uncomputed_rows() -> None:
-    x = torch.randn(8, 10, generator=_gen(14))
-    y = x.clone()
-    y[2, 3], y[4, 4] = math.nan, math.inf
-    z = x.clone()
-    z[2, 3], z[4, 4] = 0.0, 0.0
-    assert torch.equal(channel_row(y), channel_row(z))
-    nan_rows = torch.full((2, CHANNEL_WIDTH), math.nan)  # (a group not computed: NaN fields)
-    assert channel_max_ratio(nan_rows).isnan().all() and outlier_channels(nan_rows).isnan().all()
-    zeros = channel_row(torch.zeros(3, 4))
-    assert math.isnan(float(channel_max_ratio(zeros))) and float(outlier_channels(zeros)) == 0.0
-    one_spike = torch.zeros(3, 4)
-    one_spike[0, 0] = 1.0
-    assert float(channel_max_ratio(channel_row(one_spike))) == math.inf  # median 0, max not
-    assert channel_row(torch.empty(0, 5))[0] == 5 and math.isnan(float(channel_max_ratio(channel_row(torch.empty(0)))))
 
 
 # ---------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ const VIEWS = ['profile', 'heatmap', 'worst', 'code'];
 const TITLES = { profile: 'Profile', heatmap: 'Heatmap', worst: 'Worst nodes', code: 'Code' };
 const state = { run: null, prefix: '', view: 'profile', step: null, steps: [], by: 'fp16', regex: '', stat: 'std', format: 'fp16', only: false };
 const FORMAT_NAMES = ['fp16', 'bf16', 'e4m3', 'e5m2'];
+const RANK_BY = [...FORMAT_NAMES, 'drift', 'fp8'];
 
 function shell() {
   const css = document.createElement('link');
@@ -24,7 +25,7 @@ function shell() {
       <label class="step" id="step-control">Step <input id="step" type="range" min="0" max="0" value="0"><output id="step-value"></output></label>
       <span id="profile-controls"><label>Range <select id="format">${FORMAT_NAMES.map((f) => `<option>${f}</option>`).join('')}</select></label>
       <label><input id="only" type="checkbox"> show only nodes outside <span id="only-format">fp16</span></label></span>
-      <span id="worst-controls" hidden><label>Rank by <select id="by">${['fp16', 'bf16', 'e4m3', 'e5m2', 'drift', 'fp8'].map((b) => `<option>${b}</option>`).join('')}</select></label>
+      <span id="worst-controls" hidden><label>Rank by <select id="by">${RANK_BY.map((b) => `<option>${b}</option>`).join('')}</select></label>
       <label>Filter <input id="regex" placeholder="regex, e.g. attn"></label></span>
       <span id="status"></span>
     </div><div class="main"><div id="view"></div><div id="side"></div></div>`;
@@ -64,8 +65,9 @@ async function show() {
       fillStats(data.stats);
       drawHeatmap(view, data, query());
     } else if (state.view === 'worst') {
-      const data = await get('worst', { ...query(), step: state.step, by: state.by, regex: state.regex });
+      const data = await worstData();
       setSteps(data.steps, data.step);
+      fillRankBy(data.rankable);
       drawWorst(view, data);
     } else {
       const data = await get('code', { ...query(), step: state.step });
@@ -87,6 +89,25 @@ async function heatmapData() {
     state.stat = 'std';
     return get('heatmap', { ...query(), stat: 'std' });
   }
+}
+
+// One fetch; a ranking statistic this run did not log (picked in another run) falls back to fp16.
+async function worstData() {
+  const ask = (by) => get('worst', { ...query(), step: state.step, by, regex: state.regex });
+  try {
+    return await ask(state.by);
+  } catch (e) {
+    if (RANK_BY.includes(state.by)) throw e;
+    state.by = 'fp16';
+    return ask('fp16');
+  }
+}
+
+// "Rank by": the formats, drift and FP8, then the statistics the run logged that rank nodes
+// (block what-ifs, kurtosis, channel outliers).
+function fillRankBy(rankable) {
+  const names = [...RANK_BY, ...(rankable || [])];
+  $('by').innerHTML = names.map((b) => `<option${b === state.by ? ' selected' : ''}>${esc(b)}</option>`).join('');
 }
 
 // The statistics the run logged (std first); a statistic the run lacks falls back to std.

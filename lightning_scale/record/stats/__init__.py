@@ -4,7 +4,8 @@
 records merge: one table names each field, its group and its reduction); ``host`` is the
 path for tensors in host memory, ``device`` the one that reads nothing back, ``formats``,
 ``fp8``, ``blocks`` and ``outliers`` the optional groups (the last two computed by torch
-code on every path: ``torch_groups``), ``layout`` how a tensor is read in place (dense views,
+code on every path: ``torch_groups``), ``channels`` the channel rows kept beside the records
+(their own group, pooled as their own segment), ``layout`` how a tensor is read in place (dense views,
 strided grids) and in bounded pieces (a large tensor's temporaries stay within
 ``layout.scratch_bytes``).
 
@@ -21,7 +22,9 @@ from torch import Tensor
 
 from lightning_scale.record import kernels
 from lightning_scale.record.stats.device import device_moments
+from lightning_scale.record.stats.channels import CHANNEL_STATISTICS, channel_statistics
 from lightning_scale.record.stats.fields import (
+    ALL_STATISTICS,
     CENTRAL,
     EXTREME_NAN_FLAGS,
     EXTREMES,
@@ -75,7 +78,9 @@ from lightning_scale.record.stats.host import (
 )
 
 __all__ = [
+    "ALL_STATISTICS",
     "CENTRAL",
+    "CHANNEL_STATISTICS",
     "EXTREME_NAN_FLAGS",
     "EXTREMES",
     "FIELDS",
@@ -96,6 +101,7 @@ __all__ = [
     "FloatFormat",
     "additive_fields",
     "assemble",
+    "channel_statistics",
     "extreme_columns",
     "fast_host_record",
     "index_tensor",

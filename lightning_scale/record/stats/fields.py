@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lightning_scale.record.stats.blocks import BLOCK_FIELDS, BLOCK_FORMATS
+from lightning_scale.record.stats.channels import CHANNEL_STATISTICS
 from lightning_scale.record.stats.layout import DEVICE_SCRATCH_FLOOR, SCRATCH_FLOOR, piece_size, pieces
 from lightning_scale.record.stats.outliers import merge_higher, moved_moments
 
@@ -103,8 +104,9 @@ class Col:
     M3, M4 = IX["m3"], IX["m4"]
 
 
-#: Which record fields each computation group fills.
+#: Which record fields each computation group fills (``channels`` none: rows beside the records).
 GROUPS: Dict[str, Tuple[str, ...]] = {f.group: tuple(g.name for g in TABLE if g.group == f.group) for f in TABLE}
+GROUPS["channels"] = ()
 
 
 def span(names: Sequence[str]) -> slice:
@@ -139,6 +141,8 @@ STATISTICS: Dict[str, str] = {
     **{f"{fmt}_{kind}": "blocks" for fmt in BLOCK_FORMATS for kind in ("snr_db", "flushed")},
     "kurtosis": "kurtosis",
 }
+#: Every statistic a run may log -> its group: ``STATISTICS`` and those of the channel rows.
+ALL_STATISTICS: Dict[str, str] = {**STATISTICS, **CHANNEL_STATISTICS}
 
 Entry = Union[float, Tensor]
 #: A function summing a tensor into a float64 0-dim tensor.
@@ -381,6 +385,8 @@ def merge_rows(records: Tensor, dim: int = 0) -> Tensor:
 def statistic(records: Tensor, name: str) -> Tensor:
     """Derive a named statistic (see ``STATISTICS``) from record(s) ``[..., len(FIELDS)]``."""
     if name not in STATISTICS:
+        if name in CHANNEL_STATISTICS:
+            raise ValueError(f"{name!r} is not derived from a record: `channels.channel_statistics` gives it")
         raise ValueError(f"Unknown statistic {name!r}; choose from {sorted(STATISTICS)}")
     n = records[..., Col.COUNT]
     if name == "std":

@@ -1,4 +1,4 @@
-"""Outlier statistics: kurtosis, and how far a tensor's worst channel sticks out.
+"""Kurtosis: moments rows that merge exactly across micro-batches and ranks.
 
 **Kurtosis.** ``kurtosis = E[(x - mean)^4] / var^2`` (population moments: 3 for a
 Gaussian, 1.8 for a uniform), of the finite elements (the ``nan``/``inf`` counts report
@@ -12,29 +12,7 @@ computed about its chunk's own mean in float64, so a mean far above the spread l
 nothing to cancellation. The kurtosis of a row is ``count * m4 / m2^2``: NaN where
 ``m2`` is 0 (constant or empty).
 
-**Channels.** A tensor's channels are the entries of its last dimension (features,
-the same on every data-parallel rank); a channel's maximum is its max |x| over every
-other dimension (finite elements only). ``channel_max_ratio`` is the largest channel
-maximum over the median one (the mean of the two middle ones for an even count; +inf
-where the median is 0 and the maximum not, NaN where both are 0); ``outlier_channels``
-is the fraction of channels whose maximum exceeds ``OUTLIER`` (6, LLM.int8's threshold).
-Kept per node, a ``CHANNEL_WIDTH`` row in two parts:
-
-* merged by a max (``CHANNEL_MAX_WIDTH`` entries): the channel count, the largest
-  channel maximum, and the maxima of up to ``CHANNEL_CAP`` channels one by one (``-inf``
-  in unused slots). Up to the cap the merge is exact: a max over micro-batches and ranks
-  is each channel's maximum over the whole step's tensor.
-* merged by a sum: the count of channel maxima above ``OUTLIER`` and a histogram of the
-  channel maxima in ``HIST_BINS_PER_OCTAVE`` bins an octave over ``[2^HIST_LO,
-  2^HIST_HI)`` (lower maxima, 0 included, in the first bin, higher ones in the last).
-  Both are zero up to the cap. Above it (more than ``CHANNEL_CAP`` channels) only this
-  part and the largest maximum are kept: the median and the outlier fraction are then
-  those of the channel maxima of each micro-batch and rank pooled (not of their maximum
-  over micro-batches and ranks), the median read from the histogram as the geometric
-  centre of the bin that holds it (the lower middle one for an even count): within a
-  factor ``2^(1 / (2 * HIST_BINS_PER_OCTAVE))`` (4.4%) of it inside the histogram's range.
-
-A row is ``CHANNEL_WIDTH`` (5,123) float64 numbers: 40 KB a node and direction.
+The channel statistics (``channel_max_ratio``, ``outlier_channels``) are in ``channels``.
 """
 
 from __future__ import annotations
@@ -51,16 +29,6 @@ from lightning_scale.record.stats.blocks import row_pieces
 MOMENT_FIELDS: Tuple[str, ...] = ("count", "mean", "m2", "m3", "m4")
 #: Elements read at a time: a few temporaries of this size (4 MB each in float32).
 CHUNK = 1 << 20
-
-#: A channel maximum above this is an outlier (LLM.int8).
-OUTLIER = 6.0
-#: Up to this many channels, their maxima are kept one by one.
-CHANNEL_CAP = 4096
-HIST_LO, HIST_HI, HIST_BINS_PER_OCTAVE = -64, 64, 8
-_BINS = (HIST_HI - HIST_LO) * HIST_BINS_PER_OCTAVE
-#: Entries of a channel row merged by a max (count, largest, the slots), then by a sum.
-CHANNEL_MAX_WIDTH = 2 + CHANNEL_CAP
-CHANNEL_WIDTH = CHANNEL_MAX_WIDTH + 1 + _BINS
 
 
 # ---------------------------------------------------------------------------------------
@@ -178,81 +146,3 @@ def kurtosis(rows: Tensor) -> Tensor:
     """``count * m4 / m2^2`` of moments rows ``[..., 5]``: NaN where m2 is 0."""
     n, m2, m4 = rows[..., 0], rows[..., 2], rows[..., 4]
     return torch.where(m2 > 0, n * m4 / (m2 * m2), math.nan)
-
-
-# ---------------------------------------------------------------------------------------
-# Channels: per-channel maxima, kept one by one up to the cap, else as a histogram.
-
-
-def channel_maxima(x: Tensor, chunk: int = CHUNK) -> Tensor:
-    """float64 ``[C]``: each last-dimension channel's max |x| over the finite elements (0 where none)."""
-    x = x.detach()
-    c = x.shape[-1] if x.dim() else 1
-    out = torch.zeros(c, dtype=torch.float64, device=x.device)
-    for part, j in row_pieces(x, chunk):
-        a = torch.nan_to_num(part.abs(), nan=0.0, posinf=0.0).amax(0).double()
-        out[j : j + a.numel()] = torch.maximum(out[j : j + a.numel()], a)
-    return out
-
-
-def channel_row(x: Tensor, chunk: int = CHUNK) -> Tensor:
-    """The float64 ``CHANNEL_WIDTH`` row of ``x`` (see the module docstring), on its device."""
-    maxima = channel_maxima(x, chunk)
-    c = maxima.numel()
-    row = torch.zeros(CHANNEL_WIDTH, dtype=torch.float64, device=maxima.device)
-    row[0] = c
-    row[1] = maxima.max() if c else 0.0
-    row[2:CHANNEL_MAX_WIDTH] = -math.inf
-    if c <= CHANNEL_CAP:
-        row[2 : 2 + c] = maxima
-        return row
-    row[CHANNEL_MAX_WIDTH] = (maxima > OUTLIER).sum()
-    row[CHANNEL_MAX_WIDTH + 1 :] = torch.bincount(_bin(maxima), minlength=_BINS).double()
-    return row
-
-
-def _bin(maxima: Tensor) -> Tensor:
-    safe = maxima.clamp(min=2.0**HIST_LO)  # (0 in the first bin)
-    i = torch.floor((torch.log2(safe) - HIST_LO) * HIST_BINS_PER_OCTAVE)
-    return i.clamp(0, _BINS - 1).long()
-
-
-def merge_channel_rows(rows: Tensor) -> Tensor:
-    """Merge channel rows ``[k, CHANNEL_WIDTH]`` into one: the first part by a max, the rest by a sum."""
-    return torch.cat([rows[:, :CHANNEL_MAX_WIDTH].amax(0), rows[:, CHANNEL_MAX_WIDTH:].sum(0)])
-
-
-def channel_max_ratio(rows: Tensor) -> Tensor:
-    """Largest channel maximum over the median one, of channel rows ``[..., CHANNEL_WIDTH]``."""
-    top = rows[..., 1]
-    median = torch.where(rows[..., 0] <= CHANNEL_CAP, _slot_median(rows), _histogram_median(rows))
-    ratio = torch.where(median > 0, top / median, torch.where(top > 0, math.inf, math.nan))
-    return torch.where(rows[..., 0] >= 1, ratio, math.nan)  # (no channel, or not computed: NaN)
-
-
-def outlier_channels(rows: Tensor) -> Tensor:
-    """The fraction of channels whose maximum exceeds ``OUTLIER``, of channel rows ``[..., CHANNEL_WIDTH]``."""
-    slots = rows[..., 2:CHANNEL_MAX_WIDTH]
-    kept = (slots > OUTLIER).sum(-1).double() / rows[..., 0].clamp(min=1)
-    hist = rows[..., CHANNEL_MAX_WIDTH + 1 :].sum(-1)
-    pooled = rows[..., CHANNEL_MAX_WIDTH] / hist.clamp(min=1)
-    return torch.where(rows[..., 0] >= 1, torch.where(rows[..., 0] <= CHANNEL_CAP, kept, pooled), math.nan)
-
-
-def _slot_median(rows: Tensor) -> Tensor:
-    """The median of the kept slots (the mean of the two middle ones for an even count)."""
-    s = rows[..., 2:CHANNEL_MAX_WIDTH].sort(-1).values  # unused (-inf) first
-    c = torch.nan_to_num(rows[..., 0], nan=1.0).clamp(1, CHANNEL_CAP).long()
-    start = CHANNEL_CAP - c
-    lo = s.gather(-1, (start + (c - 1) // 2).unsqueeze(-1)).squeeze(-1)
-    hi = s.gather(-1, (start + c // 2).unsqueeze(-1)).squeeze(-1)
-    return lo / 2 + hi / 2
-
-
-def _histogram_median(rows: Tensor) -> Tensor:
-    """The geometric centre of the histogram bin that holds the (lower) middle maximum."""
-    hist = torch.nan_to_num(rows[..., CHANNEL_MAX_WIDTH + 1 :])
-    cum = hist.cumsum(-1)
-    half = (cum[..., -1:] / 2).clamp(min=0.5)
-    i = torch.searchsorted(cum.contiguous(), half.contiguous()).clamp(max=_BINS - 1).squeeze(-1)
-    return torch.exp2(HIST_LO + (i.double() + 0.5) / HIST_BINS_PER_OCTAVE)
