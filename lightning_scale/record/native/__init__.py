@@ -1,4 +1,6 @@
-"""A one-pass kernel for host tensors: sum, sum of squares and max |x|, read once.
+"""A one-pass kernel for host tensors: sum, sum of squares and max |x|, read once; and the
+block what-ifs (MXFP8, MXFP4, NVFP4 casts and their error), element for element as
+``stats.blocks`` defines them.
 
 torch has no CPU kernel that gives a tensor's sum and sum of squares in one read (its
 ``var_mean`` is ~40x slower than a sum here), so on the host path the statistics read
@@ -43,6 +45,8 @@ __all__ = [
     "SERIAL_MAX",
     "SERIAL_THREADS",
     "SOURCE",
+    "block_casts",
+    "blocks",
     "compiler",
     "every_group",
     "load",
@@ -59,10 +63,11 @@ ENV = "LIGHTNING_SCALE_NATIVE"
 #: torch's two reads take 10.3 ms on one thread, 8.2 ms on two; ours 5.2 ms.)
 SERIAL_MAX = 32768
 SERIAL_THREADS = 2
-_ABI = 2
+_ABI = 3
 #: The kernel's C source, compiled on first use.
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sums.c")
-_FLAGS = ["-O3", "-shared", "-fPIC"]
+#: (no fused multiply-adds: the block casts repeat the reference's float32 operations one by one)
+_FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
 _loaded: Optional["_Kernels"] = None
@@ -83,13 +88,23 @@ class _Kernels:
             ctypes.c_void_p,
             ctypes.c_void_p,
         ]
-        #: (dtype, with max |x|) -> the sums kernel; dtype -> the kernel of every group
+        blocks_args = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
+        #: (dtype, with max |x|) -> the sums kernel; dtype -> the kernel of every group, of the block what-ifs
         self.fns: Dict[Tuple[torch.dtype, bool], Any] = {}
         self.all_fns: Dict[torch.dtype, Any] = {}
+        self.block_fns: Dict[torch.dtype, Any] = {}
         for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
             self.fns[(dtype, False)] = _bind(lib, f"ls_sums_{suffix}", sums_args)
             self.fns[(dtype, True)] = _bind(lib, f"ls_sums_max_{suffix}", sums_args)
             self.all_fns[dtype] = _bind(lib, f"ls_all_{suffix}", all_args)
+            self.block_fns[dtype] = _bind(lib, f"ls_blocks_{suffix}", blocks_args)
         self.dtypes = list(self.all_fns)
 
     def call(
@@ -107,6 +122,13 @@ class _Kernels:
             address, rows, cols, stride, bounds.ctypes.data, len(bounds), counts.ctypes.data, out.ctypes.data
         )
         return out, counts
+
+    def call_blocks(
+        self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, casts: int = 0
+    ) -> np.ndarray:
+        out = np.empty(12)
+        self.block_fns[dtype](address, rows, cols, stride, out.ctypes.data, casts or None)
+        return out
 
 
 def _bind(lib: ctypes.CDLL, name: str, args: List[Any]) -> Any:
@@ -146,6 +168,46 @@ def every_group(x: Tensor, bounds: np.ndarray) -> Optional[Tuple[np.ndarray, np.
     return kernels.call_all(x.dtype, x.data_ptr(), *layout, bounds)  # type: ignore[union-attr]
 
 
+def blocks(x: Tensor) -> Optional[np.ndarray]:
+    """``stats.blocks.BLOCK_FIELDS`` of a float32 or bfloat16 CPU tensor (non-empty, blocks
+    along its last dimension) in one read, as 12 float64 numbers, or None where the kernel is
+    not available or ``x``'s rows along its last dimension are not evenly strided (then
+    ``stats.blocks.block_fields``). The casts are the reference's bit for bit (so are the
+    flushed counts); the squares are added in float64 (the reference: float32, ~1e-7 apart)."""
+    kernels = _loaded if _loaded is not None else _try_load()
+    layout = _block_rows(x) if kernels is not None and x.dtype in kernels.block_fns else None
+    if layout is None:
+        return None
+    return kernels.call_blocks(x.dtype, x.data_ptr(), *layout)  # type: ignore[union-attr]
+
+
+def block_casts(x: Tensor) -> Optional[Tensor]:
+    """What ``blocks`` casts ``x`` to, for tests: float32 ``(rows, ceil(k / 32), 4, 32)``, the
+    dequantized blocks of MXFP8 E4M3, MXFP8 E5M2, MXFP4 and NVFP4 (two 16-element blocks) of
+    each 32-element block of ``x``'s rows of ``k`` (non-finite elements taken as 0), or None as
+    for ``blocks``."""
+    kernels = _loaded if _loaded is not None else _try_load()
+    layout = _block_rows(x) if kernels is not None and x.dtype in kernels.block_fns else None
+    if layout is None:
+        return None
+    rows, cols, _ = layout
+    casts = torch.empty(rows, -(-cols // 32), 4, 32)
+    kernels.call_blocks(x.dtype, x.data_ptr(), *layout, casts.data_ptr())  # type: ignore[union-attr]
+    return casts
+
+
+def _block_rows(x: Tensor) -> Optional[Tuple[int, int, int]]:
+    """(rows, cols, row stride) of ``x``'s rows along its last dimension (a 0-dim tensor: one
+    of one element), or None (another device, a subclass, a negated view, an empty tensor,
+    rows that are not contiguous or not evenly strided)."""
+    if type(x) is not Tensor or not x.is_cpu or x.layout is not torch.strided or x.is_neg() or x.numel() == 0:
+        return None
+    k = x.shape[-1] if x.dim() else 1
+    if x.is_contiguous():
+        return x.numel() // k, k, k
+    return _last_dim_rows(x)
+
+
 def _layout(x: Tensor, fn: Any) -> Optional[Tuple[int, int, int]]:
     """(rows, cols, row stride) for kernel ``fn`` (None: none for ``x``'s dtype) to read
     ``x`` with, or None where it may not: another device, a tensor subclass (DTensor), a
@@ -169,14 +231,22 @@ def _rows(x: Tensor) -> Optional[Tuple[int, int, int]]:
     in some order (sums do not depend on it), or None. Rows of the last dimension where
     the outer dimensions merge into one (checked on the strides: no view made, no
     exception raised), else one row if a permutation of ``x`` is dense."""
-    n = x.numel()
+    rows = _last_dim_rows(x)
+    if rows is not None:
+        return rows
+    if dense_order(x) is not None:  # (data_ptr() is then its lowest address)
+        return 1, x.numel(), x.numel()
+    return None
+
+
+def _last_dim_rows(x: Tensor) -> Optional[Tuple[int, int, int]]:
+    """Rows of ``x``'s contiguous last dimension, evenly strided (the outer dimensions merge
+    into one: checked on the strides, no view made), as (rows, cols, row stride), or None."""
     shape, strides = x.shape, x.stride()
     if len(shape) >= 2 and strides[-1] == 1 and shape[-1] > 0:
         outer = [(size, st) for size, st in zip(shape[:-1], strides[:-1]) if size != 1]
         if all(outer[i][1] == outer[i + 1][1] * outer[i + 1][0] for i in range(len(outer) - 1)):
-            return n // shape[-1], shape[-1], (outer[-1][1] if outer else shape[-1])
-    if dense_order(x) is not None:  # (data_ptr() is then its lowest address)
-        return 1, n, n
+            return x.numel() // shape[-1], shape[-1], (outer[-1][1] if outer else shape[-1])
     return None
 
 
@@ -249,6 +319,7 @@ def _build_and_load() -> _Kernels:
         raise _Unavailable(f"{path} has ABI {lib.ls_abi()}, expected {_ABI}")
     kernels = _Kernels(lib, path)
     _self_check(kernels)
+    _self_check_blocks(kernels)
     return kernels
 
 
@@ -329,6 +400,20 @@ def _self_check(kernels: _Kernels) -> None:
                     f"self-check failed for {dtype} (every group): got {list(out)}, {list(counts)}, "
                     f"expected counts {expect_counts}"
                 )
+
+
+def _self_check_blocks(kernels: _Kernels) -> None:
+    """The block kernel on one padded block whose MXFP4 cast is known: scale 2^0, q = 1, 3,
+    -0, 6, 0 (0.2 and 0.001 flush), the squares in float64."""
+    x = np.array([1.0, 3.3, -0.2, 7.9, 0.001], dtype=np.float32)
+    for dtype in kernels.dtypes:
+        data = x if dtype == torch.float32 else (x.view(np.uint32) >> 16).astype(np.uint16)
+        ref = x.astype(np.float64) if dtype == torch.float32 else (data.astype(np.uint32) << 16).view(np.float32)
+        ref = ref.astype(np.float64)
+        err = ((np.array([1.0, 3.0, 0.0, 6.0, 0.0]) - ref) ** 2).sum()
+        got = kernels.call_blocks(dtype, data.ctypes.data, 1, 5, 5)
+        if not (got[7] == (ref * ref).sum() and got[8] == 2 and abs(got[6] - err) <= 1e-12 * err):
+            raise _Unavailable(f"self-check failed for {dtype} (blocks): got {list(got)}")
 
 
 def _sums_close(got: Any, want: np.ndarray) -> bool:
