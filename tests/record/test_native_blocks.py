@@ -99,3 +99,14 @@ def test_record_of_takes_the_kernel_on_the_host_path() -> None:
     assert_sums_match(rec[BLOCKS_SPAN], x)
     one = stats.record_of(torch.tensor(3.0), ("moments", "blocks"))  # (0-dim: one row of one element)
     assert one[BLOCKS_SPAN] == [float(v) for v in block_fields(torch.tensor([3.0]))]
+
+
+def test_head_views_are_rows_in_another_order() -> None:
+    qkv = torch.randn(4, 64, 3 * 128, generator=_gen(10))  # (B, T, 3 C) of a fused projection
+    q = qkv[..., :128].view(4, 64, 4, 32).transpose(1, 2)  # (B, H, T, D): outer strides out of order
+    assert native.blocks(q) is not None
+    assert torch.equal(native.block_casts(q).sum((0, 1)), native.block_casts(q.contiguous()).sum((0, 1)))
+    assert_sums_match(native.blocks(q), q.contiguous())
+    total, sq, _ = native.sums(q)
+    assert total == pytest.approx(float(q.double().sum()), abs=1e-9 * float(q.abs().sum()))
+    assert sq == pytest.approx(float(q.double().square().sum()), rel=1e-6)

@@ -205,7 +205,7 @@ def _block_rows(x: Tensor) -> Optional[Tuple[int, int, int]]:
     k = x.shape[-1] if x.dim() else 1
     if x.is_contiguous():
         return x.numel() // k, k, k
-    return _last_dim_rows(x)
+    return _last_dim_rows(x, 32)
 
 
 def _layout(x: Tensor, fn: Any) -> Optional[Tuple[int, int, int]]:
@@ -239,14 +239,22 @@ def _rows(x: Tensor) -> Optional[Tuple[int, int, int]]:
     return None
 
 
-def _last_dim_rows(x: Tensor) -> Optional[Tuple[int, int, int]]:
-    """Rows of ``x``'s contiguous last dimension, evenly strided (the outer dimensions merge
-    into one: checked on the strides, no view made), as (rows, cols, row stride), or None."""
+def _last_dim_rows(x: Tensor, block: int = 1) -> Optional[Tuple[int, int, int]]:
+    """``x``'s elements as evenly strided rows of contiguous elements, (rows, cols, row
+    stride), or None; checked on the strides, no view made. The dimensions are taken by
+    decreasing stride (neither the sums nor the block what-ifs depend on the order of the
+    rows: the heads of a (B, T, H, D) tensor viewed (B, H, T, D) are rows); the last dimension,
+    contiguous, is widened by the next ones that continue it while its width is a multiple of
+    ``block`` (blocks then stay whole: rows of ``D`` in contiguous rows of ``H D``)."""
     shape, strides = x.shape, x.stride()
-    if len(shape) >= 2 and strides[-1] == 1 and shape[-1] > 0:
-        outer = [(size, st) for size, st in zip(shape[:-1], strides[:-1]) if size != 1]
-        if all(outer[i][1] == outer[i + 1][1] * outer[i + 1][0] for i in range(len(outer) - 1)):
-            return x.numel() // shape[-1], shape[-1], (outer[-1][1] if outer else shape[-1])
+    if len(shape) < 2 or strides[-1] != 1 or shape[-1] == 0:
+        return None
+    dims = sorted(((size, st) for size, st in zip(shape[:-1], strides[:-1]) if size != 1), key=lambda d: -d[1])
+    cols = shape[-1]
+    while dims and dims[-1][1] == cols and cols % block == 0:
+        cols *= dims.pop()[0]
+    if all(dims[i][1] == dims[i + 1][1] * dims[i + 1][0] for i in range(len(dims) - 1)):
+        return x.numel() // cols, cols, (dims[-1][1] if dims else cols)
     return None
 
 
