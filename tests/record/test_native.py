@@ -158,13 +158,15 @@ def test_a_failing_compiler_falls_back_to_torch(fresh, monkeypatch):
 
 
 @needs_compiler
-def test_without_per_cpu_variants_where_the_toolchain_refuses_them(fresh, monkeypatch):
-    # a compiler that fails as one without ifunc support would, unless asked for the plain build
+@pytest.mark.parametrize("flag", ["-DLS_NO_V4", "-DLS_NO_CLONES"])
+def test_without_per_cpu_variants_where_the_toolchain_refuses_them(fresh, monkeypatch, flag):
+    # a compiler that fails as one without x86-64-v4 (GCC < 11) or without ifunc support would,
+    # unless asked for the build without them
     wrapper = fresh / "cc-no-ifunc"
     real = native.compiler()
     wrapper.write_text(
-        f'#!/bin/sh\ncase "$*" in *-DLS_NO_CLONES*) exec {" ".join(real)} "$@";; esac\n'
-        'echo "target_clones: no ifunc here" >&2\nexit 1\n'
+        f'#!/bin/sh\ncase "$*" in *{flag}*) exec {" ".join(real)} "$@";; esac\n'
+        'echo "target_clones: not here" >&2\nexit 1\n'
     )
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))

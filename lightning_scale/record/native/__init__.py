@@ -310,8 +310,9 @@ def _build_and_load() -> _Kernels:
         raise _Unavailable("no C compiler found: set CC, or install cc, gcc or clang")
     folder = _cache_dir()
     errors = []
-    # (without per-CPU variants where the toolchain has no ifunc support, e.g. musl)
-    for extra in ([], ["-DLS_NO_CLONES"]):
+    # (without AVX-512 variants where the compiler has no x86-64-v4, GCC < 11; without per-CPU
+    # variants where the toolchain has no ifunc support, e.g. musl)
+    for extra in ([], ["-DLS_NO_V4"], ["-DLS_NO_CLONES"]):
         flags = _FLAGS + extra
         key = hashlib.sha256(
             b"\0".join([source, " ".join(cc + flags).encode(), platform.machine().encode(), sys.platform.encode()])

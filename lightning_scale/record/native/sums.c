@@ -21,7 +21,11 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(LS_NO_CLONES)
+/* Variants per CPU (AVX-512, AVX2, SSE2), picked at load time; LS_NO_V4 for compilers without
+ * x86-64-v4 (GCC < 11), LS_NO_CLONES without ifunc support (musl) */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(LS_NO_CLONES) && !defined(LS_NO_V4)
+#define LS_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#elif defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(LS_NO_CLONES)
 #define LS_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define LS_CLONES
