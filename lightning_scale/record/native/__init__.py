@@ -1,6 +1,6 @@
-"""A one-pass kernel for host tensors: sum, sum of squares and max |x|, read once; and the
+"""A one-pass kernel for host tensors: sum, sum of squares and max |x|, read once; the
 block what-ifs (MXFP8, MXFP4, NVFP4 casts and their error), element for element as
-``stats.blocks`` defines them.
+``stats.blocks`` defines them; and central moments up to the fourth (kurtosis).
 
 torch has no CPU kernel that gives a tensor's sum and sum of squares in one read (its
 ``var_mean`` is ~40x slower than a sum here), so on the host path the statistics read
@@ -50,6 +50,7 @@ __all__ = [
     "compiler",
     "every_group",
     "load",
+    "moments",
     "status",
     "sums",
     "switched_off",
@@ -63,7 +64,7 @@ ENV = "LIGHTNING_SCALE_NATIVE"
 #: torch's two reads take 10.3 ms on one thread, 8.2 ms on two; ours 5.2 ms.)
 SERIAL_MAX = 32768
 SERIAL_THREADS = 2
-_ABI = 3
+_ABI = 4
 #: The kernel's C source, compiled on first use.
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sums.c")
 #: (no fused multiply-adds: the block casts repeat the reference's float32 operations one by one)
@@ -100,11 +101,13 @@ class _Kernels:
         self.fns: Dict[Tuple[torch.dtype, bool], Any] = {}
         self.all_fns: Dict[torch.dtype, Any] = {}
         self.block_fns: Dict[torch.dtype, Any] = {}
+        self.moment_fns: Dict[torch.dtype, Any] = {}
         for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
             self.fns[(dtype, False)] = _bind(lib, f"ls_sums_{suffix}", sums_args)
             self.fns[(dtype, True)] = _bind(lib, f"ls_sums_max_{suffix}", sums_args)
             self.all_fns[dtype] = _bind(lib, f"ls_all_{suffix}", all_args)
             self.block_fns[dtype] = _bind(lib, f"ls_blocks_{suffix}", blocks_args)
+            self.moment_fns[dtype] = _bind(lib, f"ls_moments_{suffix}", blocks_args[:-1])
         self.dtypes = list(self.all_fns)
 
     def call(
@@ -128,6 +131,11 @@ class _Kernels:
     ) -> np.ndarray:
         out = np.empty(12)
         self.block_fns[dtype](address, rows, cols, stride, out.ctypes.data, casts or None)
+        return out
+
+    def call_moments(self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int) -> np.ndarray:
+        out = np.empty(5)
+        self.moment_fns[dtype](address, rows, cols, stride, out.ctypes.data)
         return out
 
 
@@ -181,6 +189,18 @@ def blocks(x: Tensor) -> Optional[np.ndarray]:
     return kernels.call_blocks(x.dtype, x.data_ptr(), *layout)  # type: ignore[union-attr]
 
 
+def moments(x: Tensor) -> Optional[np.ndarray]:
+    """[count, mean, M2, M3, M4] of the finite elements of a float32 or bfloat16 CPU tensor
+    (``Mk`` the sum of ``(x - mean)^k``) in float64, as ``stats.outliers.moments_row``, in one
+    read (twice per 1024 elements, the second time from cache), or None where the kernel is
+    not available or does not read ``x`` in place (then ``moments_row``)."""
+    kernels = _loaded if _loaded is not None else _try_load()
+    if kernels is None or x.dtype not in kernels.moment_fns or x.numel() == 0:
+        return None
+    layout = _in_place(x)
+    return None if layout is None else kernels.call_moments(x.dtype, x.data_ptr(), *layout)
+
+
 def block_casts(x: Tensor) -> Optional[Tensor]:
     """What ``blocks`` casts ``x`` to, for tests: float32 ``(rows, ceil(k / 32), 4, 32)``, the
     dequantized blocks of MXFP8 E4M3, MXFP8 E5M2, MXFP4 and NVFP4 (two 16-element blocks) of
@@ -210,14 +230,20 @@ def _block_rows(x: Tensor) -> Optional[Tuple[int, int, int]]:
 
 def _layout(x: Tensor, fn: Any) -> Optional[Tuple[int, int, int]]:
     """(rows, cols, row stride) for kernel ``fn`` (None: none for ``x``'s dtype) to read
-    ``x`` with, or None where it may not: another device, a tensor subclass (DTensor), a
-    sparse layout or a negated view, a layout that is not rows of contiguous elements, or
-    a large tensor that torch would split over its threads."""
-    if fn is None or type(x) is not Tensor or not x.is_cpu or x.layout is not torch.strided or x.is_neg():
+    ``x`` with, or None where it may not: as ``_in_place``, and a large tensor that torch
+    would split over its threads."""
+    if fn is None or (x.numel() > SERIAL_MAX and torch.get_num_threads() > SERIAL_THREADS):
+        return None
+    return _in_place(x)
+
+
+def _in_place(x: Tensor) -> Optional[Tuple[int, int, int]]:
+    """(rows, cols, row stride) to read ``x`` with in some order, or None: another device, a
+    tensor subclass (DTensor), a sparse layout or a negated view, a layout that is not rows
+    of contiguous elements."""
+    if type(x) is not Tensor or not x.is_cpu or x.layout is not torch.strided or x.is_neg():
         return None
     n = x.numel()
-    if n > SERIAL_MAX and torch.get_num_threads() > SERIAL_THREADS:
-        return None
     return (1, n, n) if x.is_contiguous() else _rows(x)
 
 
@@ -329,6 +355,7 @@ def _build_and_load() -> _Kernels:
     kernels = _Kernels(lib, path)
     _self_check(kernels)
     _self_check_blocks(kernels)
+    _self_check_moments(kernels)
     return kernels
 
 
@@ -423,6 +450,20 @@ def _self_check_blocks(kernels: _Kernels) -> None:
         got = kernels.call_blocks(dtype, data.ctypes.data, 1, 5, 5)
         if not (got[7] == (ref * ref).sum() and got[8] == 2 and abs(got[6] - err) <= 1e-12 * err):
             raise _Unavailable(f"self-check failed for {dtype} (blocks): got {list(got)}")
+
+
+def _self_check_moments(kernels: _Kernels) -> None:
+    """The moments kernel against numpy float64 on values far from 0 (a mean 1e4 standard
+    deviations away), over chunk boundaries and a tail, a NaN and an Inf left out."""
+    x = (1e4 + np.sin(np.arange(2500)) + (np.arange(2500) % 7) ** 2 / 10.0).astype(np.float32)
+    x[10], x[2000] = np.nan, np.inf
+    v = x[np.isfinite(x)].astype(np.float64)
+    d = v - v.mean()
+    want = [v.size, v.mean(), (d**2).sum(), (d**3).sum(), (d**4).sum()]
+    got = kernels.call_moments(torch.float32, x.ctypes.data, 1, x.size, x.size)
+    scale = [1, v.mean(), want[2], np.abs(d**3).sum(), want[4]]
+    if not all(abs(g - w) <= 1e-9 * s for g, w, s in zip(got, want, scale)):
+        raise _Unavailable(f"self-check failed (moments): got {list(got)}, expected {want}")
 
 
 def _sums_close(got: Any, want: np.ndarray) -> bool:

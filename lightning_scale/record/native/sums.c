@@ -13,7 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define LS_ABI 3
+#define LS_ABI 4
 #define CHUNK 256
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -398,3 +398,101 @@ static inline void fold_flushed(block_acc *acc, int64_t *flushed) {
 
 LS_BLOCKS(ls_blocks_f32, float, load_f32, scalar_f32)
 LS_BLOCKS(ls_blocks_bf16, uint16_t, load_bf16, scalar_bf16)
+
+/* ---------------------------------------------------------------------------------------
+ * Central moments of the finite elements (the kurtosis group; lightning_scale.record.stats
+ * .outliers.moments_row is the reference): out = [count, mean, M2, M3, M4], Mk the sum of
+ * (x - mean)^k. Per chunk of MCHUNK elements (in cache after a first pass): a centre c (the
+ * chunk's mean, rounded), then in float64 the sums of (x - c)^k, moved to the chunk's exact
+ * mean; chunks merged by the pairwise update of central moments (Pebay 2008). float64 holds
+ * any float32's fourth power: no scaling.
+ */
+#define MCHUNK 1024
+
+typedef struct {
+    double n, mean, m2, m3, m4;
+} moments;
+
+static inline void merge_moments(moments *a, const moments *b) {
+    if (b->n == 0) return;
+    if (a->n == 0) {
+        *a = *b;
+        return;
+    }
+    double na = a->n, nb = b->n, n = na + nb, d = b->mean - a->mean;
+    double dn = d / n, dn2 = dn * dn;
+    a->m4 += b->m4 + d * dn2 * dn * na * nb * (na * na - na * nb + nb * nb) + 6.0 * dn2 * (na * na * b->m2 + nb * nb * a->m2) +
+             4.0 * dn * (na * b->m3 - nb * a->m3);
+    a->m3 += b->m3 + d * dn2 * na * nb * (na - nb) + 3.0 * dn * (na * b->m2 - nb * a->m2);
+    a->m2 += b->m2 + d * dn * na * nb;
+    a->mean += dn * nb;
+    a->n = n;
+}
+
+/* one chunk of `len` elements at p (len a multiple of 8 unless it is a row's tail) */
+#define LS_MOMENT_CHUNK(T, LOAD, SCALAR)                                                     \
+    static inline moments chunk_moments_##T(const T *p, int64_t len) {                      \
+        v8d s = {0};                                                                       \
+        v8i c8 = {0};                                                                      \
+        int64_t i = 0;                                                                     \
+        for (; len - i >= 8; i += 8) {                                                     \
+            v8f a = LOAD(p + i);                                                           \
+            v8i fin = abs_bits(a) < 0x7f800000;                                            \
+            s += __builtin_convertvector(float_of(bits_of(a) & fin), v8d);                 \
+            c8 -= fin;                                                                     \
+        }                                                                                  \
+        double total = 0, count = 0;                                                       \
+        for (int j = 0; j < 8; j++) total += s[j], count += c8[j];                         \
+        for (int64_t t = i; t < len; t++) {                                                \
+            float v = SCALAR(p[t]);                                                        \
+            if ((to_bits(v) & 0x7fffffffu) < 0x7f800000u) total += v, count += 1;          \
+        }                                                                                  \
+        moments m = {count, 0, 0, 0, 0};                                                   \
+        if (count == 0) return m;                                                          \
+        double c = total / count; /* (rounded: the sums about it are moved to the exact mean) */ \
+        v8d s1 = {0}, s2 = {0}, s3 = {0}, s4 = {0};                                        \
+        for (i = 0; len - i >= 8; i += 8) {                                                \
+            v8f a = LOAD(p + i);                                                           \
+            v8i fin = abs_bits(a) < 0x7f800000;                                            \
+            v8d d = __builtin_convertvector(float_of(bits_of(a) & fin), v8d) - c;          \
+            d = d * __builtin_convertvector(fin & 1, v8d); /* (non-finite: 0, not -c) */   \
+            v8d d2 = d * d;                                                                \
+            s1 += d;                                                                       \
+            s2 += d2;                                                                      \
+            s3 += d2 * d;                                                                  \
+            s4 += d2 * d2;                                                                 \
+        }                                                                                  \
+        double r1 = 0, r2 = 0, r3 = 0, r4 = 0;                                             \
+        for (int j = 0; j < 8; j++) r1 += s1[j], r2 += s2[j], r3 += s3[j], r4 += s4[j];    \
+        for (int64_t t = i; t < len; t++) {                                                \
+            float v = SCALAR(p[t]);                                                        \
+            if ((to_bits(v) & 0x7fffffffu) >= 0x7f800000u) continue;                       \
+            double d = (double)v - c, d2 = d * d;                                          \
+            r1 += d, r2 += d2, r3 += d2 * d, r4 += d2 * d2;                                \
+        }                                                                                  \
+        double e = r1 / count; /* the exact mean is c + e: move the sums there */          \
+        m.mean = c + e;                                                                    \
+        m.m2 = r2 - r1 * e;                                                                \
+        m.m3 = r3 - 3.0 * e * r2 + 2.0 * count * e * e * e;                                \
+        m.m4 = r4 - 4.0 * e * r3 + 6.0 * e * e * r2 - 3.0 * count * e * e * e * e;         \
+        return m;                                                                          \
+    }
+
+LS_MOMENT_CHUNK(float, load_f32, scalar_f32)
+LS_MOMENT_CHUNK(uint16_t, load_bf16, scalar_bf16)
+
+#define LS_MOMENTS(NAME, T)                                                                  \
+    LS_CLONES void NAME(const T *x, int64_t rows, int64_t cols, int64_t stride, double *out) { \
+        moments all = {0, 0, 0, 0, 0};                                                     \
+        for (int64_t r = 0; r < rows; r++) {                                               \
+            const T *p = x + r * stride;                                                   \
+            for (int64_t i = 0; i < cols; i += MCHUNK) {                                   \
+                moments m = chunk_moments_##T(p + i, cols - i < MCHUNK ? cols - i : MCHUNK); \
+                merge_moments(&all, &m);                                                   \
+            }                                                                              \
+        }                                                                                  \
+        out[0] = all.n, out[1] = all.mean, out[2] = all.m2, out[3] = all.m3, out[4] = all.m4; \
+    }
+
+LS_MOMENTS(ls_moments_f32, float)
+LS_MOMENTS(ls_moments_bf16, uint16_t)

@@ -5,8 +5,9 @@ NVFP4 what-ifs, ``blocks.py``) and ``kurtosis`` (the third and fourth central mo
 Where a record comes from the native host kernel or the Triton kernel, these fields are
 filled afterwards by ``fill``, which reads the tensor once more per group: for ``blocks`` of
 a float32 or bfloat16 host tensor with evenly strided rows, with the native kernel's block
-casts (``native.blocks``, no temporaries); otherwise, and for ``kurtosis``, with torch code,
-in pieces whose temporaries stay within ``layout.scratch_bytes``.
+casts (``native.blocks``), for ``kurtosis`` of such a tensor read in place with its moments
+kernel (``native.moments``), no temporaries; otherwise with torch code, in pieces whose
+temporaries stay within ``layout.scratch_bytes``.
 """
 
 from __future__ import annotations
@@ -44,7 +45,11 @@ def _columns(x: Tensor, groups: Collection[str]) -> List[Tuple[slice, Tensor]]:
         else:
             out.append((BLOCKS_SPAN, torch.stack(block_fields(x, piece_size(x, _SCRATCH["blocks"] * wide, floor)))))
     if "kurtosis" in groups:
-        out.append((_MOMENTS, moments_row(x, piece_size(x, _SCRATCH["kurtosis"] * wide, floor))[3:5]))
+        fast = native.moments(x) if x.device.type == "cpu" else None
+        if fast is not None:
+            out.append((_MOMENTS, torch.from_numpy(fast[3:5])))
+        else:
+            out.append((_MOMENTS, moments_row(x, piece_size(x, _SCRATCH["kurtosis"] * wide, floor))[3:5]))
     return out
 
 
