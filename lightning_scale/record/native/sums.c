@@ -294,20 +294,24 @@ typedef struct {
     v8i flushed[4];
 } block_acc;
 
-/* one format on `k` vectors of one block: y = x * inv, q = sign(y) round(min(|y|, top)), q * scale
- * (stored at `dst` unless it is NULL) */
-static inline void cast_vectors(const v8f *v, int k, float inv, float scale, float top, int m, int lo, v8d *err,
-                                v8i *flushed, float *dst) {
-    const v8i sign = (v8i){0} + (int32_t)0x80000000;
+/* one format on `k` vectors of one block, by magnitudes `a` (bits of |x|, finite; the cast is
+ * odd, so q(x) - x = sign(x) (q(|x|) - |x|)): |y| = |x| * inv, |q| = round(min(|y|, top)),
+ * |d| = |q| * scale, stored with x's sign at `dst` unless it is NULL. x is flushed where it is
+ * nonzero and d is zero, and d = 0 wherever x = 0: the flushed count is #{x != 0} (`nonzero`,
+ * the block's, added by the caller) less #{d != 0}, here taken away. */
+static inline void cast_vectors(const v8f *v, const v8i *a, int k, float inv, float scale, float top, int m, int lo,
+                                v8d *err, v8i *flushed, float *dst) {
+    const v8i cap = bits_of((v8f){0} + top), one = (v8i){0} + 1;
     for (int j = 0; j < k; j++) {
-        v8f y = v[j] * inv;
-        v8i a = imin(bits_of(y) & 0x7fffffff, bits_of((v8f){0} + top)); /* (non-negative: as their bits) */
-        v8f q = float_of(bits_of(round_grid(float_of(a), m, lo)) | (bits_of(y) & sign));
-        v8f d = q * scale;
-        if (dst) memcpy(dst + 8 * j, &d, sizeof d);
-        v8d e = __builtin_convertvector(d - v[j], v8d);
+        v8f y = float_of(a[j]) * inv;
+        v8f d = round_grid(float_of(imin(bits_of(y), cap)), m, lo) * scale; /* (non-negative: as their bits) */
+        if (dst) {
+            v8f signed_d = float_of(bits_of(d) | (bits_of(v[j]) & (int32_t)0x80000000));
+            memcpy(dst + 8 * j, &signed_d, sizeof signed_d);
+        }
+        v8d e = __builtin_convertvector(d - float_of(a[j]), v8d);
         *err += e * e;
-        *flushed -= (v[j] != 0) & (d == 0);
+        *flushed -= imin(bits_of(d), one);
     }
 }
 
@@ -331,12 +335,15 @@ static inline void cast_block(v8f *v, block_acc *acc, float *dst) {
         if (dst) memset(dst, 0, 4 * 32 * sizeof *dst);
         return;
     }
+    const v8i one = (v8i){0} + 1;
+    v8i nonzero = (imin(b[0], one) + imin(b[1], one)) + (imin(b[2], one) + imin(b[3], one));
+    for (int f = 0; f < 4; f++) acc->flushed[f] += nonzero;
     for (int f = 0; f < 3; f++) {
         int32_t t = (int32_t)(amax >> 23) - 127 - MX[f].emax;
         int32_t biased = (t < -127 ? -127 : t > 128 ? 128 : t) + 127;
         int32_t divisor = biased > 1 ? biased : 1; /* (0 divides by 2^-126 and multiplies by 2^-127) */
         float scale = biased == 0 ? from_bits(0x00400000u) : from_bits((uint32_t)biased << 23);
-        cast_vectors(v, 4, from_bits((uint32_t)(254 - divisor) << 23), scale, MX[f].top, MX[f].m, MX[f].lo,
+        cast_vectors(v, b, 4, from_bits((uint32_t)(254 - divisor) << 23), scale, MX[f].top, MX[f].m, MX[f].lo,
                      &acc->err[f], &acc->flushed[f], dst ? dst + 32 * f : NULL);
     }
     uint32_t halves[2] = {half0, half1};
@@ -344,7 +351,7 @@ static inline void cast_block(v8f *v, block_acc *acc, float *dst) {
         float s = from_bits(halves[h]) / 6.0f;
         s = s < 0.015625f ? 0.015625f : s > 448.0f ? 448.0f : s;
         s = round_grid1(s, 3, 121); /* the E4M3 scale */
-        cast_vectors(v + 2 * h, 2, 1.0f / s, s, 6.0f, 1, 127, &acc->err[3], &acc->flushed[3],
+        cast_vectors(v + 2 * h, b + 2 * h, 2, 1.0f / s, s, 6.0f, 1, 127, &acc->err[3], &acc->flushed[3],
                      dst ? dst + 96 + 16 * h : NULL);
     }
 }
