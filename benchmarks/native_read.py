@@ -3,8 +3,10 @@
 Collects the tensors a std-tracked step hands the native kernel (d=128, 4 layers: forward
 values and gradients above 4096 elements), then times, on one thread, over all of them:
 the kernel's sums (``native.sums``), its sums with max |x|, every group in one read
-(``native.every_group``), the block what-ifs (``native.blocks``) and, as the floor of one
-read, ``torch._foreach_norm`` of the same tensors. Medians over repeats, in ms and GB/s.
+(``native.every_group``), the block what-ifs (``native.blocks``), the central moments
+(``native.moments``) and, as the floor of one
+read, ``torch._foreach_norm`` of the same tensors. Medians over interleaved repeats of the
+thread's CPU time (on a shared machine wall time counts other jobs), in ms and GB/s.
 """
 
 from __future__ import annotations
@@ -23,28 +25,6 @@ from lightning_scale.record.stats.formats import NATIVE_BOUNDS
 from workload import MAIN, Workload
 
 
-def tracked_tensors(groups: tuple = ("moments",)) -> List[Tensor]:
-    """Copies of the tensors one tracked step of ``workload.MAIN`` reads with the native kernel."""
-    seen: List[Tensor] = []
-    original = native.sums
-
-    def keep(x: Tensor, with_max: bool = False):  # type: ignore[no-untyped-def]
-        got = original(x, with_max)
-        if got is not None:
-            seen.append(x.detach().clone())
-        return got
-
-    w = Workload(MAIN)
-    step = w._tracked_step(groups)
-    step()  # (warm-up: the first step builds what it caches)
-    native.sums = keep  # type: ignore[assignment]
-    try:
-        step()
-    finally:
-        native.sums = original  # type: ignore[assignment]
-    return seen
-
-
 def measure(tensors: List[Tensor], repeats: int = 30) -> List[tuple]:
     """(name, ms, GB/s) of each way of reading ``tensors`` once."""
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -54,14 +34,14 @@ def measure(tensors: List[Tensor], repeats: int = 30) -> List[tuple]:
         "native.sums with max |x|": lambda: [native.sums(t, True) for t in tensors],
         "native.every_group (moments, range, formats)": lambda: [native.every_group(t, NATIVE_BOUNDS) for t in tensors],
     }
-    if hasattr(native, "blocks"):
-        ways["native.blocks (MXFP8 x2, MXFP4, NVFP4)"] = lambda: [native.blocks(t) for t in tensors]
+    ways["native.blocks (MXFP8 E4M3 and E5M2, MXFP4, NVFP4)"] = lambda: [native.blocks(t) for t in tensors]
+    ways["native.moments (kurtosis)"] = lambda: [native.moments(t) for t in tensors]
     times: dict = {name: [] for name in ways}
     for _ in range(repeats):  # (interleaved: the machine's load drifts alike for each)
         for name, fn in ways.items():
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(time.thread_time() - t0)
     out = []
     for name, ts in times.items():
         ms = statistics.median(ts) * 1e3
@@ -73,7 +53,7 @@ def main(argv: List[str]) -> int:
     torch.set_num_threads(1)
     native.load()
     print(native.status())
-    tensors = tracked_tensors()
+    tensors = Workload(MAIN).tracked_tensors(("moments",))
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     print(f"{len(tensors)} tensors, {nbytes / 1e6:.1f} MB, one thread")
     print("| read | ms | GB/s |\n|---|---|---|")
