@@ -364,9 +364,11 @@ static inline void fold_flushed(block_acc *acc, int64_t *flushed) {
 }
 
 /* `dst`, unless NULL: every block's 4 dequantized blocks, (rows, ceil(cols / 32), 4, 32) floats
- * (NVFP4's two halves side by side; for the tests) */
+ * (NVFP4's two halves side by side; for the tests). The body is inlined twice, with and
+ * without `dst` (without: no test on it, no stores that might alias the sums). */
 #define LS_BLOCKS(NAME, T, LOAD, SCALAR)                                                     \
-    LS_CLONES void NAME(const T *x, int64_t rows, int64_t cols, int64_t stride, double *out, float *dst) { \
+    static inline __attribute__((always_inline)) void NAME##_body(const T *x, int64_t rows, int64_t cols, \
+                                                                  int64_t stride, double *out, float *dst) { \
         block_acc acc;                                                                     \
         memset(&acc, 0, sizeof acc);                                                       \
         int64_t flushed[4] = {0, 0, 0, 0}, since = 0;                                      \
@@ -401,6 +403,12 @@ static inline void fold_flushed(block_acc *acc, int64_t *flushed) {
             out[3 * f + 1] = sq;                                                           \
             out[3 * f + 2] = (double)flushed[f];                                           \
         }                                                                                  \
+    }                                                                                      \
+    LS_CLONES void NAME(const T *x, int64_t rows, int64_t cols, int64_t stride, double *out, float *dst) { \
+        if (dst)                                                                           \
+            NAME##_body(x, rows, cols, stride, out, dst);                                  \
+        else                                                                               \
+            NAME##_body(x, rows, cols, stride, out, NULL);                                 \
     }
 
 LS_BLOCKS(ls_blocks_f32, float, load_f32, scalar_f32)
