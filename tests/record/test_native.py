@@ -176,12 +176,20 @@ def test_without_per_cpu_variants_where_the_toolchain_refuses_them(fresh, monkey
 
 
 @needs_compiler
-def test_a_kernel_that_fails_its_self_check_is_not_used(fresh, monkeypatch):
+@pytest.mark.parametrize(
+    "right, wrong",
+    [
+        ("out[1] = squares;", "out[1] = squares * 1.001;"),  # the sum of squares off by one part in a thousand
+        ("{2, 1, 127, 6.0f}", "{2, 1, 127, 4.0f}"),  # MXFP4 saturating at 4
+        ("out[3] = all.m3", "out[3] = 1.001 * all.m3"),  # the third central moment
+    ],
+)
+def test_a_kernel_that_fails_its_self_check_is_not_used(fresh, monkeypatch, right, wrong):
     source = fresh / "wrong.c"
     with open(native.SOURCE) as f:
         text = f.read()
-    # one wrong number: the sum of squares off by one part in a thousand
-    source.write_text(text.replace("out[1] = squares;", "out[1] = squares * 1.001;"))
+    assert right in text
+    source.write_text(text.replace(right, wrong))
     monkeypatch.setattr(native, "SOURCE", str(source))
     assert native.load() is None
     assert "self-check failed" in native.status()
