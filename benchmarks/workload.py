@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run as `python benchmarks/x.py`: import the checkout's package
@@ -20,6 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, fx, nn  # noqa: E402
 
 from lightning_scale import Recorder, ScaleTrackingInterpreter, capture, recording  # noqa: E402
+from lightning_scale.record import native  # noqa: E402
 from lightning_scale.tools.models import GPT, GPTConfig, synthetic_tokens  # noqa: E402
 
 Step = Callable[[], None]
@@ -48,8 +49,13 @@ MAIN = SIZES[1]  # the size the targets are judged on
 VARIANTS: Dict[str, str] = {
     "plain": "plain step",
     "tracked": 'tracked, fx fast path, groups ("moments",)',
+    "floor": (
+        "floor of the row above: plain step + one `torch._foreach_norm` read of the tensors it records "
+        "(`benchmarks/native_read.py`)"
+    ),
     "tracked_range": 'tracked, fx fast path, groups ("moments", "range")',
     "tracked_formats": 'tracked, fx fast path, groups ("moments", "range", "formats")',
+    "tracked_every": 'tracked, fx fast path, every statistic but fp8 (+ "blocks", "kurtosis")',
     "reference": "reference: unit_scaling.utils.ScaleTrackingInterpreter",
     "interpreter": 'ours: lightning_scale.ScaleTrackingInterpreter, groups ("moments",)',
 }
@@ -57,6 +63,7 @@ GROUPS = {
     "tracked": ("moments",),
     "tracked_range": ("moments", "range"),
     "tracked_formats": ("moments", "range", "formats"),
+    "tracked_every": ("moments", "range", "formats", "blocks", "kurtosis"),
 }
 
 
@@ -81,6 +88,8 @@ class Workload:
             return self._plain_step()
         if variant in GROUPS:
             return self._tracked_step(GROUPS[variant])
+        if variant == "floor":
+            return self._floor_step()
         if variant == "reference":
             return self._reference_step()
         if variant == "interpreter":
@@ -109,6 +118,41 @@ class Workload:
             self.opt.step()
 
         return step
+
+    def _floor_step(self) -> Step:
+        """A plain step, then ``torch._foreach_norm`` of copies of the tensors a ``("moments",)``
+        tracked step reads with the native kernel (taken from one such step): one read of the
+        same bytes, the least a tracked step can add, by torch's fastest multi-tensor kernel."""
+        tensors = self.tracked_tensors(GROUPS["tracked"])
+        plain = self._plain_step()
+
+        def step() -> None:
+            plain()
+            if tensors:  # (none without the native kernel)
+                torch._foreach_norm(tensors)
+
+        return step
+
+    def tracked_tensors(self, groups: Tuple[str, ...]) -> List[Tensor]:
+        """Copies of the tensors one tracked step with ``groups`` reads with the native
+        kernel's sums (``native.sums``; none where it is not in use); the step runs twice."""
+        seen: List[Tensor] = []
+        original = native.sums
+
+        def keep(x: Tensor, with_max: bool = False) -> Optional[Tuple[float, float, float]]:
+            got = original(x, with_max)
+            if got is not None:
+                seen.append(x.detach().clone())
+            return got
+
+        step = self._tracked_step(groups)
+        step()  # (the first step builds what later ones reuse)
+        native.sums = keep  # type: ignore[assignment]
+        try:
+            step()
+        finally:
+            native.sums = original  # type: ignore[assignment]
+        return seen
 
     def _reference_step(self) -> Step:
         from unit_scaling.utils import ScaleTrackingInterpreter as Reference

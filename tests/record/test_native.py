@@ -158,13 +158,15 @@ def test_a_failing_compiler_falls_back_to_torch(fresh, monkeypatch):
 
 
 @needs_compiler
-def test_without_per_cpu_variants_where_the_toolchain_refuses_them(fresh, monkeypatch):
-    # a compiler that fails as one without ifunc support would, unless asked for the plain build
+@pytest.mark.parametrize("flag", ["-DLS_NO_V4", "-DLS_NO_CLONES"])
+def test_without_per_cpu_variants_where_the_toolchain_refuses_them(fresh, monkeypatch, flag):
+    # a compiler that fails as one without x86-64-v4 (GCC < 11) or without ifunc support would,
+    # unless asked for the build without them
     wrapper = fresh / "cc-no-ifunc"
     real = native.compiler()
     wrapper.write_text(
-        f'#!/bin/sh\ncase "$*" in *-DLS_NO_CLONES*) exec {" ".join(real)} "$@";; esac\n'
-        'echo "target_clones: no ifunc here" >&2\nexit 1\n'
+        f'#!/bin/sh\ncase "$*" in *{flag}*) exec {" ".join(real)} "$@";; esac\n'
+        'echo "target_clones: not here" >&2\nexit 1\n'
     )
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
@@ -174,12 +176,20 @@ def test_without_per_cpu_variants_where_the_toolchain_refuses_them(fresh, monkey
 
 
 @needs_compiler
-def test_a_kernel_that_fails_its_self_check_is_not_used(fresh, monkeypatch):
+@pytest.mark.parametrize(
+    "right, wrong",
+    [
+        ("out[1] = squares;", "out[1] = squares * 1.001;"),  # the sum of squares off by one part in a thousand
+        ("{2, 1, 127, 6.0f}", "{2, 1, 127, 4.0f}"),  # MXFP4 saturating at 4
+        ("out[3] = all.m3", "out[3] = 1.001 * all.m3"),  # the third central moment
+    ],
+)
+def test_a_kernel_that_fails_its_self_check_is_not_used(fresh, monkeypatch, right, wrong):
     source = fresh / "wrong.c"
     with open(native.SOURCE) as f:
         text = f.read()
-    # one wrong number: the sum of squares off by one part in a thousand
-    source.write_text(text.replace("out[1] = squares;", "out[1] = squares * 1.001;"))
+    assert right in text
+    source.write_text(text.replace(right, wrong))
     monkeypatch.setattr(native, "SOURCE", str(source))
     assert native.load() is None
     assert "self-check failed" in native.status()

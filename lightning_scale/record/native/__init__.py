@@ -1,4 +1,6 @@
-"""A one-pass kernel for host tensors: sum, sum of squares and max |x|, read once.
+"""A one-pass kernel for host tensors: sum, sum of squares and max |x|, read once; the
+block what-ifs (MXFP8, MXFP4, NVFP4 casts and their error), element for element as
+``stats.blocks`` defines them; and central moments up to the fourth (kurtosis).
 
 torch has no CPU kernel that gives a tensor's sum and sum of squares in one read (its
 ``var_mean`` is ~40x slower than a sum here), so on the host path the statistics read
@@ -36,6 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_scale.record.native import self_check
 from lightning_scale.record.stats.layout import dense_order
 
 __all__ = [
@@ -43,9 +46,12 @@ __all__ = [
     "SERIAL_MAX",
     "SERIAL_THREADS",
     "SOURCE",
+    "block_casts",
+    "blocks",
     "compiler",
     "every_group",
     "load",
+    "moments",
     "status",
     "sums",
     "switched_off",
@@ -59,10 +65,11 @@ ENV = "LIGHTNING_SCALE_NATIVE"
 #: torch's two reads take 10.3 ms on one thread, 8.2 ms on two; ours 5.2 ms.)
 SERIAL_MAX = 32768
 SERIAL_THREADS = 2
-_ABI = 2
+_ABI = 4
 #: The kernel's C source, compiled on first use.
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sums.c")
-_FLAGS = ["-O3", "-shared", "-fPIC"]
+#: (no fused multiply-adds: the block casts repeat the reference's float32 operations one by one)
+_FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
 _loaded: Optional["_Kernels"] = None
@@ -83,13 +90,25 @@ class _Kernels:
             ctypes.c_void_p,
             ctypes.c_void_p,
         ]
-        #: (dtype, with max |x|) -> the sums kernel; dtype -> the kernel of every group
+        blocks_args = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
+        #: (dtype, with max |x|) -> the sums kernel; dtype -> the kernel of every group, of the block what-ifs
         self.fns: Dict[Tuple[torch.dtype, bool], Any] = {}
         self.all_fns: Dict[torch.dtype, Any] = {}
+        self.block_fns: Dict[torch.dtype, Any] = {}
+        self.moment_fns: Dict[torch.dtype, Any] = {}
         for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
             self.fns[(dtype, False)] = _bind(lib, f"ls_sums_{suffix}", sums_args)
             self.fns[(dtype, True)] = _bind(lib, f"ls_sums_max_{suffix}", sums_args)
             self.all_fns[dtype] = _bind(lib, f"ls_all_{suffix}", all_args)
+            self.block_fns[dtype] = _bind(lib, f"ls_blocks_{suffix}", blocks_args)
+            self.moment_fns[dtype] = _bind(lib, f"ls_moments_{suffix}", blocks_args[:-1])
         self.dtypes = list(self.all_fns)
 
     def call(
@@ -107,6 +126,18 @@ class _Kernels:
             address, rows, cols, stride, bounds.ctypes.data, len(bounds), counts.ctypes.data, out.ctypes.data
         )
         return out, counts
+
+    def call_blocks(
+        self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, casts: int = 0
+    ) -> np.ndarray:
+        out = np.empty(12)
+        self.block_fns[dtype](address, rows, cols, stride, out.ctypes.data, casts or None)
+        return out
+
+    def call_moments(self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int) -> np.ndarray:
+        out = np.empty(5)
+        self.moment_fns[dtype](address, rows, cols, stride, out.ctypes.data)
+        return out
 
 
 def _bind(lib: ctypes.CDLL, name: str, args: List[Any]) -> Any:
@@ -146,16 +177,74 @@ def every_group(x: Tensor, bounds: np.ndarray) -> Optional[Tuple[np.ndarray, np.
     return kernels.call_all(x.dtype, x.data_ptr(), *layout, bounds)  # type: ignore[union-attr]
 
 
+def blocks(x: Tensor) -> Optional[np.ndarray]:
+    """``stats.blocks.BLOCK_FIELDS`` of a float32 or bfloat16 CPU tensor (non-empty, blocks
+    along its last dimension) in one read, as 12 float64 numbers, or None where the kernel is
+    not available or ``x``'s rows along its last dimension are not evenly strided (then
+    ``stats.blocks.block_fields``). The casts are the reference's bit for bit (so are the
+    flushed counts); the squares are added in float64 (the reference: float32, ~1e-7 apart)."""
+    kernels = _loaded if _loaded is not None else _try_load()
+    layout = _block_rows(x) if kernels is not None and x.dtype in kernels.block_fns else None
+    if layout is None:
+        return None
+    return kernels.call_blocks(x.dtype, x.data_ptr(), *layout)  # type: ignore[union-attr]
+
+
+def moments(x: Tensor) -> Optional[np.ndarray]:
+    """[count, mean, M2, M3, M4] of the finite elements of a float32 or bfloat16 CPU tensor
+    (``Mk`` the sum of ``(x - mean)^k``) in float64, as ``stats.outliers.moments_row``, in one
+    read (twice per 1024 elements, the second time from cache), or None where the kernel is
+    not available or does not read ``x`` in place (then ``moments_row``)."""
+    kernels = _loaded if _loaded is not None else _try_load()
+    if kernels is None or x.dtype not in kernels.moment_fns or x.numel() == 0:
+        return None
+    layout = _in_place(x)
+    return None if layout is None else kernels.call_moments(x.dtype, x.data_ptr(), *layout)
+
+
+def block_casts(x: Tensor) -> Optional[Tensor]:
+    """What ``blocks`` casts ``x`` to, for tests: float32 ``(rows, ceil(k / 32), 4, 32)``, the
+    dequantized blocks of MXFP8 E4M3, MXFP8 E5M2, MXFP4 and NVFP4 (two 16-element blocks) of
+    each 32-element block of ``x``'s rows of ``k`` (non-finite elements taken as 0), or None as
+    for ``blocks``."""
+    kernels = _loaded if _loaded is not None else _try_load()
+    layout = _block_rows(x) if kernels is not None and x.dtype in kernels.block_fns else None
+    if layout is None:
+        return None
+    rows, cols, _ = layout
+    casts = torch.empty(rows, -(-cols // 32), 4, 32)
+    kernels.call_blocks(x.dtype, x.data_ptr(), *layout, casts.data_ptr())  # type: ignore[union-attr]
+    return casts
+
+
+def _block_rows(x: Tensor) -> Optional[Tuple[int, int, int]]:
+    """(rows, cols, row stride) of ``x``'s rows along its last dimension (a 0-dim tensor: one
+    of one element), or None (another device, a subclass, a negated view, an empty tensor,
+    rows that are not contiguous or not evenly strided)."""
+    if type(x) is not Tensor or not x.is_cpu or x.layout is not torch.strided or x.is_neg() or x.numel() == 0:
+        return None
+    k = x.shape[-1] if x.dim() else 1
+    if x.is_contiguous():
+        return x.numel() // k, k, k
+    return _last_dim_rows(x, 32)
+
+
 def _layout(x: Tensor, fn: Any) -> Optional[Tuple[int, int, int]]:
     """(rows, cols, row stride) for kernel ``fn`` (None: none for ``x``'s dtype) to read
-    ``x`` with, or None where it may not: another device, a tensor subclass (DTensor), a
-    sparse layout or a negated view, a layout that is not rows of contiguous elements, or
-    a large tensor that torch would split over its threads."""
-    if fn is None or type(x) is not Tensor or not x.is_cpu or x.layout is not torch.strided or x.is_neg():
+    ``x`` with, or None where it may not: as ``_in_place``, and a large tensor that torch
+    would split over its threads."""
+    if fn is None or (x.numel() > SERIAL_MAX and torch.get_num_threads() > SERIAL_THREADS):
+        return None
+    return _in_place(x)
+
+
+def _in_place(x: Tensor) -> Optional[Tuple[int, int, int]]:
+    """(rows, cols, row stride) to read ``x`` with in some order, or None: another device, a
+    tensor subclass (DTensor), a sparse layout or a negated view, a layout that is not rows
+    of contiguous elements."""
+    if type(x) is not Tensor or not x.is_cpu or x.layout is not torch.strided or x.is_neg():
         return None
     n = x.numel()
-    if n > SERIAL_MAX and torch.get_num_threads() > SERIAL_THREADS:
-        return None
     return (1, n, n) if x.is_contiguous() else _rows(x)
 
 
@@ -169,14 +258,30 @@ def _rows(x: Tensor) -> Optional[Tuple[int, int, int]]:
     in some order (sums do not depend on it), or None. Rows of the last dimension where
     the outer dimensions merge into one (checked on the strides: no view made, no
     exception raised), else one row if a permutation of ``x`` is dense."""
-    n = x.numel()
-    shape, strides = x.shape, x.stride()
-    if len(shape) >= 2 and strides[-1] == 1 and shape[-1] > 0:
-        outer = [(size, st) for size, st in zip(shape[:-1], strides[:-1]) if size != 1]
-        if all(outer[i][1] == outer[i + 1][1] * outer[i + 1][0] for i in range(len(outer) - 1)):
-            return n // shape[-1], shape[-1], (outer[-1][1] if outer else shape[-1])
+    rows = _last_dim_rows(x)
+    if rows is not None:
+        return rows
     if dense_order(x) is not None:  # (data_ptr() is then its lowest address)
-        return 1, n, n
+        return 1, x.numel(), x.numel()
+    return None
+
+
+def _last_dim_rows(x: Tensor, block: int = 1) -> Optional[Tuple[int, int, int]]:
+    """``x``'s elements as evenly strided rows of contiguous elements, (rows, cols, row
+    stride), or None; checked on the strides, no view made. The dimensions are taken by
+    decreasing stride (neither the sums nor the block what-ifs depend on the order of the
+    rows: the heads of a (B, T, H, D) tensor viewed (B, H, T, D) are rows); the last dimension,
+    contiguous, is widened by the next ones that continue it while its width is a multiple of
+    ``block`` (blocks then stay whole: rows of ``D`` in contiguous rows of ``H D``)."""
+    shape, strides = x.shape, x.stride()
+    if len(shape) < 2 or strides[-1] != 1 or shape[-1] == 0:
+        return None
+    dims = sorted(((size, st) for size, st in zip(shape[:-1], strides[:-1]) if size != 1), key=lambda d: -d[1])
+    cols = shape[-1]
+    while dims and dims[-1][1] == cols and cols % block == 0:
+        cols *= dims.pop()[0]
+    if all(dims[i][1] == dims[i + 1][1] * dims[i + 1][0] for i in range(len(dims) - 1)):
+        return x.numel() // cols, cols, (dims[-1][1] if dims else cols)
     return None
 
 
@@ -232,8 +337,9 @@ def _build_and_load() -> _Kernels:
         raise _Unavailable("no C compiler found: set CC, or install cc, gcc or clang")
     folder = _cache_dir()
     errors = []
-    # (without per-CPU variants where the toolchain has no ifunc support, e.g. musl)
-    for extra in ([], ["-DLS_NO_CLONES"]):
+    # (without AVX-512 variants where the compiler has no x86-64-v4, GCC < 11; without per-CPU
+    # variants where the toolchain has no ifunc support, e.g. musl)
+    for extra in ([], ["-DLS_NO_V4"], ["-DLS_NO_CLONES"]):
         flags = _FLAGS + extra
         key = hashlib.sha256(
             b"\0".join([source, " ".join(cc + flags).encode(), platform.machine().encode(), sys.platform.encode()])
@@ -248,7 +354,9 @@ def _build_and_load() -> _Kernels:
     if lib.ls_abi() != _ABI:
         raise _Unavailable(f"{path} has ABI {lib.ls_abi()}, expected {_ABI}")
     kernels = _Kernels(lib, path)
-    _self_check(kernels)
+    failed = self_check.failure(kernels)
+    if failed is not None:
+        raise _Unavailable(failed)
     return kernels
 
 
@@ -285,54 +393,3 @@ def _cache_dir() -> str:
     )
     os.makedirs(folder, mode=0o700, exist_ok=True)
     return folder
-
-
-def _self_check(kernels: _Kernels) -> None:
-    """Every kernel against float64 on values that exercise the vector body, the chunk
-    boundaries and the scalar tail, contiguous and in strided rows. In numpy, on numpy
-    arrays: no torch op runs here (their first use would page in code, counted as memory
-    by whoever measures the first tracked step)."""
-    values = (np.arange(-1300, 1301, dtype=np.float64) / 7.0) ** 3 / 1e4
-    values[5] = 0.0  # (with the middle one, two zeros)
-    f32 = values.astype(np.float32)
-    data = {torch.float32: f32, torch.bfloat16: (f32.view(np.uint32) >> 16).astype(np.uint16)}  # bf16: truncated
-    exact = {
-        torch.float32: f32.astype(np.float64),
-        torch.bfloat16: ((data[torch.bfloat16].astype(np.uint32) << 16).view(np.float32)).astype(np.float64),
-    }
-    bounds = np.array(
-        [1, 0x3A800000, 0x3F800000, 0x42C80000, 0x7F000000], dtype=np.int32
-    )  # tiny, 2**-10, 1, 100, 2**127
-    for dtype in kernels.dtypes:
-        flat, ref = data[dtype], exact[dtype]
-        wide = np.zeros((3, 1000), dtype=flat.dtype)  # rows of 867 in rows of 1000
-        wide[:, :867] = flat[: 3 * 867].reshape(3, 867)
-        for array, layout, want in ((flat, (1, flat.size, flat.size), ref), (wide, (3, 867, 1000), ref[: 3 * 867])):
-            mags = np.abs(want)
-            for with_max in (False, True):
-                got = kernels.call(dtype, array.ctypes.data, *layout, with_max)
-                if not (_sums_close(got, want) and got[2] == (mags.max() if with_max else -1.0)):
-                    expected = (want.sum(), (want * want).sum(), mags.max())
-                    raise _Unavailable(
-                        f"self-check failed for {dtype} (max: {with_max}): got {got}, expected {expected}"
-                    )
-            out, counts = kernels.call_all(dtype, array.ctypes.data, *layout, bounds)
-            expect_counts = [(mags < b).sum() for b in bounds.view(np.float32).astype(np.float64)]
-            if not (
-                _sums_close(out, want)
-                and list(counts) == expect_counts
-                and out[2] == mags.max()
-                and out[3] == mags[mags > 0].min()
-                and out[4] == 0
-            ):
-                raise _Unavailable(
-                    f"self-check failed for {dtype} (every group): got {list(out)}, {list(counts)}, "
-                    f"expected counts {expect_counts}"
-                )
-
-
-def _sums_close(got: Any, want: np.ndarray) -> bool:
-    """A kernel's sum within 1e-6 of the sum of magnitudes (these values cancel) and its
-    sum of squares within 1e-6 of float64's."""
-    squares = (want * want).sum()
-    return bool(abs(got[0] - want.sum()) <= 1e-6 * np.abs(want).sum() and abs(got[1] - squares) <= 1e-6 * squares)

@@ -13,7 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define LS_ABI 2
+#define LS_ABI 4
 #define CHUNK 256
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -21,7 +21,11 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(LS_NO_CLONES)
+/* Variants per CPU (AVX-512, AVX2, SSE2), picked at load time; LS_NO_V4 for compilers without
+ * x86-64-v4 (GCC < 11), LS_NO_CLONES without ifunc support (musl) */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(LS_NO_CLONES) && !defined(LS_NO_V4)
+#define LS_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#elif defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(LS_NO_CLONES)
 #define LS_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define LS_CLONES
@@ -236,3 +240,274 @@ LS_KERNEL(ls_sums_max_bf16, uint16_t, load_bf16, scalar_bf16, 1)
 
 LS_ALL(ls_all_f32, float, load_f32, scalar_f32)
 LS_ALL(ls_all_bf16, uint16_t, load_bf16, scalar_bf16)
+
+/* ---------------------------------------------------------------------------------------
+ * The block what-ifs (lightning_scale.record.stats.blocks, which defines them and is the
+ * reference): per row of `cols` elements, blocks of 32 from its start (the last zero-padded),
+ * non-finite elements taken as 0. For MXFP8 E4M3, MXFP8 E5M2, MXFP4 (E8M0 scale from the
+ * block's max |x|, torchao's FLOOR) and NVFP4 (16-element halves, E4M3 scale from max |x| / 6):
+ * out[3 f] = sum of (q(x) - x)^2, out[3 f + 1] = sum of x^2, out[3 f + 2] = #{x != 0, q(x) = 0},
+ * f in that order. Every float32 operation of the reference is done here in the same order
+ * (no contraction into fused multiply-adds: see the pragma and the build flags), so q(x) is
+ * the reference's, bit for bit; its errors are exact in float32 and squared and added in
+ * float64 (the reference adds float32 squares: ~1e-7 relative apart).
+ */
+#ifdef __clang__
+#pragma STDC FP_CONTRACT OFF
+#endif
+
+typedef double v8d __attribute__((vector_size(64)));
+
+static inline v8i bits_of(v8f v) {
+    v8i u;
+    memcpy(&u, &v, sizeof u);
+    return u;
+}
+
+static inline v8f float_of(v8i u) {
+    v8f v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+/* a (finite, >= 0, at most the format's largest value) rounded to nearest-even on the grid of
+ * a format with `m` mantissa bits whose least normal exponent is `lo` - 127: the grid step is
+ * 2^(max(exponent, lo) - 127 - m), multiplying by its inverse is exact, and below 2^23 adding
+ * and taking away 2^23 rounds to an integer, ties to even. */
+static inline v8f round_grid(v8f a, int m, int lo) {
+    v8i e = imax(bits_of(a) >> 23, (v8i){0} + lo);
+    v8f t = a * float_of((254 - e + m) << 23);
+    t = (t + 8388608.0f) - 8388608.0f;
+    return t * float_of((e - m) << 23);
+}
+
+static inline float round_grid1(float a, int m, int lo) {
+    int32_t e = (int32_t)(to_bits(a) >> 23);
+    e = e > lo ? e : lo;
+    float t = a * from_bits((uint32_t)(254 - e + m) << 23);
+    t = (t + 8388608.0f) - 8388608.0f;
+    return t * from_bits((uint32_t)(e - m) << 23);
+}
+
+typedef struct {
+    v8d sq, err[4];
+    v8i flushed[4];
+} block_acc;
+
+/* one format on `k` vectors of one block, by magnitudes `a` (bits of |x|, finite; the cast is
+ * odd, so q(x) - x = sign(x) (q(|x|) - |x|)): |y| = |x| * inv, |q| = round(min(|y|, top)),
+ * |d| = |q| * scale, stored with x's sign at `dst` unless it is NULL. x is flushed where it is
+ * nonzero and d is zero, and d = 0 wherever x = 0: the flushed count is #{x != 0} (`nonzero`,
+ * the block's, added by the caller) less #{d != 0}, here taken away. */
+static inline void cast_vectors(const v8f *v, const v8i *a, int k, float inv, float scale, float top, int m, int lo,
+                                v8d *err, v8i *flushed, float *dst) {
+    const v8i cap = bits_of((v8f){0} + top), one = (v8i){0} + 1;
+    for (int j = 0; j < k; j++) {
+        v8f y = float_of(a[j]) * inv;
+        v8f d = round_grid(float_of(imin(bits_of(y), cap)), m, lo) * scale; /* (non-negative: as their bits) */
+        if (dst) {
+            v8f signed_d = float_of(bits_of(d) | (bits_of(v[j]) & (int32_t)0x80000000));
+            memcpy(dst + 8 * j, &signed_d, sizeof signed_d);
+        }
+        v8d e = __builtin_convertvector(d - float_of(a[j]), v8d);
+        *err += e * e;
+        *flushed -= imin(bits_of(d), one);
+    }
+}
+
+/* MX, E8M0 scale: emax, element mantissa bits, least normal exponent + 127, largest value */
+static const struct { int emax, m, lo; float top; } MX[3] = {{8, 3, 121, 448.0f}, {15, 2, 113, 57344.0f}, {2, 1, 127, 6.0f}};
+
+/* one block of 32: `dst`, unless NULL, receives the 4 formats' dequantized blocks */
+static inline void cast_block(v8f *v, block_acc *acc, float *dst) {
+    v8i b[4];
+    for (int j = 0; j < 4; j++) {
+        b[j] = abs_bits(v[j]);
+        v8i finite = b[j] < 0x7f800000;
+        v[j] = float_of(bits_of(v[j]) & finite);
+        b[j] &= finite;
+        v8d w = __builtin_convertvector(v[j], v8d);
+        acc->sq += w * w;
+    }
+    uint32_t half0 = hmax(imax(b[0], b[1])), half1 = hmax(imax(b[2], b[3]));
+    uint32_t amax = half0 > half1 ? half0 : half1;
+    if (amax == 0) { /* all zeros: no error, nothing flushed */
+        if (dst) memset(dst, 0, 4 * 32 * sizeof *dst);
+        return;
+    }
+    const v8i one = (v8i){0} + 1;
+    v8i nonzero = (imin(b[0], one) + imin(b[1], one)) + (imin(b[2], one) + imin(b[3], one));
+    for (int f = 0; f < 4; f++) acc->flushed[f] += nonzero;
+    for (int f = 0; f < 3; f++) {
+        int32_t t = (int32_t)(amax >> 23) - 127 - MX[f].emax;
+        int32_t biased = (t < -127 ? -127 : t > 128 ? 128 : t) + 127;
+        int32_t divisor = biased > 1 ? biased : 1; /* (0 divides by 2^-126 and multiplies by 2^-127) */
+        float scale = biased == 0 ? from_bits(0x00400000u) : from_bits((uint32_t)biased << 23);
+        cast_vectors(v, b, 4, from_bits((uint32_t)(254 - divisor) << 23), scale, MX[f].top, MX[f].m, MX[f].lo,
+                     &acc->err[f], &acc->flushed[f], dst ? dst + 32 * f : NULL);
+    }
+    uint32_t halves[2] = {half0, half1};
+    for (int h = 0; h < 2; h++) {
+        float s = from_bits(halves[h]) / 6.0f;
+        s = s < 0.015625f ? 0.015625f : s > 448.0f ? 448.0f : s;
+        s = round_grid1(s, 3, 121); /* the E4M3 scale */
+        cast_vectors(v + 2 * h, b + 2 * h, 2, 1.0f / s, s, 6.0f, 1, 127, &acc->err[3], &acc->flushed[3],
+                     dst ? dst + 96 + 16 * h : NULL);
+    }
+}
+
+static inline void fold_flushed(block_acc *acc, int64_t *flushed) {
+    for (int f = 0; f < 4; f++) {
+        for (int j = 0; j < 8; j++) flushed[f] += acc->flushed[f][j];
+        acc->flushed[f] = (v8i){0};
+    }
+}
+
+/* `dst`, unless NULL: every block's 4 dequantized blocks, (rows, ceil(cols / 32), 4, 32) floats
+ * (NVFP4's two halves side by side; for the tests). The body is inlined twice, with and
+ * without `dst` (without: no test on it, no stores that might alias the sums). */
+#define LS_BLOCKS(NAME, T, LOAD, SCALAR)                                                     \
+    static inline __attribute__((always_inline)) void NAME##_body(const T *x, int64_t rows, int64_t cols, \
+                                                                  int64_t stride, double *out, float *dst) { \
+        block_acc acc;                                                                     \
+        memset(&acc, 0, sizeof acc);                                                       \
+        int64_t flushed[4] = {0, 0, 0, 0}, since = 0;                                      \
+        for (int64_t r = 0; r < rows; r++) {                                               \
+            const T *p = x + r * stride;                                                   \
+            int64_t i = 0;                                                                 \
+            v8f v[4];                                                                      \
+            for (; cols - i >= 32; i += 32) {                                              \
+                for (int j = 0; j < 4; j++) v[j] = LOAD(p + i + 8 * j);                    \
+                cast_block(v, &acc, dst);                                                  \
+                dst = dst ? dst + 128 : NULL;                                              \
+                if (++since == (1 << 24)) { /* (before a lane's int32 count could wrap) */ \
+                    fold_flushed(&acc, flushed);                                           \
+                    since = 0;                                                             \
+                }                                                                          \
+            }                                                                              \
+            if (i < cols) { /* the last block, zero-padded */                              \
+                float pad[32] = {0};                                                       \
+                for (int64_t t = i; t < cols; t++) pad[t - i] = SCALAR(p[t]);              \
+                for (int j = 0; j < 4; j++) v[j] = load_f32(pad + 8 * j);                  \
+                cast_block(v, &acc, dst);                                                  \
+                dst = dst ? dst + 128 : NULL;                                              \
+            }                                                                              \
+        }                                                                                  \
+        fold_flushed(&acc, flushed);                                                       \
+        double sq = 0.0;                                                                   \
+        for (int j = 0; j < 8; j++) sq += acc.sq[j];                                       \
+        for (int f = 0; f < 4; f++) {                                                     \
+            double e = 0.0;                                                                \
+            for (int j = 0; j < 8; j++) e += acc.err[f][j];                                \
+            out[3 * f] = e;                                                                \
+            out[3 * f + 1] = sq;                                                           \
+            out[3 * f + 2] = (double)flushed[f];                                           \
+        }                                                                                  \
+    }                                                                                      \
+    LS_CLONES void NAME(const T *x, int64_t rows, int64_t cols, int64_t stride, double *out, float *dst) { \
+        if (dst)                                                                           \
+            NAME##_body(x, rows, cols, stride, out, dst);                                  \
+        else                                                                               \
+            NAME##_body(x, rows, cols, stride, out, NULL);                                 \
+    }
+
+LS_BLOCKS(ls_blocks_f32, float, load_f32, scalar_f32)
+LS_BLOCKS(ls_blocks_bf16, uint16_t, load_bf16, scalar_bf16)
+
+/* ---------------------------------------------------------------------------------------
+ * Central moments of the finite elements (the kurtosis group; lightning_scale.record.stats
+ * .outliers.moments_row is the reference): out = [count, mean, M2, M3, M4], Mk the sum of
+ * (x - mean)^k. Per chunk of MCHUNK elements (in cache after a first pass): a centre c (the
+ * chunk's mean, rounded), then in float64 the sums of (x - c)^k, moved to the chunk's exact
+ * mean; chunks merged by the pairwise update of central moments (Pebay 2008). float64 holds
+ * any float32's fourth power: no scaling.
+ */
+#define MCHUNK 1024
+
+typedef struct {
+    double n, mean, m2, m3, m4;
+} moments;
+
+static inline void merge_moments(moments *a, const moments *b) {
+    if (b->n == 0) return;
+    if (a->n == 0) {
+        *a = *b;
+        return;
+    }
+    double na = a->n, nb = b->n, n = na + nb, d = b->mean - a->mean;
+    double dn = d / n, dn2 = dn * dn;
+    a->m4 += b->m4 + d * dn2 * dn * na * nb * (na * na - na * nb + nb * nb) + 6.0 * dn2 * (na * na * b->m2 + nb * nb * a->m2) +
+             4.0 * dn * (na * b->m3 - nb * a->m3);
+    a->m3 += b->m3 + d * dn2 * na * nb * (na - nb) + 3.0 * dn * (na * b->m2 - nb * a->m2);
+    a->m2 += b->m2 + d * dn * na * nb;
+    a->mean += dn * nb;
+    a->n = n;
+}
+
+/* one chunk of `len` elements at p (len a multiple of 8 unless it is a row's tail) */
+#define LS_MOMENT_CHUNK(T, LOAD, SCALAR)                                                     \
+    static inline moments chunk_moments_##T(const T *p, int64_t len) {                      \
+        v8d s = {0};                                                                       \
+        v8i c8 = {0};                                                                      \
+        int64_t i = 0;                                                                     \
+        for (; len - i >= 8; i += 8) {                                                     \
+            v8f a = LOAD(p + i);                                                           \
+            v8i fin = abs_bits(a) < 0x7f800000;                                            \
+            s += __builtin_convertvector(float_of(bits_of(a) & fin), v8d);                 \
+            c8 -= fin;                                                                     \
+        }                                                                                  \
+        double total = 0, count = 0;                                                       \
+        for (int j = 0; j < 8; j++) total += s[j], count += c8[j];                         \
+        for (int64_t t = i; t < len; t++) {                                                \
+            float v = SCALAR(p[t]);                                                        \
+            if ((to_bits(v) & 0x7fffffffu) < 0x7f800000u) total += v, count += 1;          \
+        }                                                                                  \
+        moments m = {count, 0, 0, 0, 0};                                                   \
+        if (count == 0) return m;                                                          \
+        double c = total / count; /* (rounded: the sums about it are moved to the exact mean) */ \
+        v8d s1 = {0}, s2 = {0}, s3 = {0}, s4 = {0};                                        \
+        for (i = 0; len - i >= 8; i += 8) {                                                \
+            v8f a = LOAD(p + i);                                                           \
+            v8i fin = abs_bits(a) < 0x7f800000;                                            \
+            v8d d = __builtin_convertvector(float_of(bits_of(a) & fin), v8d) - c;          \
+            d = d * __builtin_convertvector(fin & 1, v8d); /* (non-finite: 0, not -c) */   \
+            v8d d2 = d * d;                                                                \
+            s1 += d;                                                                       \
+            s2 += d2;                                                                      \
+            s3 += d2 * d;                                                                  \
+            s4 += d2 * d2;                                                                 \
+        }                                                                                  \
+        double r1 = 0, r2 = 0, r3 = 0, r4 = 0;                                             \
+        for (int j = 0; j < 8; j++) r1 += s1[j], r2 += s2[j], r3 += s3[j], r4 += s4[j];    \
+        for (int64_t t = i; t < len; t++) {                                                \
+            float v = SCALAR(p[t]);                                                        \
+            if ((to_bits(v) & 0x7fffffffu) >= 0x7f800000u) continue;                       \
+            double d = (double)v - c, d2 = d * d;                                          \
+            r1 += d, r2 += d2, r3 += d2 * d, r4 += d2 * d2;                                \
+        }                                                                                  \
+        double e = r1 / count; /* the exact mean is c + e: move the sums there */          \
+        m.mean = c + e;                                                                    \
+        m.m2 = r2 - r1 * e;                                                                \
+        m.m3 = r3 - 3.0 * e * r2 + 2.0 * count * e * e * e;                                \
+        m.m4 = r4 - 4.0 * e * r3 + 6.0 * e * e * r2 - 3.0 * count * e * e * e * e;         \
+        return m;                                                                          \
+    }
+
+LS_MOMENT_CHUNK(float, load_f32, scalar_f32)
+LS_MOMENT_CHUNK(uint16_t, load_bf16, scalar_bf16)
+
+#define LS_MOMENTS(NAME, T)                                                                  \
+    LS_CLONES void NAME(const T *x, int64_t rows, int64_t cols, int64_t stride, double *out) { \
+        moments all = {0, 0, 0, 0, 0};                                                     \
+        for (int64_t r = 0; r < rows; r++) {                                               \
+            const T *p = x + r * stride;                                                   \
+            for (int64_t i = 0; i < cols; i += MCHUNK) {                                   \
+                moments m = chunk_moments_##T(p + i, cols - i < MCHUNK ? cols - i : MCHUNK); \
+                merge_moments(&all, &m);                                                   \
+            }                                                                              \
+        }                                                                                  \
+        out[0] = all.n, out[1] = all.mean, out[2] = all.m2, out[3] = all.m3, out[4] = all.m4; \
+    }
+
+LS_MOMENTS(ls_moments_f32, float)
+LS_MOMENTS(ls_moments_bf16, uint16_t)

@@ -1,10 +1,13 @@
-"""The groups only torch code computes, on every path: ``blocks`` (the MXFP8, MXFP4 and
+"""The groups the fused kernels leave out, on every path: ``blocks`` (the MXFP8, MXFP4 and
 NVFP4 what-ifs, ``blocks.py``) and ``kurtosis`` (the third and fourth central moments,
 ``outliers.py``).
 
-Neither the native host kernel nor the Triton kernel computes them: where a record comes
-from one of those, these fields are filled afterwards by ``fill``, which reads the tensor
-once more per group, in pieces whose temporaries stay within ``layout.scratch_bytes``.
+Where a record comes from the native host kernel or the Triton kernel, these fields are
+filled afterwards by ``fill``, which reads the tensor once more per group: for ``blocks`` of
+a float32 or bfloat16 host tensor with evenly strided rows, with the native kernel's block
+casts (``native.blocks``), for ``kurtosis`` of such a tensor read in place with its moments
+kernel (``native.moments``), no temporaries; otherwise with torch code, in pieces whose
+temporaries stay within ``layout.scratch_bytes``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Collection, List, Tuple, Union
 import torch
 from torch import Tensor
 
+from lightning_scale.record import native
 from lightning_scale.record.stats.blocks import block_fields
 from lightning_scale.record.stats.fields import BLOCKS_SPAN, Col, Entry
 from lightning_scale.record.stats.layout import DEVICE_SCRATCH_FLOOR, SCRATCH_FLOOR, piece_size
@@ -35,9 +39,17 @@ def _columns(x: Tensor, groups: Collection[str]) -> List[Tuple[slice, Tensor]]:
     wide = 2 if x.dtype == torch.float64 else 1
     out: List[Tuple[slice, Tensor]] = []
     if "blocks" in groups:
-        out.append((BLOCKS_SPAN, torch.stack(block_fields(x, piece_size(x, _SCRATCH["blocks"] * wide, floor)))))
+        fast = native.blocks(x) if x.device.type == "cpu" else None
+        if fast is not None:
+            out.append((BLOCKS_SPAN, torch.from_numpy(fast)))
+        else:
+            out.append((BLOCKS_SPAN, torch.stack(block_fields(x, piece_size(x, _SCRATCH["blocks"] * wide, floor)))))
     if "kurtosis" in groups:
-        out.append((_MOMENTS, moments_row(x, piece_size(x, _SCRATCH["kurtosis"] * wide, floor))[3:5]))
+        fast = native.moments(x) if x.device.type == "cpu" else None
+        if fast is not None:
+            out.append((_MOMENTS, torch.from_numpy(fast[3:5])))
+        else:
+            out.append((_MOMENTS, moments_row(x, piece_size(x, _SCRATCH["kurtosis"] * wide, floor))[3:5]))
     return out
 
 

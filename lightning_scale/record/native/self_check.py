@@ -1,0 +1,105 @@
+"""The native kernel's self-check, run once after it is built and loaded: each kernel on a
+few values against numpy float64 (no torch op runs here: their first use would page in code,
+counted as memory by whoever measures the first tracked step)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+__all__ = ["failure"]
+
+
+class _Failed(Exception):
+    pass
+
+
+def failure(kernels: Any) -> Optional[str]:
+    """Why the loaded ``kernels`` (``native``'s, with their ``call*`` methods) cannot be
+    trusted, as a message starting "self-check failed", or None where every check passes."""
+    try:
+        _sums(kernels)
+        _blocks(kernels)
+        _moments(kernels)
+    except _Failed as why:
+        return str(why)
+    return None
+
+
+def _sums(kernels: Any) -> None:
+    """Every kernel against float64 on values that exercise the vector body, the chunk
+    boundaries and the scalar tail, contiguous and in strided rows. In numpy, on numpy
+    arrays: no torch op runs here (their first use would page in code, counted as memory
+    by whoever measures the first tracked step)."""
+    values = (np.arange(-1300, 1301, dtype=np.float64) / 7.0) ** 3 / 1e4
+    values[5] = 0.0  # (with the middle one, two zeros)
+    f32 = values.astype(np.float32)
+    data = {torch.float32: f32, torch.bfloat16: (f32.view(np.uint32) >> 16).astype(np.uint16)}  # bf16: truncated
+    exact = {
+        torch.float32: f32.astype(np.float64),
+        torch.bfloat16: ((data[torch.bfloat16].astype(np.uint32) << 16).view(np.float32)).astype(np.float64),
+    }
+    bounds = np.array(
+        [1, 0x3A800000, 0x3F800000, 0x42C80000, 0x7F000000], dtype=np.int32
+    )  # tiny, 2**-10, 1, 100, 2**127
+    for dtype in kernels.dtypes:
+        flat, ref = data[dtype], exact[dtype]
+        wide = np.zeros((3, 1000), dtype=flat.dtype)  # rows of 867 in rows of 1000
+        wide[:, :867] = flat[: 3 * 867].reshape(3, 867)
+        for array, layout, want in ((flat, (1, flat.size, flat.size), ref), (wide, (3, 867, 1000), ref[: 3 * 867])):
+            mags = np.abs(want)
+            for with_max in (False, True):
+                got = kernels.call(dtype, array.ctypes.data, *layout, with_max)
+                if not (_sums_close(got, want) and got[2] == (mags.max() if with_max else -1.0)):
+                    expected = (want.sum(), (want * want).sum(), mags.max())
+                    raise _Failed(f"self-check failed for {dtype} (max: {with_max}): got {got}, expected {expected}")
+            out, counts = kernels.call_all(dtype, array.ctypes.data, *layout, bounds)
+            expect_counts = [(mags < b).sum() for b in bounds.view(np.float32).astype(np.float64)]
+            if not (
+                _sums_close(out, want)
+                and list(counts) == expect_counts
+                and out[2] == mags.max()
+                and out[3] == mags[mags > 0].min()
+                and out[4] == 0
+            ):
+                raise _Failed(
+                    f"self-check failed for {dtype} (every group): got {list(out)}, {list(counts)}, "
+                    f"expected counts {expect_counts}"
+                )
+
+
+def _blocks(kernels: Any) -> None:
+    """The block kernel on one padded block whose MXFP4 cast is known: scale 2^0, q = 1, 3,
+    -0, 6, 0 (0.2 and 0.001 flush), the squares in float64."""
+    x = np.array([1.0, 3.3, -0.2, 7.9, 0.001], dtype=np.float32)
+    for dtype in kernels.dtypes:
+        data = x if dtype == torch.float32 else (x.view(np.uint32) >> 16).astype(np.uint16)
+        ref = x.astype(np.float64) if dtype == torch.float32 else (data.astype(np.uint32) << 16).view(np.float32)
+        ref = ref.astype(np.float64)
+        err = ((np.array([1.0, 3.0, 0.0, 6.0, 0.0]) - ref) ** 2).sum()
+        got = kernels.call_blocks(dtype, data.ctypes.data, 1, 5, 5)
+        if not (got[7] == (ref * ref).sum() and got[8] == 2 and abs(got[6] - err) <= 1e-12 * err):
+            raise _Failed(f"self-check failed for {dtype} (blocks): got {list(got)}")
+
+
+def _moments(kernels: Any) -> None:
+    """The moments kernel against numpy float64 on values far from 0 (a mean 1e4 standard
+    deviations away), over chunk boundaries and a tail, a NaN and an Inf left out."""
+    x = (1e4 + np.sin(np.arange(2500)) + (np.arange(2500) % 7) ** 2 / 10.0).astype(np.float32)
+    x[10], x[2000] = np.nan, np.inf
+    v = x[np.isfinite(x)].astype(np.float64)
+    d = v - v.mean()
+    want = [v.size, v.mean(), (d**2).sum(), (d**3).sum(), (d**4).sum()]
+    got = kernels.call_moments(torch.float32, x.ctypes.data, 1, x.size, x.size)
+    scale = [1, v.mean(), want[2], np.abs(d**3).sum(), want[4]]
+    if not all(abs(g - w) <= 1e-9 * s for g, w, s in zip(got, want, scale)):
+        raise _Failed(f"self-check failed (moments): got {list(got)}, expected {want}")
+
+
+def _sums_close(got: Any, want: np.ndarray) -> bool:
+    """A kernel's sum within 1e-6 of the sum of magnitudes (these values cancel) and its
+    sum of squares within 1e-6 of float64's."""
+    squares = (want * want).sum()
+    return bool(abs(got[0] - want.sum()) <= 1e-6 * np.abs(want).sum() and abs(got[1] - squares) <= 1e-6 * squares)
