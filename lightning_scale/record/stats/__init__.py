@@ -147,8 +147,8 @@ def record_of(
         return out
     if not host_reads and kernels.uses_triton(x, kernel):
         row = torch.empty(len(FIELDS), dtype=torch.float64, device=x.device)
-        kernels.record_into(x, groups, row)
-        torch_groups.fill(x, groups, row)  # (groups the kernel does not compute)
+        left = kernels.record_into(x, groups, row)
+        torch_groups.fill(x, left, row)  # (groups the kernel left: blocks of a strided last dim)
         return list(row.unbind(0))
     if host_reads:
         _host_fields(x, groups, out)
