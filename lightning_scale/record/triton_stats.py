@@ -60,7 +60,7 @@ from lightning_scale.record.stats.fields import (
     IX,
     Col,
 )
-from lightning_scale.record.stats.layout import Grid, row_grid, strided_grid
+from lightning_scale.record.stats.layout import Grid, dense_order, row_grid, strided_grid
 from lightning_scale.record.triton_blocks import block_sums, round_to_grid
 from lightning_scale.record.triton_moments import merge_higher, tile_moments, unit_scale
 
@@ -371,10 +371,15 @@ def _bounds(device: torch.device) -> Tensor:
 
 
 def _grid(x: Tensor, blocks: bool) -> Tuple[Grid, bool]:
-    """How ``x`` is read, and whether along its last dimension (``row_grid``: for the block
-    what-ifs, where it is contiguous there); else as flat rows or two strided dimensions
-    (``strided_grid``), else from a copy (three or more dimensions that no stride order
-    makes dense: rare)."""
+    """How ``x`` is read, and whether its tiles' rows hold whole blocks of its last
+    dimension (for the block what-ifs): a dense ``x`` whose last dimension is innermost and
+    a multiple of 32 as flat rows of ``_BC`` (blocks never straddle them), else along its
+    last dimension where it is contiguous there (``row_grid``); otherwise as flat rows or
+    two strided dimensions (``strided_grid``), else from a copy (three or more dimensions
+    that no stride order makes dense: rare)."""
+    k = x.shape[-1] if x.dim() else 1
+    if blocks and k % 32 == 0 and x.stride(-1) == 1 and dense_order(x) is not None:
+        return (x, x.numel(), -(-x.numel() // _BC), _BC, _BC, 1), True
     lay = row_grid(x) if blocks else None
     if lay is not None:
         return lay, True
@@ -403,7 +408,7 @@ def record_into(x: Tensor, groups: Collection[str], row: Tensor, block: Optional
     block = min(block, max(_BC, triton.next_power_of_2(x.numel())))  # (short tensors: no empty lanes)
     (t, n, m, k, s0, s1), blocks = _grid(x, "blocks" in groups)
     bc = min(_BC, triton.next_power_of_2(max(k, 32 if blocks else 1)))  # (blocks: whole blocks a row)
-    br = block // bc
+    br = min(block // bc, triton.next_power_of_2(m))  # (few rows: no empty ones)
     tiles_n = -(-k // bc)
     ntiles = -(-m // br) * tiles_n
     programs = min(ntiles, _programs(x.device))
