@@ -200,3 +200,14 @@ def test_every_group_costs_no_torch_kernel(monkeypatch: pytest.MonkeyPatch) -> N
             rec.observe(x.shape, x)
         assert set(counter.names()) <= NO_KERNEL, counter.ops
         assert not counter.full, counter.full
+
+
+def test_float64_quotients_round_to_the_float32_quotients_nvfp4_takes() -> None:
+    """The kernel takes NVFP4's ``amax / 6`` and ``1 / scale`` in float64 rounded to float32 (a
+    GPU's float32 division is approximate): the correctly rounded float32 quotient, for every
+    float32 mantissa over 6 and every E4M3 scale (the exponent only shifts the quotient)."""
+    mantissas = torch.arange(1 << 23, 1 << 24, dtype=torch.float64)
+    assert torch.equal((mantissas / 6.0).float(), mantissas.float() / torch.tensor(6.0))
+    scales = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    scales = scales[torch.isfinite(scales) & (scales >= 2.0**-6)].unique()
+    assert torch.equal((1.0 / scales.double()).float(), torch.tensor(1.0) / scales)

@@ -4,7 +4,8 @@
 records merge: one table names each field, its group and its reduction); ``host`` is the
 path for tensors in host memory, ``device`` the one that reads nothing back, ``formats``,
 ``fp8``, ``blocks`` and ``outliers`` the optional groups (the last two computed by torch
-code on every path: ``torch_groups``), ``layout`` how a tensor is read in place (dense views,
+code after the host kernel and torch's device kernels, ``torch_groups``; inside the fused
+Triton kernel's read otherwise), ``layout`` how a tensor is read in place (dense views,
 strided grids) and in bounded pieces (a large tensor's temporaries stay within
 ``layout.scratch_bytes``).
 

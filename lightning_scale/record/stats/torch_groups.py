@@ -1,10 +1,12 @@
-"""The groups only torch code computes, on every path: ``blocks`` (the MXFP8, MXFP4 and
-NVFP4 what-ifs, ``blocks.py``) and ``kurtosis`` (the third and fourth central moments,
+"""The groups torch code computes after a kernel: ``blocks`` (the MXFP8, MXFP4 and NVFP4
+what-ifs, ``blocks.py``) and ``kurtosis`` (the third and fourth central moments,
 ``outliers.py``).
 
-Neither the native host kernel nor the Triton kernel computes them: where a record comes
-from one of those, these fields are filled afterwards by ``fill``, which reads the tensor
-once more per group, in pieces whose temporaries stay within ``layout.scratch_bytes``.
+The fused Triton kernel computes both in its one read (``triton_stats``), except
+``blocks`` of a tensor whose last dimension is not contiguous: it says so, and ``fill``
+is given what it left. On the host path and with torch's device kernels ``fill``
+computes both, reading the tensor once more per group, in pieces whose temporaries stay
+within ``layout.scratch_bytes``.
 """
 
 from __future__ import annotations
