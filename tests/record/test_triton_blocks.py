@@ -15,6 +15,8 @@ from typing import Callable, Dict, Tuple
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import Tensor
 
 from lightning_scale import Recorder, stats
@@ -136,6 +138,44 @@ def test_tiles_and_programs_merge(shape: tuple) -> None:
     got = fused(x, block=256)
     assert_blocks(got, x)
     assert_moments(got, x)
+
+
+@pytest.mark.parametrize("layout", ["row_slice", "permuted_dense", "permuted_rows", "bf16_slice"])
+def test_layouts_read_in_place_give_the_sums_of_the_contiguous_copy(layout: str) -> None:
+    """Rows of a wider matrix (row stride 100, not 70), leading dimensions permuted (dense and
+    a multiple of 32: read flat; 40 columns: rows of the last dimension, leading dimensions
+    collapsed by stride), a bfloat16 slice: the same sums as the contiguous copy's."""
+    g = _gen(12)
+    if layout == "row_slice":
+        x = torch.randn(9, 100, generator=g)[:, :70]
+    elif layout == "permuted_dense":
+        x = torch.randn(4, 6, 64, generator=g).permute(1, 0, 2)
+    elif layout == "permuted_rows":
+        x = torch.randn(3, 5, 40, generator=g).permute(1, 0, 2)
+    else:
+        x = torch.randn(7, 48, generator=g).bfloat16()[:, 5:38]
+    assert not x.is_contiguous()
+    assert_blocks(fused(x), x.contiguous())
+
+
+@given(
+    st.sampled_from(DTYPES),
+    st.integers(1, 40),
+    st.integers(1, 130),
+    st.integers(0, 2**31),
+    st.sampled_from([1.0, 2.0**-140, 1e-42, 1e30, 0.7e38]),
+    st.lists(st.sampled_from([0.0, math.nan, math.inf, -math.inf, 1e-45, 3e38, 6.0, 448.0]), max_size=5),
+)
+@settings(max_examples=25, deadline=None)
+def test_hard_tensors(dtype: torch.dtype, rows: int, cols: int, seed: int, scale: float, specials: list) -> None:
+    """Any last dimension (1 to 130), scales from float32 subnormals to near its largest,
+    NaN, ±Inf and values at the formats' edges dropped in: the torch code's sums."""
+    big = float(torch.finfo(dtype).max)
+    x = (torch.randn(rows, cols, generator=_gen(seed), dtype=torch.float64) * scale).clamp(-big, big)
+    for i, v in enumerate(specials):
+        x.view(-1)[(seed + 7919 * i) % x.numel()] = min(v, big)
+    x = x.to(dtype)
+    assert_blocks(fused(x), x)
 
 
 def reference_moments(x: Tensor) -> Tuple[float, float, float, float]:
