@@ -30,8 +30,9 @@ Layouts: contiguous and densely permuted tensors are read as one flat array, a t
 whose dimensions collapse to two strided ones (q, k, v slices) in place by its strides;
 anything else is copied once. With ``blocks``, a tensor contiguous along its last
 dimension is read as rows of it (``layout.row_grid``; ``BC`` >= 32, a multiple of the
-blocks; a last dimension short of a block costs masked lanes); otherwise the kernel leaves
-``blocks`` to torch code and says so (``record_into``'s return).
+blocks; a last dimension short of a block costs masked lanes); a tensor read in place
+whose last dimension is strided (a transpose) leaves ``blocks`` to torch code, and the
+kernel says so (``record_into``'s return).
 
 ``BLOCK`` (elements per tile): 4096 on a GPU (16 x 256), 65536 under Triton's interpreter
 (``TRITON_INTERPRET=1``, how the kernel is tested on CPU), where each tile costs a few
@@ -375,17 +376,16 @@ def _grid(x: Tensor, blocks: bool) -> Tuple[Grid, bool]:
     dimension (for the block what-ifs): a dense ``x`` whose last dimension is innermost and
     a multiple of 32 as flat rows of ``_BC`` (blocks never straddle them), else along its
     last dimension where it is contiguous there (``row_grid``); otherwise as flat rows or
-    two strided dimensions (``strided_grid``), else from a copy (three or more dimensions
-    that no stride order makes dense: rare)."""
+    two strided dimensions (``strided_grid``), else from a contiguous copy (three or more
+    dimensions that no stride order makes dense: rare; blocks then read from the copy)."""
     k = x.shape[-1] if x.dim() else 1
     if blocks and k % 32 == 0 and x.stride(-1) == 1 and dense_order(x) is not None:
         return (x, x.numel(), -(-x.numel() // _BC), _BC, _BC, 1), True
     lay = row_grid(x) if blocks else None
     if lay is not None:
         return lay, True
-    lay = strided_grid(x, _BC) or strided_grid(x.contiguous(), _BC)
-    assert lay is not None
-    return lay, False
+    lay = strided_grid(x, _BC)
+    return (lay, False) if lay is not None else _grid(x.contiguous(), blocks)
 
 
 def record_into(x: Tensor, groups: Collection[str], row: Tensor, block: Optional[int] = None) -> FrozenSet[str]:
@@ -395,7 +395,8 @@ def record_into(x: Tensor, groups: Collection[str], row: Tensor, block: Optional
     asked for are NaN. Two launches (``fp8``: four, two reads of ``x``); no host read.
 
     Returns the asked groups it left NaN for torch code (``stats.torch_groups.fill``):
-    ``blocks`` where ``x``'s last dimension is not contiguous (``row_grid``), else none.
+    ``blocks`` where ``x`` is read in place with a strided last dimension (a transpose),
+    else none.
 
     Args:
         block: elements per tile, a power of two >= 256 (default ``GPU_BLOCK``, or

@@ -140,11 +140,12 @@ def test_tiles_and_programs_merge(shape: tuple) -> None:
     assert_moments(got, x)
 
 
-@pytest.mark.parametrize("layout", ["row_slice", "permuted_dense", "permuted_rows", "bf16_slice"])
+@pytest.mark.parametrize("layout", ["row_slice", "permuted_dense", "permuted_rows", "bf16_slice", "copied"])
 def test_layouts_read_in_place_give_the_sums_of_the_contiguous_copy(layout: str) -> None:
     """Rows of a wider matrix (row stride 100, not 70), leading dimensions permuted (dense and
     a multiple of 32: read flat; 40 columns: rows of the last dimension, leading dimensions
-    collapsed by stride), a bfloat16 slice: the same sums as the contiguous copy's."""
+    collapsed by stride), a bfloat16 slice, leading dimensions that collapse in no order (read
+    from a contiguous copy, the blocks too): the same sums as the contiguous copy's."""
     g = _gen(12)
     if layout == "row_slice":
         x = torch.randn(9, 100, generator=g)[:, :70]
@@ -152,8 +153,10 @@ def test_layouts_read_in_place_give_the_sums_of_the_contiguous_copy(layout: str)
         x = torch.randn(4, 6, 64, generator=g).permute(1, 0, 2)
     elif layout == "permuted_rows":
         x = torch.randn(3, 5, 40, generator=g).permute(1, 0, 2)
-    else:
+    elif layout == "bf16_slice":
         x = torch.randn(7, 48, generator=g).bfloat16()[:, 5:38]
+    else:
+        x = torch.randn(4, 6, 40, generator=g)[:, :3]
     assert not x.is_contiguous()
     assert_blocks(fused(x), x.contiguous())
 
