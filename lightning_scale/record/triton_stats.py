@@ -31,8 +31,9 @@ whose dimensions collapse to two strided ones (q, k, v slices) in place by its s
 anything else is copied once. With ``blocks``, a tensor contiguous along its last
 dimension is read as rows of it (``layout.row_grid``; ``BC`` >= 32, a multiple of the
 blocks; a last dimension short of a block costs masked lanes); a tensor read in place
-whose last dimension is strided (a transpose) leaves ``blocks`` to torch code, and the
-kernel says so (``record_into``'s return).
+whose last dimension is strided (a transpose) or whose rows lie at no single stride (a
+slice of a middle dimension) leaves ``blocks`` to torch code, and the kernel says so
+(``record_into``'s return).
 
 ``BLOCK`` (elements per tile): 4096 on a GPU (16 x 256), 65536 under Triton's interpreter
 (``TRITON_INTERPRET=1``, how the kernel is tested on CPU), where each tile costs a few
@@ -395,8 +396,8 @@ def record_into(x: Tensor, groups: Collection[str], row: Tensor, block: Optional
     asked for are NaN. Two launches (``fp8``: four, two reads of ``x``); no host read.
 
     Returns the asked groups it left NaN for torch code (``stats.torch_groups.fill``):
-    ``blocks`` where ``x`` is read in place with a strided last dimension (a transpose),
-    else none.
+    ``blocks`` where ``x`` is read in place with a strided last dimension (a transpose) or
+    rows at no single stride (a slice of a middle dimension), else none.
 
     Args:
         block: elements per tile, a power of two >= 256 (default ``GPU_BLOCK``, or

@@ -156,7 +156,7 @@ def test_layouts_read_in_place_give_the_sums_of_the_contiguous_copy(layout: str)
     elif layout == "bf16_slice":
         x = torch.randn(7, 48, generator=g).bfloat16()[:, 5:38]
     else:
-        x = torch.randn(4, 6, 40, generator=g)[:, :3]
+        x = torch.randn(4, 6, 5, 40, generator=g)[:, :3, :4]  # (three strided dimensions)
     assert not x.is_contiguous()
     assert_blocks(fused(x), x.contiguous())
 
@@ -209,13 +209,16 @@ def test_kurtosis_moments_equal_float64(dtype: torch.dtype, offset: float) -> No
 
 
 def test_a_strided_last_dimension_leaves_blocks_to_torch_code(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A transposed tensor (last dimension strided): the kernel says it left ``blocks`` NaN, and
-    ``record_of`` and the recorder fill them with torch code; a contiguous one: nothing left."""
+    """A transposed tensor (last dimension strided) or a slice of a middle dimension (rows at no
+    single stride): the kernel says it left ``blocks`` NaN, and ``record_of`` and the recorder
+    fill them with torch code; a contiguous one: nothing left."""
     x = torch.randn(70, 48, generator=_gen(9)).t()
     row = torch.full((len(stats.FIELDS),), -7.0, dtype=torch.float64)
     assert triton_stats.record_into(x, EVERY, row) == frozenset({"blocks"})
     assert row[BLOCK_COLS].isnan().all() and not row[[stats.Col.M3, stats.Col.M4]].isnan().any()
     assert triton_stats.record_into(x.contiguous(), EVERY, row) == frozenset()
+    middle = torch.randn(4, 6, 40, generator=_gen(10))[:, :3]  # two strided dimensions read in place, rows not one
+    assert triton_stats.record_into(middle, EVERY, row) == frozenset({"blocks"})
     want = stats.assemble([stats.record_of(x, EVERY, host_reads=False, kernel="torch")])[0]
     monkeypatch.setenv(kernels.ENV, "triton")
     rec = Recorder(EVERY, host_reads=False)
