@@ -1,6 +1,7 @@
 """Cost of one record on the accelerator path, per statistic group and kernel (CPU counts).
 
-For each group set and each kernel (``triton``: the fused kernel, run by Triton's
+For each group set (``every group``: moments, range, formats, fp8, the block what-ifs and
+kurtosis) and each kernel (``triton``: the fused kernel, run by Triton's
 interpreter on the CPU, the very launches a GPU gets; ``torch``: torch's kernels), one
 ``Recorder(groups, host_reads=False)`` records a 1M-element float32 tensor and a
 bfloat16 one, and this counts per record:
@@ -31,8 +32,10 @@ import workload  # noqa: F401 - puts the checkout's package on sys.path
 
 GROUPS = {
     "std (moments)": ("moments",),
-    "every group": ("moments", "range", "formats"),
+    "moments, range, formats": ("moments", "range", "formats"),
     "std + fp8": ("moments", "fp8"),
+    "std + blocks + kurtosis": ("moments", "blocks", "kurtosis"),
+    "every group": ("moments", "range", "formats", "fp8", "blocks", "kurtosis"),
 }
 KERNELS = ("triton", "torch")
 NUMEL = 1 << 20

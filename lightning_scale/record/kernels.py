@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Collection, Optional
+from typing import Collection, FrozenSet, Optional
 
 import torch
 from torch import Tensor
@@ -84,11 +84,11 @@ def uses_triton(x: Tensor, kernel: Optional[str] = None) -> bool:
     return True
 
 
-def record_into(x: Tensor, groups: Collection[str], row: Tensor) -> None:
-    """``triton_stats.record_into`` (see there)."""
+def record_into(x: Tensor, groups: Collection[str], row: Tensor) -> FrozenSet[str]:
+    """``triton_stats.record_into`` (see there): returns the asked groups left to torch code."""
     from lightning_scale.record import triton_stats
 
-    triton_stats.record_into(x, groups, row)
+    return triton_stats.record_into(x, groups, row)
 
 
 def status(device: torch.device, host_reads: Optional[bool] = None) -> str:

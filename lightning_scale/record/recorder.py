@@ -208,8 +208,8 @@ class Recorder:
                 entry = fast
             elif not host and n and kernels.uses_triton(x, self.kernel):
                 entry = self._buffer.take(x.device)
-                kernels.record_into(x, self._groups, entry)
-                stats.torch_groups.fill(x, self._groups, entry)  # (groups the kernel does not compute)
+                left = kernels.record_into(x, self._groups, entry)
+                stats.torch_groups.fill(x, left, entry)  # (groups the kernel left: blocks of a strided last dim)
             else:
                 entry = stats.record_of(x, self._groups, host, self.kernel)
         self._rows.append((slot, direction, entry))

@@ -5,61 +5,73 @@ groups, ``FIELDS`` order, float64) into ``row``, a slice of the step's record bu
 ``x``'s device, without a host read:
 
 1. ``_tiles_kernel`` reads each element once. Each program walks tiles of ``BR x BC``
-   elements (grid-stride) and keeps, in registers, per tile: the count of finite values,
-   their mean and sum of squared deviations (below), NaN, +Inf and -Inf counts, max |x|
-   over the finite values, least nonzero |x|, the zeros and every format count
-   (compares of |x|'s bits with each bound's bits: exact, whatever the hardware does
-   with subnormals). Tiles merge into the program's running moments in float64 by
-   Chan's formula; each program writes one partial row.
-2. ``_finish_kernel``, one program, merges the partial rows (float64, Chan's formula in
-   its vector form: mean = sum(n_i mean_i) / n, m2 = sum(m2_i) + sum(n_i (mean_i - mean)^2))
-   and writes the record row.
-3. With the ``fp8`` group, ``_fp8_kernel`` reads ``x`` a second time (the amax must be
-   known first) and quantises each element as ``torch``'s cast would, and
-   ``_fp8_finish_kernel`` adds its partials into the row.
+   elements (grid-stride) and keeps per tile: the finite values' count, mean, m2 (and m3,
+   m4 with ``kurtosis``), NaN, +Inf and -Inf counts, max |x| of the finite values, least
+   nonzero |x|, zeros and format counts (compares of |x|'s bits with each bound's bits:
+   exact, whatever the hardware does with subnormals), and with ``blocks`` the MXFP8,
+   MXFP4 and NVFP4 what-if sums (``triton_blocks``: a block's amax is local to the tile).
+   Tiles merge into the program's running moments in float64 (Chan's formula; Pébay's
+   for m3, m4); each program writes one partial row.
+2. ``_finish_kernel``, one program, merges the partial rows (float64, the vector form:
+   mean = sum(n_i mean_i) / n, m2 = sum(m2_i) + sum(n_i d_i^2), d_i = mean_i - mean, m3
+   and m4 moved likewise) and writes the record row.
+3. With ``fp8``, ``_fp8_kernel`` reads ``x`` a second time (the per-tensor amax must be
+   known first), quantises as ``torch``'s cast, and ``_fp8_finish_kernel`` adds its partials.
 
 The moments of one tile: ``s = 2**-e`` with ``e`` the exponent of the tile's max |x|
-(from its bits; clamped to normal powers), ``y = x * s`` (exact, |y| < 2: squares neither
+(from its bits; clamped to normal powers), ``y = x * s`` (exact, |y| < 2: powers neither
 overflow nor underflow, values near float32's largest included), ``c`` = float32 of the
-tile's float64 mean of ``y``, ``d = y - c`` (exact near ``c``), then ``mean = (c + sum(d)
-/ k) / s`` and ``m2 = (sum(d^2) - sum(d)^2 / k) / s^2``. Sums run in float32 along the
-tile's rows of ``BC`` (<= 256) elements and in float64 across rows, so a large |mean|
-next to a small std costs nothing: no cancellation anywhere.
+tile's float64 mean of ``y``, ``d = y - c`` (exact near ``c``); the central moments follow
+from the sums of powers of ``d`` (``r = sum(d) / k``: ``m2 = sum(d^2) - k r^2`` and so
+on), divided by powers of ``s``. Sums run in float32 along the tile's rows of ``BC`` (<=
+256) elements and in float64 across rows: a large |mean| next to a small std costs nothing.
 
-Layouts: contiguous and densely permuted tensors (transposes) are read as one flat
-array, a tensor whose dimensions collapse to two strided ones (q, k, v slices of a
-fused projection) in place by its strides; anything else is copied once.
+Layouts: contiguous and densely permuted tensors are read as one flat array, a tensor
+whose dimensions collapse to two strided ones (q, k, v slices) in place by its strides;
+anything else is copied once. With ``blocks``, a tensor contiguous along its last
+dimension is read as rows of it (``layout.row_grid``; ``BC`` >= 32, a multiple of the
+blocks; a last dimension short of a block costs masked lanes); a tensor read in place
+whose last dimension is strided (a transpose) or whose rows lie at no single stride (a
+slice of a middle dimension) leaves ``blocks`` to torch code, and the kernel says so
+(``record_into``'s return).
 
-``BLOCK`` (elements per tile) is a parameter: 4096 on a GPU (16 x 256: a few registers
-a thread), 65536 under Triton's interpreter (``TRITON_INTERPRET=1``, how the kernel is
-tested on CPU), where each tile costs a few numpy calls and larger tiles are faster
-(1M elements: ~5 s at 1024, ~0.1 s at 64K).
-
-Each variant (input dtype, groups, stride specialisations) is compiled by Triton the
-first time it runs (a second or so, cached on disk after that). Import this module only
-where Triton is importable (``lightning_scale.record.kernels`` decides).
+``BLOCK`` (elements per tile): 4096 on a GPU (16 x 256), 65536 under Triton's interpreter
+(``TRITON_INTERPRET=1``, how the kernel is tested on CPU), where each tile costs a few
+numpy calls. Each variant (dtype, groups, strides) is compiled on first use. Import this
+module only where Triton is importable (``lightning_scale.record.kernels`` decides).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Collection, Dict, Optional
+from typing import Collection, Dict, FrozenSet, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_scale.record.stats.fields import FIELDS, FORMAT_FIELDS, FORMATS, FP8_DTYPES, FP8_SPAN, IX, Col
-from lightning_scale.record.stats.layout import strided_grid
+from lightning_scale.record.stats.fields import (
+    BLOCKS_SPAN,
+    FIELDS,
+    FORMAT_FIELDS,
+    FORMATS,
+    FP8_DTYPES,
+    FP8_SPAN,
+    IX,
+    Col,
+)
+from lightning_scale.record.stats.layout import Grid, dense_order, row_grid, strided_grid
+from lightning_scale.record.triton_blocks import block_sums, round_to_grid
+from lightning_scale.record.triton_moments import merge_higher, tile_moments, unit_scale
 
 __all__ = ["GPU_BLOCK", "INTERPRETER_BLOCK", "interpreted", "record_into", "tile_index"]
 
 GPU_BLOCK = 4096
 INTERPRETER_BLOCK = 65536
 _BC = 256  # row length of a tile: float32 sums along it, float64 across rows
-_PW = 32  # width of a partial row of _tiles_kernel
+_PW = 64  # width of a partial row of _tiles_kernel: the whole record
 _PW8 = 8  # ... of _fp8_kernel
 _CH = 64  # partial rows the finishing kernels take at a time
 _F = len(FIELDS)
@@ -70,14 +82,15 @@ _FP80 = FP8_SPAN.start
 # in the first column the kernel leaves free (fp8's: _fp8_kernel's sums go elsewhere).
 _COUNT, _MEAN, _M2, _ABSMAX = (tl.constexpr(c) for c in (Col.COUNT, Col.MEAN, Col.M2, Col.ABSMAX))
 _NAN, _INF, _ZEROS, _MINNZ = (tl.constexpr(c) for c in (Col.NAN, Col.INF, Col.ZEROS, Col.MIN_NONZERO))
+_M3, _M4 = tl.constexpr(Col.M3), tl.constexpr(Col.M4)
+_BLK0 = tl.constexpr(BLOCKS_SPAN.start)  # the block what-ifs' sums, BLOCK_FIELDS order
 _PINF = tl.constexpr(FP8_SPAN.start)
 _FMT0 = tl.constexpr(IX[FORMAT_FIELDS[0]])  # per format, three slots: underflow, below_normal, overflow
 _NFMT = tl.constexpr(len(FORMATS))
-# Partial rows hold the record's first _PW columns; the finishing kernel writes the fields
-# after them (of groups it does not compute: torch code fills them, ``stats.torch_groups``) NaN.
+# Partial rows hold the record's columns (fp8's excepted: _fp8_kernel's), at their own places.
 assert (
-    FP8_SPAN.stop <= _PW
-    and _F <= 2 * _PW
+    _F <= _PW
+    and BLOCKS_SPAN.stop - BLOCKS_SPAN.start == 12
     and FORMAT_FIELDS == tuple(f"{k}_{f}" for f in FORMATS for k in ("underflow", "below_normal", "overflow"))
 )
 # Slots of a partial row of _fp8_kernel: FP8_FIELDS order (per format: sq_err, sq, flushed).
@@ -110,26 +123,6 @@ def tile_index(t, tiles_n, r, c, BR: tl.constexpr, BC: tl.constexpr):
     t64 = tl.cast(t, tl.int64)  # (a Python int in the interpreter's loops)
     tm = t64 // tiles_n
     return tm * BR + r.to(tl.int64), (t64 - tm * tiles_n) * BC + c.to(tl.int64)
-
-
-@triton.jit
-def _tile_moments(v, fin):
-    """(count, mean, m2) of the finite values of a tile (float64), and the bits of their
-    max |x|: scaled by a power of two, shifted by their float32 mean (module docstring)."""
-    ab = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    tile_top = tl.max(tl.where(fin, ab, 0))
-    # s = 2**-e, e = exponent of the tile's max |x|, kept a normal power of two
-    e = tl.minimum(tl.maximum((tile_top >> 23) - 127, -126), 126)
-    s = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    y = tl.where(fin, v * s, 0.0)
-    k = tl.sum(fin.to(tl.int32)).to(tl.float64)
-    kk = tl.maximum(k, 1.0)
-    shift = (tl.sum(tl.sum(y, axis=1).to(tl.float64), axis=0) / kk).to(tl.float32)
-    d = tl.where(fin, y - shift, 0.0)
-    sd = tl.sum(tl.sum(d, axis=1).to(tl.float64), axis=0)
-    sd2 = tl.sum(tl.sum(d * d, axis=1).to(tl.float64), axis=0)
-    s64 = s.to(tl.float64)
-    return k, (shift.to(tl.float64) + sd / kk) / s64, tl.maximum(sd2 - sd * (sd / kk), 0.0) / s64 / s64, tile_top
 
 
 @triton.jit
@@ -173,6 +166,8 @@ def _tiles_kernel(
     FORMATS: tl.constexpr,
     PW: tl.constexpr,
     BF16: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    KURT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     r = tl.arange(0, BR)[:, None]
@@ -181,6 +176,8 @@ def _tiles_kernel(
     cnt = tl.cast(0.0, tl.float64)
     mean = tl.cast(0.0, tl.float64)
     m2 = tl.cast(0.0, tl.float64)
+    m3 = tl.cast(0.0, tl.float64)
+    m4 = tl.cast(0.0, tl.float64)
     top = tl.cast(0, tl.int32)  # bits of max |x| over finite values
     low = tl.cast(0x7F800000, tl.int32)  # bits of least nonzero |x| (NaN left out; inf if none)
     counts = tl.zeros([PW], dtype=tl.float64)
@@ -190,10 +187,15 @@ def _tiles_kernel(
         v = _load(x_ptr, i * s0 + j * s1, valid, BF16)
         bits = v.to(tl.int32, bitcast=True)
         ab = bits & 0x7FFFFFFF
-        k, tile_mean, tile_m2, tile_top = _tile_moments(v, valid & (ab < 0x7F800000))
-        total = cnt + k  # Chan, Golub and LeVeque: merge the tile into the running moments
+        fin = valid & (ab < 0x7F800000)
+        tile_top = tl.max(tl.where(fin, ab, 0))
+        s = unit_scale(tile_top)
+        k, tile_mean, tile_m2, tile_m3, tile_m4 = tile_moments(v, fin, s, KURT)
+        total = cnt + k  # Chan, Golub and LeVeque (Pébay's for m3, m4): merge the tile into the running moments
         delta = tile_mean - mean
         w = k / tl.maximum(total, 1.0)
+        if KURT:
+            m3, m4 = merge_higher(cnt, k, delta, m2, m3, m4, tile_m2, tile_m3, tile_m4)
         mean = mean + delta * w
         m2 = m2 + tile_m2 + delta * delta * cnt * w
         cnt = total
@@ -201,7 +203,10 @@ def _tiles_kernel(
         nonzero = valid & (ab > 0) & (ab <= 0x7F800000)
         low = tl.minimum(low, tl.min(tl.where(nonzero, ab, 0x7F800000)))
         counts += _tile_counts(bits, valid, nonzero, bounds_ptr, slot, FORMATS)
+        if BLOCKS:
+            counts += block_sums(tl.where(fin, v, 0.0), fin & (ab > 0), s, slot, _BLK0, BR, BC)
     row = tl.where(slot == _COUNT, cnt, tl.where(slot == _MEAN, mean, tl.where(slot == _M2, m2, counts)))
+    row = tl.where(slot == _M3, m3, tl.where(slot == _M4, m4, row))
     row = tl.where(slot == _ABSMAX, top.to(tl.float32, bitcast=True).to(tl.float64), row)
     row = tl.where(slot == _MINNZ, low.to(tl.float32, bitcast=True).to(tl.float64), row)
     tl.store(part_ptr + pid * PW + slot, row)
@@ -220,6 +225,8 @@ def _finish_kernel(
     RANGE: tl.constexpr,
     FORMATS: tl.constexpr,
     FP8: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    KURT: tl.constexpr,
 ):
     f = tl.arange(0, PW)
     rows = tl.arange(0, CH)
@@ -240,10 +247,18 @@ def _finish_kernel(
     total = tl.sum(tl.where(f == _COUNT, sums, 0.0), axis=0)
     mean = weighted / tl.maximum(total, 1.0)
     m2 = tl.sum(tl.where(f == _M2, sums, 0.0), axis=0)
+    m3 = tl.sum(tl.where(f == _M3, sums, 0.0), axis=0)
+    m4 = tl.sum(tl.where(f == _M4, sums, 0.0), axis=0)
     for start in range(0, P, CH):  # Chan, Golub and LeVeque, all parts at once: m2 += sum(n_i (mean_i - mean)^2)
         p = start + rows
-        dev = tl.load(part_ptr + p * PW + _MEAN, mask=p < P, other=0.0) - mean
-        m2 += tl.sum(tl.load(part_ptr + p * PW + _COUNT, mask=p < P, other=0.0) * dev * dev, axis=0)
+        d = tl.load(part_ptr + p * PW + _MEAN, mask=p < P, other=0.0) - mean
+        n_d2 = tl.load(part_ptr + p * PW + _COUNT, mask=p < P, other=0.0) * d * d
+        m2 += tl.sum(n_d2, axis=0)
+        if KURT:  # each part's m3, m4 moved to the mean (stats.outliers.moved_moments)
+            m2_i = tl.load(part_ptr + p * PW + _M2, mask=p < P, other=0.0)
+            m3_i = tl.load(part_ptr + p * PW + _M3, mask=p < P, other=0.0)
+            m3 += tl.sum(d * (3.0 * m2_i + n_d2), axis=0)
+            m4 += tl.sum(d * (4.0 * m3_i + d * (6.0 * m2_i + n_d2)), axis=0)
     nans = tl.sum(tl.where(f == _NAN, sums, 0.0), axis=0)
     infs = tl.sum(tl.where(f == _INF, sums, 0.0), axis=0)
     pinf = tl.sum(tl.where(f == _PINF, sums, 0.0), axis=0)
@@ -258,30 +273,17 @@ def _finish_kernel(
     if FORMATS:
         counts = (f == _ZEROS) | ((f >= _FMT0) & (f < _FMT0 + 3 * _NFMT))
         row = tl.where(counts, sums, tl.where(f == _MINNZ, least, row))
+    if BLOCKS:
+        row = tl.where((f >= _BLK0) & (f < _BLK0 + 12), sums, row)
+    if KURT:
+        row = tl.where(f == _M3, m3, tl.where(f == _M4, m4, row))
     tl.store(out_ptr + f, row, mask=f < F)
-    tl.store(out_ptr + PW + f, tl.zeros([PW], dtype=tl.float64) + nan_, mask=PW + f < F)  # (stats.torch_groups')
     if FP8:  # per-tensor scale = fmt.max / amax rounded to float32 (from float64: correctly rounded), capped
         for k in tl.static_range(2):
             fmax = _E4_MAX if k == 0 else _E5_MAX
             scale = (fmax / top).to(tl.float32)
             scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
             tl.store(scale_ptr + k, scale.to(tl.float64))
-
-
-@triton.jit
-def _fp8_round(v, EMIN: tl.constexpr, MBITS: tl.constexpr):
-    """``v`` (float32, |v| <= the format's max) rounded to the FP8 grid, to nearest, ties
-    to even (torch's cast), by exact float32 steps: ``t = |v| / ulp`` is below 2**(MBITS+2)."""
-    bits = v.to(tl.int32, bitcast=True)
-    ab = bits & 0x7FFFFFFF
-    k = tl.maximum((ab >> 23) - 127, EMIN) - MBITS  # ulp = 2**k: the exponent's, or the subnormals'
-    t = ab.to(tl.float32, bitcast=True) * ((127 - k) << 23).to(tl.float32, bitcast=True)
-    r = tl.floor(t)
-    rest = t - r
-    odd = (r.to(tl.int32) & 1) == 1
-    r = tl.where((rest > 0.5) | ((rest == 0.5) & odd), r + 1.0, r)
-    q = r * ((127 + k) << 23).to(tl.float32, bitcast=True)
-    return tl.where(bits < 0, -q, q)
 
 
 @triton.jit
@@ -317,8 +319,8 @@ def _fp8_kernel(
         xf = tl.where(fin, v, 0.0)  # non-finite values left out (zero error, not flushed)
         nonzero = fin & (ab > 0)
         x64 = xf.to(tl.float64)
-        q4 = _fp8_round(xf * s4, _E4_EMIN, _E4_MBITS)  # E4M3 (float8_e4m3fn)
-        q5 = _fp8_round(xf * s5, _E5_EMIN, _E5_MBITS)  # E5M2
+        q4 = round_to_grid(xf * s4, _E4_EMIN, _E4_MBITS)  # E4M3 (float8_e4m3fn)
+        q5 = round_to_grid(xf * s5, _E5_EMIN, _E5_MBITS)  # E5M2
         # error in scaled units, exact in float64 (x * s has 48 bits); back in x's units at the end
         e4 = q4.to(tl.float64) - x64 * s4.to(tl.float64)
         e5 = q5.to(tl.float64) - x64 * s5.to(tl.float64)
@@ -370,11 +372,32 @@ def _bounds(device: torch.device) -> Tensor:
     return _BOUNDS[device]
 
 
-def record_into(x: Tensor, groups: Collection[str], row: Tensor, block: Optional[int] = None) -> None:
+def _grid(x: Tensor, blocks: bool) -> Tuple[Grid, bool]:
+    """How ``x`` is read, and whether its tiles' rows hold whole blocks of its last
+    dimension (for the block what-ifs): a dense ``x`` whose last dimension is innermost and
+    a multiple of 32 as flat rows of ``_BC`` (blocks never straddle them), else along its
+    last dimension where it is contiguous there (``row_grid``); otherwise as flat rows or
+    two strided dimensions (``strided_grid``), else from a contiguous copy (three or more
+    dimensions that no stride order makes dense: rare; blocks then read from the copy)."""
+    k = x.shape[-1] if x.dim() else 1
+    if blocks and k % 32 == 0 and x.stride(-1) == 1 and dense_order(x) is not None:
+        return (x, x.numel(), -(-x.numel() // _BC), _BC, _BC, 1), True
+    lay = row_grid(x) if blocks else None
+    if lay is not None:
+        return lay, True
+    lay = strided_grid(x, _BC)
+    return (lay, False) if lay is not None else _grid(x.contiguous(), blocks)
+
+
+def record_into(x: Tensor, groups: Collection[str], row: Tensor, block: Optional[int] = None) -> FrozenSet[str]:
     """Write the record of ``x`` (a non-empty float32, bfloat16 or float16 tensor on a
     device Triton supports, or on the CPU under the interpreter) into ``row``, a float64
     tensor of ``len(FIELDS)`` contiguous elements on ``x``'s device; fields of groups not
     asked for are NaN. Two launches (``fp8``: four, two reads of ``x``); no host read.
+
+    Returns the asked groups it left NaN for torch code (``stats.torch_groups.fill``):
+    ``blocks`` where ``x`` is read in place with a strided last dimension (a transpose) or
+    rows at no single stride (a slice of a middle dimension), else none.
 
     Args:
         block: elements per tile, a power of two >= 256 (default ``GPU_BLOCK``, or
@@ -385,14 +408,9 @@ def record_into(x: Tensor, groups: Collection[str], row: Tensor, block: Optional
             return record_into(x, groups, row, block)
     block = block or (INTERPRETER_BLOCK if interpreted() else GPU_BLOCK)
     block = min(block, max(_BC, triton.next_power_of_2(x.numel())))  # (short tensors: no empty lanes)
-    lay = strided_grid(x, _BC)
-    if lay is None:  # (three or more dimensions that no stride order makes dense: rare)
-        x = x.contiguous()
-        lay = strided_grid(x, _BC)
-        assert lay is not None
-    t, n, m, k, s0, s1 = lay
-    bc = min(_BC, triton.next_power_of_2(k))
-    br = block // bc
+    (t, n, m, k, s0, s1), blocks = _grid(x, "blocks" in groups)
+    bc = min(_BC, triton.next_power_of_2(max(k, 32 if blocks else 1)))  # (blocks: whole blocks a row)
+    br = min(block // bc, triton.next_power_of_2(m))  # (few rows: no empty ones)
     tiles_n = -(-k // bc)
     ntiles = -(-m // br) * tiles_n
     programs = min(ntiles, _programs(x.device))
@@ -403,22 +421,10 @@ def record_into(x: Tensor, groups: Collection[str], row: Tensor, block: Optional
     warps = {"num_warps": 8} if block >= 4096 and not interpreted() else {}
     bf16 = t.dtype == torch.bfloat16
     t = t.view(torch.int16) if bf16 else t  # (see _load)
-    _tiles_kernel[(programs,)](
-        t, part, _bounds(x.device), *args, BR=br, BC=bc, FORMATS="formats" in groups, PW=_PW, BF16=bf16, **warps
-    )
-    _finish_kernel[(1,)](
-        part,
-        row,
-        scale,
-        programs,
-        n,
-        CH=_CH,
-        PW=_PW,
-        F=_F,
-        RANGE="range" in groups,
-        FORMATS="formats" in groups,
-        FP8=fp8,
-    )
+    on = {"FORMATS": "formats" in groups, "BLOCKS": blocks, "KURT": "kurtosis" in groups}
+    _tiles_kernel[(programs,)](t, part, _bounds(x.device), *args, BR=br, BC=bc, PW=_PW, BF16=bf16, **on, **warps)
+    _finish_kernel[(1,)](part, row, scale, programs, n, CH=_CH, PW=_PW, F=_F, RANGE="range" in groups, FP8=fp8, **on)
     if fp8:
         _fp8_kernel[(programs,)](t, part8, scale, *args, BR=br, BC=bc, PW=_PW8, BF16=bf16, **warps)
         _fp8_finish_kernel[(1,)](part8, row[_FP80:], scale, programs, CH=_CH, PW=_PW8)
+    return frozenset({"blocks"} & set(groups)) - ({"blocks"} if blocks else set())

@@ -10,6 +10,8 @@ allocated (a temporary: the tests bound what recording one tensor takes with it)
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import sys
 from typing import Any, List
@@ -20,7 +22,22 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = ["OpCounter"]
 
-_TRITON_DIR = f"{os.sep}triton{os.sep}"
+
+def _triton_dir() -> str:
+    """Triton's package folder (found, not imported), with a trailing separator; a path
+    no file has where Triton is not installed. (A checkout that lies under a folder named
+    ``triton`` must not count as Triton's frames.)"""
+    spec = importlib.util.find_spec("triton")
+    places = list(spec.submodule_search_locations or []) if spec is not None else []
+    return os.path.join(os.path.realpath(places[0]), "") if places else "\x00"
+
+
+_TRITON_DIR = _triton_dir()
+
+
+@functools.lru_cache(maxsize=None)
+def _in_triton(filename: str) -> bool:
+    return os.path.realpath(filename).startswith(_TRITON_DIR)
 
 
 class OpCounter(TorchDispatchMode):
@@ -44,7 +61,7 @@ class OpCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self._allocated(func, out, args, kwargs)
         frame = sys._getframe(1)
-        while frame is not None and _TRITON_DIR not in frame.f_code.co_filename:
+        while frame is not None and not _in_triton(frame.f_code.co_filename):
             frame = frame.f_back
         if frame is None:
             self.ops.append(str(func))

@@ -220,7 +220,17 @@ def test_tile_index_is_exact_in_a_row_of_more_than_2_to_the_31_elements(row: int
     assert int((j < n_cols).sum()) == 7  # the row's last 7 elements, the rest masked
 
 
-@pytest.mark.parametrize("groups", [("moments",), ("moments", "range"), ("moments", "formats"), ("moments", "fp8")])
+@pytest.mark.parametrize(
+    "groups",
+    [
+        ("moments",),
+        ("moments", "range"),
+        ("moments", "formats"),
+        ("moments", "fp8"),
+        ("moments", "blocks"),
+        ("moments", "kurtosis"),
+    ],
+)
 def test_groups_not_asked_for_are_nan(groups: tuple) -> None:
     got = fused(torch.randn(1000), groups)
     for name in stats.FIELDS:
@@ -308,13 +318,16 @@ COMPILE = textwrap.dedent("""
         assert "needs Triton's interpreter: set TRITON_INTERPRET=1" in str(err), err
     grid = {"n": "i64", "M": "i64", "N": "i32", "s0": "i64", "s1": "i32", "tiles_n": "i32", "ntiles": "i32"}
     parts = {"part_ptr": "*fp64", "out_ptr": "*fp64", "scale_ptr": "*fp64", "P": "i32"}
-    tiles = dict(BR=16, BC=256, PW=32)
+    tiles = dict(BR=16, BC=256, PW=64)
     jobs = [
         (ts._tiles_kernel, {"x_ptr": "*i16", "part_ptr": "*fp64", "bounds_ptr": "*i32", **grid},
-         dict(**tiles, FORMATS=True, BF16=True)),
+         dict(**tiles, FORMATS=True, BF16=True, BLOCKS=True, KURT=True)),
         (ts._tiles_kernel, {"x_ptr": "*fp32", "part_ptr": "*fp64", "bounds_ptr": "*i32", **grid},
-         dict(**tiles, FORMATS=False, BF16=False)),
-        (ts._finish_kernel, {**parts, "n": "i64"}, dict(CH=64, PW=32, F=26, RANGE=True, FORMATS=True, FP8=True)),
+         dict(**tiles, FORMATS=False, BF16=False, BLOCKS=False, KURT=False)),
+        (ts._tiles_kernel, {"x_ptr": "*fp16", "part_ptr": "*fp64", "bounds_ptr": "*i32", **grid},
+         dict(BR=128, BC=32, PW=64, FORMATS=False, BF16=False, BLOCKS=True, KURT=False)),
+        (ts._finish_kernel, {**parts, "n": "i64"},
+         dict(CH=64, PW=64, F=len(ts.FIELDS), RANGE=True, FORMATS=True, FP8=True, BLOCKS=True, KURT=True)),
         (ts._fp8_kernel, {"x_ptr": "*fp16", "part_ptr": "*fp64", "scale_ptr": "*fp64", **grid},
          dict(BR=16, BC=256, PW=8, BF16=False)),
         (ts._fp8_finish_kernel, parts, dict(CH=64, PW=8)),
@@ -394,20 +407,22 @@ def test_a_fit_logs_the_kernel_and_refuses_a_bad_value(
         _fit(str(tmp_path / "b"))
 
 
-def test_torch_code_completes_the_kernels_record_with_its_groups(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The block what-ifs and kurtosis, which the kernel does not compute, are filled into the
-    kernel's record by torch code (``stats.torch_groups``): the same values as the torch path's,
-    through ``record_of`` and the recorder's buffer rows."""
+def test_the_kernel_computes_the_block_what_ifs_and_kurtosis_in_record_of_and_the_recorder(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The block what-ifs and kurtosis come from the fused read (tests/record/test_triton_blocks.py
+    for the kernel alone), through ``record_of`` and the recorder's buffer rows: the torch path's
+    statistics (flushed fractions exactly, the rest to float32 rounding)."""
     groups = ("moments", "range", "blocks", "kurtosis")
     x = torch.distributions.StudentT(torch.tensor(3.0)).sample((96, 70))
-    own = [f for g in ("blocks", "kurtosis") for f in stats.GROUPS[g]]
-    cols = [stats.IX[f] for f in own]
-    want = stats.assemble([stats.record_of(x, groups, host_reads=False, kernel="torch")])[0, cols]
-    via_record_of = stats.assemble([stats.record_of(x, groups, host_reads=False, kernel="triton")])[0, cols]
+    names = ["kurtosis", *(n for n in stats.STATISTICS if stats.STATISTICS[n] == "blocks")]
+    want = stats.assemble([stats.record_of(x, groups, host_reads=False, kernel="torch")])[0]
+    via_record_of = stats.assemble([stats.record_of(x, groups, host_reads=False, kernel="triton")])[0]
     monkeypatch.setenv(kernels.ENV, "triton")
     rec = Recorder(groups, host_reads=False)
     rec.observe("x", x)
-    via_recorder = rec.records(["x"])[0, 0, cols]
-    for got in (via_record_of, via_recorder):
-        assert not got.isnan().any()
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    for got in (via_record_of, rec.records(["x"])[0, 0]):
+        for name in names:
+            g, w = stats.statistic(got, name), stats.statistic(want, name)
+            assert not g.isnan(), name
+            torch.testing.assert_close(g, w, rtol=0 if name.endswith("_flushed") else 1e-6, atol=0)

@@ -4,8 +4,9 @@
 records merge: one table names each field, its group and its reduction); ``host`` is the
 path for tensors in host memory, ``device`` the one that reads nothing back, ``formats``,
 ``fp8``, ``blocks`` and ``outliers`` the optional groups (the last two computed by torch
-code on every path: ``torch_groups``), ``channels`` the channel rows kept beside the records
-(their own group, pooled as their own segment), ``layout`` how a tensor is read in place (dense views,
+code after the host kernel and torch's device kernels, ``torch_groups``; inside the fused
+Triton kernel's read otherwise), ``channels`` the channel rows kept beside the records (their
+own group, pooled as their own segment), ``layout`` how a tensor is read in place (dense views,
 strided grids) and in bounded pieces (a large tensor's temporaries stay within
 ``layout.scratch_bytes``).
 
@@ -153,8 +154,8 @@ def record_of(
         return out
     if not host_reads and kernels.uses_triton(x, kernel):
         row = torch.empty(len(FIELDS), dtype=torch.float64, device=x.device)
-        kernels.record_into(x, groups, row)
-        torch_groups.fill(x, groups, row)  # (groups the kernel does not compute)
+        left = kernels.record_into(x, groups, row)
+        torch_groups.fill(x, left, row)  # (groups the kernel left: blocks of a strided last dim)
         return list(row.unbind(0))
     if host_reads:
         _host_fields(x, groups, out)

@@ -22,6 +22,7 @@ __all__ = [
     "dense_view",
     "piece_size",
     "pieces",
+    "row_grid",
     "scratch_bytes",
     "strided_grid",
 ]
@@ -129,6 +130,32 @@ def strided_grid(x: Tensor, bc: int) -> Optional[Grid]:
     if abs(a) < abs(b):  # the faster-moving dimension inside a tile's rows
         (m, a), (k, b) = (k, b), (m, a)
     return x, n, m, k, a, b
+
+
+def row_grid(x: Tensor) -> Optional[Grid]:
+    """How a kernel reads ``x`` along its last dimension (where block-scaled formats' blocks
+    run): element (i, j) of ``M`` rows of the last dimension's ``N`` elements at ``i * s0 +
+    j``, the leading dimensions collapsed into one strided dimension (in any order: the
+    blocks do not depend on it). None where the last dimension is not contiguous (stride
+    1) or the leading dimensions do not collapse into one. A 0-dim ``x`` is one row of one.
+
+    Example:
+        >>> import torch
+        >>> row_grid(torch.zeros(6, 16)[:, :10])[1:], row_grid(torch.zeros(4, 6).t())
+        ((60, 6, 10, 16, 1), None)
+    """
+    n = x.numel()
+    k = x.shape[-1] if x.dim() else 1
+    if x.dim() and k != 1 and x.stride(-1) != 1:
+        return None
+    lead = sorted(((s, st) for s, st in zip(x.shape[:-1], x.stride()[:-1]) if s != 1), key=lambda d: -d[1])
+    rows, s0 = 1, k
+    for size, stride in reversed(lead):  # innermost first: each must step over the ones inside it
+        if rows > 1 and stride != s0 * rows:
+            return None
+        s0 = stride if rows == 1 else s0
+        rows *= size
+    return x, n, rows, k, s0, 1
 
 
 def _collapsed(x: Tensor) -> Optional[List[Tuple[int, int]]]:

@@ -1,13 +1,14 @@
-"""The groups the fused kernels leave out, on every path: ``blocks`` (the MXFP8, MXFP4 and
+"""The groups the host kernel's first read leaves out: ``blocks`` (the MXFP8, MXFP4 and
 NVFP4 what-ifs, ``blocks.py``) and ``kurtosis`` (the third and fourth central moments,
 ``outliers.py``).
 
-Where a record comes from the native host kernel or the Triton kernel, these fields are
-filled afterwards by ``fill``, which reads the tensor once more per group: for ``blocks`` of
-a float32 or bfloat16 host tensor with evenly strided rows, with the native kernel's block
-casts (``native.blocks``), for ``kurtosis`` of such a tensor read in place with its moments
-kernel (``native.moments``), no temporaries; otherwise with torch code, in pieces whose
-temporaries stay within ``layout.scratch_bytes``.
+The fused Triton kernel computes both in its one read (``triton_stats``), except
+``blocks`` of a tensor whose last dimension is not contiguous: it says so, and ``fill`` is
+given what it left. Elsewhere ``fill`` reads the tensor once more per group: for ``blocks``
+of a float32 or bfloat16 host tensor with evenly strided rows, with the native kernel's
+block casts (``native.blocks``), for ``kurtosis`` of such a tensor read in place with its
+moments kernel (``native.moments``), no temporaries; otherwise with torch code, in pieces
+whose temporaries stay within ``layout.scratch_bytes``.
 """
 
 from __future__ import annotations
