@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import operator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import (
@@ -53,6 +52,7 @@ from lightning_scale.capture.compiled_labels import CompiledLabels
 from lightning_scale.capture.dynamo import MODULE_KEY, WeakBackend, opaque_module_paths, tracked_forward
 from lightning_scale.capture.interpreter import instrument
 from lightning_scale.capture.labels import label_graph, view_aliases
+from lightning_scale.capture.module_outputs import with_module_outputs
 from lightning_scale.capture.tracer import DEFAULT_LEAF_TYPES, DeepTracer, failure_reason, trace_module
 from lightning_scale.record.recorder import BACKWARD
 
@@ -206,7 +206,7 @@ class Capture:
         forward (run through the unit's own ``__call__``)."""
         labels = label_graph(gm, unit, self._taken, scope=path)
         aliases = {**self.aliases, **view_aliases(gm, labels)}  # (an output tagged before keeps its tag)
-        labels = _with_module_outputs(gm, labels, aliases, passthrough, scope=path)
+        labels = with_module_outputs(gm, labels, aliases, passthrough, scope=path)
         self.add_graph(gm, labels)
         self.aliases.update(aliases)
         self.fallbacks.update({f"{path}.{k}": v for k, v in fallbacks.items()})
@@ -395,7 +395,7 @@ def _fx_capture(
     taken: Dict[str, int] = {}
     labels = label_graph(gm, module, taken)
     aliases = view_aliases(gm, labels)
-    labels = _with_module_outputs(gm, labels, aliases, tracer.passthrough)
+    labels = with_module_outputs(gm, labels, aliases, tracer.passthrough)
     cap = Capture("fx", module, [gm], [labels], list(tracer.leaves), dict(tracer.fallbacks), aliases, _taken=taken)
     cap.set_forward(instrument(gm, _observed(labels, aliases), live=module))
     return cap
@@ -415,44 +415,6 @@ def _add_units(
         inner = tuple(u[len(path) + 1 :] for u in units if u.startswith(path + "."))
         tracer = DeepTracer(autowrap_modules, autowrap_functions, leaves + inner)
         cap.add_unit(path, unit, trace_module(unit, tracer), tracer.fallbacks, tracer.passthrough)
-
-
-def _with_module_outputs(
-    gm: fx.GraphModule,
-    labels: Dict[str, str],
-    aliases: Dict[str, str],
-    passthrough: Optional[Dict[str, str]] = None,
-    scope: str = "",
-) -> Dict[str, str]:
-    """``labels`` plus, after each module's last node, the module's path as an alias of
-    that node (``fc1`` -> ``fc1/linear``): a layer's output is found by its name. A leaf
-    with a tuple output (an LSTM's) is its first item; a module that returns its input
-    (``nn.Identity``) is that input."""
-    ends: Dict[str, List[str]] = {}
-    outputs = [(None, str(n.target), _first_item(n)) for n in gm.graph.nodes if n.op == "call_module"]
-    outputs += [(None, path, node) for path, node in (passthrough or {}).items()]
-    outputs += frames.module_outputs(gm, parse=lambda p: (None, p))
-    for _, path, node in outputs:
-        full = frames.strip_compiled(".".join(p for p in (scope, path) if p))
-        source = labels.get(node)
-        if source is None or not full or full in labels.values() or full in aliases:
-            continue
-        aliases[full] = aliases.get(source, source)
-        ends.setdefault(node, []).append(full)
-    out: Dict[str, str] = {}
-    for name, label in labels.items():
-        out[name] = label
-        for full in ends.get(name, []):
-            out[MODULE_KEY + full] = full
-    return out
-
-
-def _first_item(node: fx.Node) -> str:
-    """A leaf's output node, or the ``[0]`` item of it where the graph unpacks a tuple."""
-    for user in node.users:
-        if user.op == "call_function" and user.target is operator.getitem and user.args[1] == 0:
-            return user.name
-    return node.name
 
 
 def _observed(labels: Dict[str, str], aliases: Dict[str, str]) -> Dict[str, str]:

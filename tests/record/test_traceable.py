@@ -42,7 +42,10 @@ CASES: Dict[str, Callable[[], Tensor]] = {
 
 
 def test_every_group_is_traceable() -> None:
-    assert set(TRACEABLE_GROUPS) == set(stats.GROUPS)
+    # every group with fields in the record (``channels`` is a row beside it, not on this route)
+    assert (
+        set(TRACEABLE_GROUPS) == {g for g, fields in stats.GROUPS.items() if fields} == set(stats.GROUPS) - {"channels"}
+    )
     row = traceable_record(torch.randn(4, 40, generator=_gen(9)), ALL_GROUPS)
     assert not row.isnan().any(), [f for f, v in zip(stats.FIELDS, row.tolist()) if math.isnan(v)]
     only = traceable_record(torch.randn(4, 40, generator=_gen(9)), ("moments",))
@@ -78,8 +81,13 @@ def test_eager_rows_match_float64_references(case: str) -> None:
     assert_matches_references(traceable_record(x, ALL_GROUPS), x, case)
 
 
-def test_eager_rows_equal_the_device_path_bit_for_bit_for_every_dtype() -> None:
-    """The same functions, the whole tensor as one piece: the device path's own numbers."""
+def test_eager_rows_equal_the_device_path_bit_for_bit_for_every_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same functions, the whole tensor as one piece: the device path's own numbers (on a
+    device, blocks and kurtosis are torch code: the host's native casts and moments are off)."""
+    from lightning_scale.record import native
+
+    monkeypatch.setattr(native, "blocks", lambda x: None)
+    monkeypatch.setattr(native, "moments", lambda x: None)
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         x = (torch.randn(5, 70, generator=_gen(5)) * 3 + 40).to(dtype)
         x[0, 0], x[1, 1] = math.inf, math.nan
