@@ -82,9 +82,11 @@ def assert_blocks(got: Tensor, x: Tensor) -> None:
     want = torch.stack(block_fields(x))
     by_name = dict(zip(BLOCK_FIELDS, want.tolist()))
     assert got[FLUSHED].tolist() == [by_name[f] for f in BLOCK_FIELDS if f.endswith("_flushed")]
-    torch.testing.assert_close(
-        got[SUMS], want[[i for i, f in enumerate(BLOCK_FIELDS) if not f.endswith("_flushed")]], rtol=2e-6, atol=0
-    )
+    sums = want[[i for i, f in enumerate(BLOCK_FIELDS) if not f.endswith("_flushed")]]
+    # Within float32 rounding of the tensor's energy: where the torch code's float32 squares of
+    # values below ~1e-23 underflow to 0, the kernel's (scaled by the tile's power of two) do not.
+    energy = float(torch.nan_to_num(sums[1::2], nan=0.0, posinf=0.0).max())
+    torch.testing.assert_close(got[SUMS], sums, rtol=2e-6, atol=1e-12 * energy)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -169,7 +171,7 @@ def test_layouts_read_in_place_give_the_sums_of_the_contiguous_copy(layout: str)
     st.sampled_from([1.0, 2.0**-140, 1e-42, 1e30, 0.7e38]),
     st.lists(st.sampled_from([0.0, math.nan, math.inf, -math.inf, 1e-45, 3e38, 6.0, 448.0]), max_size=5),
 )
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, derandomize=True)
 def test_hard_tensors(dtype: torch.dtype, rows: int, cols: int, seed: int, scale: float, specials: list) -> None:
     """Any last dimension (1 to 130), scales from float32 subnormals to near its largest,
     NaN, ±Inf and values at the formats' edges dropped in: the torch code's sums."""
