@@ -7,34 +7,29 @@ unparallelized model's, forward and backward. Several ranks: ``tests/report/test
 from __future__ import annotations
 
 import copy
-import socket
 from typing import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_scale.capture.graphs import CaptureError, capture
 from lightning_scale.capture.tensor_parallel import distributed_modules
 from lightning_scale.record import stats
 from lightning_scale.record.recorder import Recorder, recording
+from tests.gloo_mesh import one_rank_mesh
 
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
-    finally:
-        torch._dynamo.reset()
-        dist.destroy_process_group()
+    with one_rank_mesh("tp") as m:
+        try:
+            yield m
+        finally:
+            torch._dynamo.reset()
 
 
 class MLP(nn.Module):

@@ -6,30 +6,23 @@ behaviour is tested over gloo in ``tests/report/test_tensor_parallel.py``."""
 
 from __future__ import annotations
 
-import socket
 import warnings
 from typing import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_scale.record import placements, stats
 from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder
+from tests.gloo_mesh import one_rank_mesh
 
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("tensor_parallel",))
-    finally:
-        dist.destroy_process_group()
+    with one_rank_mesh("tensor_parallel") as m:
+        yield m
 
 
 def test_local_part_by_placement(mesh: DeviceMesh) -> None:
