@@ -20,7 +20,7 @@ from lightning_scale.capture.graphs import CaptureError, capture
 from lightning_scale.capture.tensor_parallel import distributed_modules
 from lightning_scale.record import stats
 from lightning_scale.record.recorder import Recorder, recording
-from tests.gloo_mesh import one_rank_mesh
+from tests.gloo import one_rank_mesh
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_scale.record import placements, stats
 from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder
-from tests.gloo_mesh import one_rank_mesh
+from tests.gloo import one_rank_mesh
 
 
 @pytest.fixture(scope="module")

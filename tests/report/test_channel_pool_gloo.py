@@ -5,10 +5,6 @@ tensors concatenated, with no collective of their own and the bytes ``collective
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -18,42 +14,17 @@ import torch
 from lightning_scale.record.recorder import BACKWARD, FORWARD
 from lightning_scale.record.stats.channels import CHANNEL_WIDTH, channel_row, channel_statistics
 from lightning_scale.report import pool
-from test_pool_gloo import _free_port
+from tests.gloo import load_script, run_ranks
 
 SCRIPT = Path(__file__).resolve().parents[1] / "dist_scripts" / "run_channel_pool.py"
-ROOT = SCRIPT.parents[2]
 
 
 def _script() -> Any:
-    spec = importlib.util.spec_from_file_location("_run_channel_pool", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def _run(out: Path, world: int) -> List[Dict[str, Any]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    env["OMP_NUM_THREADS"] = "1"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(out), str(r), str(world)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    try:
-        logs = [p.communicate(timeout=180)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail("ranks hung")
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return run_ranks(SCRIPT, out, world)
 
 
 @pytest.fixture(scope="module")

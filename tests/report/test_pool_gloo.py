@@ -6,12 +6,7 @@ the same arithmetic in one process."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -23,9 +18,9 @@ from lightning_scale.record import stats, updates
 from lightning_scale.record.recorder import BACKWARD, FORWARD
 from lightning_scale.report import pool
 from lightning_scale.report.update_pool import merge_updates
+from tests.gloo import load_script, run_ranks
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "dist_scripts"
-ROOT = SCRIPTS.parents[1]
 
 
 # ---- pool_step in 2 and 8 gloo processes without Lightning -------------------------------
@@ -35,36 +30,12 @@ NODES = 2000
 
 
 def _pool_script() -> Any:
-    spec = importlib.util.spec_from_file_location("_run_pool", POOL_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(POOL_SCRIPT)
 
 
 def _run_pool(out: Path, world: int) -> List[Dict[str, Any]]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    env["MALLOC_MMAP_THRESHOLD_"] = "131072"  # large buffers come from mmap: the peak RSS sees them
-    env["OMP_NUM_THREADS"] = "1"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(POOL_SCRIPT), str(out), str(r), str(world), str(NODES)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    try:
-        logs = [p.communicate(timeout=240)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail("pool ranks hung")
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    # (large buffers come from mmap: the peak RSS sees them)
+    return run_ranks(POOL_SCRIPT, out, world, [str(NODES)], {"MALLOC_MMAP_THRESHOLD_": "131072"}, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -300,9 +271,3 @@ def test_merging_by_sums_and_maxes_equals_the_record_of_the_concatenation() -> N
     assert got[stats.FIELDS.index("absmax")].isnan() and got[stats.FIELDS.index("min_nonzero")].isnan()
     empty = torch.zeros(3, len(stats.FIELDS), dtype=torch.float64)
     assert torch.equal(stats.merge_rows(empty), empty[0])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

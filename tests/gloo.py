@@ -1,0 +1,71 @@
+"""Gloo helpers for tests: a one-process mesh for DTensor code, and N rank processes of a
+script under ``tests/dist_scripts`` that each save ``rank{r}.pt``."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Dict, Iterator, List, Mapping, Sequence
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def one_rank_mesh(dim: str) -> Iterator[DeviceMesh]:
+    """A mesh of one CPU device whose only dimension is named ``dim``; the process group is
+    destroyed on exit."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=(dim,))
+    finally:
+        dist.destroy_process_group()
+
+
+def load_script(path: Path) -> ModuleType:
+    """The script at ``path`` imported as a module (its helpers give the tests' references)."""
+    spec = importlib.util.spec_from_file_location(f"_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_ranks(
+    script: Path, out: Path, world: int, args: Sequence[str] = (), env: Mapping[str, str] = {}, timeout: float = 180
+) -> List[Dict[str, Any]]:
+    """Run ``script OUT RANK WORLD *args`` as ``world`` processes over gloo (one thread each),
+    fail the test if one hangs or fails, and return each rank's saved ``rank{r}.pt``."""
+    port = str(free_port())
+    full = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **env}
+    full["OMP_NUM_THREADS"] = "1"
+    cmd = lambda r: [sys.executable, str(script), str(out), str(r), str(world), *args]  # noqa: E731
+    procs = [
+        subprocess.Popen(cmd(r), env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(world)
+    ]
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail(f"{script.name} ranks hung")
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
