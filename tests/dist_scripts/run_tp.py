@@ -1,17 +1,21 @@
 """Train a tiny language model with tensor parallelism on CPU processes (gloo).
 
-Usage: ``python run_tp.py OUT MODEL CALLBACK [DP [TP [LOCAL]]]`` with MODEL ``mlp``
-(embedding - fc1 colwise - gelu - fc2 rowwise - head), ``attn`` (embedding - head-sharded
-q, k, v colwise - attention - out rowwise - head) or ``sp`` (sequence parallel: ``mlp``
-with LayerNorms before fc1 and after fc2 and a ``loss_parallel`` loss, see
-``SequenceParallelMLP``), CALLBACK ``on`` or ``off``, DP x TP the
-mesh (``ModelParallelStrategy``; DP > 1 adds FSDP2's ``fully_shard``) and LOCAL ``1``
+Usage: ``python run_tp.py OUT DP TP RUN [RUN ...]``: DP x TP the mesh
+(``ModelParallelStrategy``; DP > 1 adds FSDP2's ``fully_shard``), and each RUN
+``MODEL:CALLBACK:LOCAL`` one fit, all in turn in the same rank processes (one launch, one
+process group: start-up is most of a fit's time). MODEL is ``mlp`` (embedding - fc1 colwise -
+gelu - fc2 rowwise - head), ``brk`` (``mlp`` with a dynamo graph break after fc1), ``attn``
+(embedding - head-sharded q, k, v colwise - attention - out rowwise - head) or ``sp``
+(sequence parallel: ``mlp`` with LayerNorms before fc1 and after fc2 and a ``loss_parallel``
+loss, see ``SequenceParallelMLP``); CALLBACK ``on`` or ``off``; LOCAL ``1``
 (``use_local_output=True``, the default) or ``0`` (DTensor outputs, taken back to local
 tensors by the model). Lightning's launcher re-runs this script for the other ranks.
 
-Writes to OUT: ``init.pt`` (initial parameters), ``batch_rank<r>.pt`` (each rank's first
-batch), ``params.pt`` (full parameters after training), ``logs/`` (TensorBoard, rank 0),
-``collectives_rank<r>.json`` (the package's collectives, as ``run_dist.py``).
+Writes to ``OUT/MODEL_CALLBACK``: ``init.pt`` (initial parameters), ``batch_rank<r>.pt`` (each
+rank's first batch), ``params.pt`` (full parameters after training), ``logs/`` (TensorBoard,
+rank 0), ``collectives_rank<r>.json`` (the package's collectives, as ``run_dist.py``),
+``warnings_rank<r>.json`` (every warning of the fit: category, message, file). Rank 0 prints
+``=== run MODEL CALLBACK ===`` before each fit.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import contextlib
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -61,6 +66,16 @@ class MLP(nn.Module):
     @staticmethod
     def plan(local: bool) -> dict:
         return {"fc1": ColwiseParallel(use_local_output=local), "fc2": RowwiseParallel(use_local_output=local)}
+
+
+class BreakMLP(MLP):
+    """The MLP with a dynamo graph break between ``fc1`` and its activation: the next graph
+    starts from ``fc1``'s local shard, a plain tensor whose placement that graph cannot see."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = _local(self.fc1(self.emb(idx)))
+        torch._dynamo.graph_break()
+        return self.head(_local(self.fc2(self.act(h))))
 
 
 class Attention(nn.Module):
@@ -129,7 +144,7 @@ class Module(pl.LightningModule):
     def __init__(self, out: Path, model: str, local: bool) -> None:
         super().__init__()
         self.out, self.local = out, local
-        self.model = {"mlp": MLP, "attn": Attention, "sp": SequenceParallelMLP}[model]()
+        self.model = {"mlp": MLP, "brk": BreakMLP, "attn": Attention, "sp": SequenceParallelMLP}[model]()
 
     def configure_model(self) -> None:
         parallelize_module(self.model, self.device_mesh["tensor_parallel"], self.model.plan(self.local))
@@ -162,12 +177,14 @@ class Module(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def main(out: Path, model: str, mode: str, dp: int = 1, tp: int = 2, local: int = 1) -> None:
-    holder: "list[pl.Trainer]" = []
-    calls = count_collectives(holder)
+def fit(out: Path, model: str, mode: str, dp: int, tp: int, local: bool, calls: "tuple[list, list]") -> None:
+    """One fit of ``model`` with (``mode="on"``) or without the callback, written to ``out``;
+    ``calls``: (the trainer holder, the collectives list) of ``count_collectives``."""
+    holder, collectives = calls
+    collectives.clear()
     torch.manual_seed(0)
     data = TensorDataset(torch.randint(0, VOCAB, (4 * dp, T)), torch.randint(0, VOCAB, (4 * dp, T)))
-    module = Module(out, model, bool(local))
+    module = Module(out, model, local)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         torch.save(full_state(module.model), out / "init.pt")
     monitor = ScaleMonitor(
@@ -184,15 +201,33 @@ def main(out: Path, model: str, mode: str, dp: int = 1, tp: int = 2, local: int 
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    holder.append(trainer)
-    trainer.fit(module, DataLoader(data, batch_size=2, shuffle=False))
-    (out / f"collectives_rank{trainer.global_rank}.json").write_text(json.dumps(calls))
+    holder[:] = [trainer]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # (each fit's own: a repeat in a later fit is not hidden)
+        trainer.fit(module, DataLoader(data, batch_size=2, shuffle=False))
+    rank = trainer.global_rank
+    (out / f"collectives_rank{rank}.json").write_text(json.dumps(collectives))
+    seen = [[w.category.__name__, str(w.message), w.filename] for w in caught]
+    (out / f"warnings_rank{rank}.json").write_text(json.dumps(seen))
     state = full_state(module.model)
     if trainer.is_global_zero:
         torch.save(state, out / "params.pt")
+
+
+def main(out: Path, dp: int, tp: int, runs: "list[str]") -> None:
+    """Each run ``MODEL:CALLBACK:LOCAL`` in turn, in these processes, to ``OUT/MODEL_CALLBACK``."""
+    holder: "list[pl.Trainer]" = []
+    calls = (holder, count_collectives(holder))
+    for run in runs:
+        model, mode, local = run.split(":")
+        folder = out / f"{model}_{mode}"
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # (the test splits rank 0's console output here)
+            print(f"=== run {model} {mode} ===", flush=True)
+        fit(folder, model, mode, dp, tp, bool(int(local)), calls)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3], *(int(a) for a in sys.argv[4:]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:])

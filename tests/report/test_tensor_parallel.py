@@ -34,24 +34,28 @@ HEADS, TP = 4, 2
 STATISTICS = {"std": "scale", "absmax": "absmax", "count": "count", "zeros": "zeros"}
 BOUNDS = {"underflow_e4m3": 2.0**-9, "below_normal_e4m3": 2.0**-6, "underflow_e5m2": 2.0**-16}
 Key = Tuple[str, str, int]  # (model, callback, data-parallel size)
-RUNS = [("mlp", "on", 1), ("mlp", "off", 1), ("attn", "on", 1), ("mlp", "on", 2), ("sp", "on", 1)]
-#: ``use_local_output`` of the parallel layers: the attention model gets DTensor outputs
-#: and takes them to local tensors itself (``to_local``)
-LOCAL = {"mlp": 1, "attn": 0, "sp": 1}
+#: the fits of each launch (by data-parallel size), in turn in the same rank processes:
+#: (model, callback, ``use_local_output``); the attention model gets DTensor outputs and
+#: takes them to local tensors itself (``to_local``)
+LAUNCHES = {
+    1: [("mlp", "on", 1), ("mlp", "off", 1), ("attn", "on", 0), ("attn", "off", 0), ("sp", "on", 1)],
+    2: [("mlp", "on", 1), ("mlp", "off", 1)],
+}
 Nodes = Dict[str, Tuple[Tensor, Tensor]]  # label -> (value, gradient), float64
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Tuple[Path, str]]]:
-    """(output folder, console output) of each run of ``RUNS``, by (model, callback,
-    data-parallel size); all started together (each is mostly start-up and compiling)."""
+    """(output folder, rank 0's console output) of each fit of ``LAUNCHES``, by (model,
+    callback, data-parallel size): one launch per mesh, both started together (a launch is
+    mostly start-up and compiling; its fits share the processes)."""
     base = tmp_path_factory.mktemp("tp")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    procs: Dict[Key, "subprocess.Popen[str]"] = {}
-    for key, port in zip(RUNS, _free_ports(len(RUNS))):
-        (base / "_".join(map(str, key))).mkdir()
-        procs[key] = subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(base / "_".join(map(str, key))), *map(str, (*key, TP, LOCAL[key[0]]))],
+    procs: Dict[int, "subprocess.Popen[str]"] = {}
+    for dp, port in zip(LAUNCHES, _free_ports(len(LAUNCHES))):
+        runs = [f"{model}:{mode}:{local}" for model, mode, local in LAUNCHES[dp]]
+        procs[dp] = subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(base / f"dp{dp}"), str(dp), str(TP), *runs],
             cwd=ROOT,
             env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
             stdout=subprocess.PIPE,
@@ -59,19 +63,20 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., 
             text=True,
             start_new_session=True,
         )
-    outputs: Dict[Key, str] = {}
+    outputs: Dict[int, str] = {}
 
     def get(model: str, mode: str = "on", dp: int = 1) -> Tuple[Path, str]:
-        key = (model, mode, dp)
-        if key not in outputs:
-            proc = procs[key]
+        if dp not in outputs:
+            proc = procs[dp]
             try:
-                outputs[key], _ = proc.communicate(timeout=300)
+                outputs[dp], _ = proc.communicate(timeout=400)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-                pytest.fail(f"{key} timed out: {proc.communicate()[0][-3000:]}")
-            assert proc.returncode == 0, outputs[key][-3000:]
-        return base / "_".join(map(str, key)), outputs[key]
+                pytest.fail(f"the dp={dp} launch timed out: {proc.communicate()[0][-3000:]}")
+            assert proc.returncode == 0, outputs[dp][-3000:]
+        fits = re.split(r"^=== run (\w+ \w+) ===$", outputs[dp], flags=re.M)
+        console = dict(zip(fits[1::2], fits[2::2]))[f"{model} {mode}"]
+        return base / f"dp{dp}" / f"{model}_{mode}", console
 
     yield get
     for proc in procs.values():
@@ -176,6 +181,16 @@ def _check(logged: Dict[str, float], nodes: Nodes) -> None:
                 assert logged[tag] == pytest.approx(value, rel=REL, abs=1e-7), (tag, logged[tag], value)
 
 
+def _assert_nothing_warns(out: Path, output: str, world: int) -> None:
+    """No rank's fit saw a warning of the callback's or about DTensors (every warning of the
+    fit is in ``warnings_rank<r>.json``), and the coverage line skipped nothing."""
+    for rank in range(world):
+        for category, message, filename in json.loads((out / f"warnings_rank{rank}.json").read_text()):
+            assert "ScaleMonitor" not in message and "DTensor" not in message, (category, message)
+            assert os.sep + "lightning_scale" + os.sep not in filename, (category, message, filename)
+    assert "skipped" not in output and "implicitly creating a replicated DTensor" not in output
+
+
 # ---- the runs ---------------------------------------------------------------------------
 
 
@@ -204,8 +219,13 @@ def test_every_node_has_the_statistics_of_the_full_tensor(
     assert logged[f"scale/fwd/{shard}"] != pytest.approx(float(nodes[shard][0].chunk(2, dim)[0].std()), rel=1e-3)
 
 
-def test_training_is_identical_with_and_without_the_callback(trained: Callable[..., Tuple[Path, str]]) -> None:
-    (on, _), (off, _) = trained("mlp", "on"), trained("mlp", "off")
+@pytest.mark.parametrize("model, dp", [("mlp", 1), ("attn", 1), ("mlp", 2)])
+def test_training_is_identical_with_and_without_the_callback(
+    model: str, dp: int, trained: Callable[..., Tuple[Path, str]]
+) -> None:
+    """The fit with the callback (a tracked step, then an untracked one) and its twin without
+    it, in the same processes, end with the same parameters, bit for bit."""
+    (on, _), (off, _) = trained(model, "on", dp), trained(model, "off", dp)
     with_cb, without, init = (torch.load(p) for p in (on / "params.pt", off / "params.pt", on / "init.pt"))
     assert with_cb.keys() == without.keys() == init.keys()
     for name in init:
@@ -217,13 +237,12 @@ def test_training_is_identical_with_and_without_the_callback(trained: Callable[.
 def test_the_capture_is_verified_names_the_mesh_and_nothing_warns(
     model: str, dp: int, trained: Callable[..., Tuple[Path, str]]
 ) -> None:
-    _, output = trained(model, "on", dp)
+    out, output = trained(model, "on", dp)
     assert re.search(r"ScaleMonitor: capture of Module verified \(dynamo: bit-identical\)", output), output[-3000:]
     mesh = "data_parallel=2, tensor_parallel=2" if dp == 2 else "tensor_parallel=2"
     assert re.search(rf"ScaleMonitor: captured Module: .*auto: fx cannot see .*; DTensor mesh dims: {mesh}", output)
-    assert "implicitly creating a replicated DTensor" not in output
-    assert not [line for line in output.splitlines() if "lightning_scale" in line and "Warning" in line]
-    assert "skipped" not in output and "untracked" not in output
+    _assert_nothing_warns(out, output, dp * TP)
+    assert "untracked" not in output
 
 
 @pytest.mark.parametrize("dp", [1, 2])
@@ -250,8 +269,7 @@ def test_sequence_parallel_sums_the_partial_gradients_in_one_collective(
     four; nothing is skipped and nothing warns."""
     out, output = trained("sp", "on")
     assert re.search(r"ScaleMonitor: capture of Module verified \(dynamo: bit-identical\)", output), output[-3000:]
-    assert "skipped" not in output and "implicitly creating a replicated DTensor" not in output
-    assert not [line for line in output.splitlines() if "lightning_scale" in line and "Warning" in line]
+    _assert_nothing_warns(out, output, TP)
     nodes = _reference(out, "sp")
     ranks = [json.loads((out / f"collectives_rank{r}.json").read_text()) for r in range(TP)]
     assert all(r == ranks[0] for r in ranks)
