@@ -13,11 +13,12 @@ forward registers are registered eagerly.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import sys
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Set, Tuple
 
 import torch
 from torch import fx, nn
@@ -26,7 +27,7 @@ from lightning_scale.capture import frames
 from lightning_scale.capture.forward_swap import ForwardSwap
 from lightning_scale.capture.interpreter import instrument
 from lightning_scale.capture.labels import view_aliases
-from lightning_scale.capture.tensor_parallel import TensorParallelGraph
+from lightning_scale.capture.tensor_parallel import TensorParallelGraph, parallel_mesh
 from lightning_scale.record import recorder
 
 # The backend reads and extends the state of a ``graphs.Capture`` (which imports this
@@ -101,12 +102,14 @@ def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
     for prefix, body in bodies:
         sites += frames.node_sites(body, _op, prefix)
         outputs += frames.module_outputs(body, prefix)
-    tp = TensorParallelGraph(gm)  # DTensors: conversions are aliases, replicas recorded once
-    sites = [s for s in sites if s.name not in tp.hidden]
+    tp = TensorParallelGraph(gm, parallel_mesh(cap.module), _foreign_inputs(cap, gm, sites))
+    sites = [s for s in sites if s.name not in tp.hidden]  # (DTensors: conversions are aliases, replicas once)
     names = {s.name: s.name for s in sites}
     views = view_aliases(gm, {k: v for k, v in names.items() if "." not in k})
     graph = frames.FrameGraph(gm, sites, outputs, {**tp.aliases, **views})
-    fn = instrument(gm, {k: k for k in names if "." not in k}, observer=tp.observer(frames.observe_node))
+    fn = instrument(
+        gm, {k: k for k in names if "." not in k}, observer=tp.observer(frames.observe_node, frames.skip_node)
+    )
     roots, anchors = graph.roots(), graph.anchors()
     weak = weakref.ref(cap)  # dynamo's code cache keeps this function for the process
 
@@ -120,6 +123,17 @@ def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
             return fn(*args)
 
     return run
+
+
+def _foreign_inputs(cap: "Capture", gm: fx.GraphModule, sites: List[frames.NodeSite]) -> Set[str]:
+    """Placeholders of ``gm`` that are neither module attributes nor the captured module's
+    own inputs: values of a frame resumed after a graph break, or of a frame called from one."""
+    code = frames.compiling_code()
+    forward = getattr(inspect.unwrap(type(cap.module).forward), "__code__", None)
+    if code is None or code is forward:
+        return set()
+    attrs = {s.name for s in sites if s.is_attr}
+    return {n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name not in attrs}
 
 
 def _table(cap: "Capture", graph: frames.FrameGraph, scope: Tuple[str, ...]) -> Dict[str, str]:

@@ -27,7 +27,16 @@ from lightning_scale.capture import breaks
 from lightning_scale.capture.labels import indexed_item
 from lightning_scale.record import recorder
 
-__all__ = ["FrameGraph", "Labeller", "exact_checkpoint", "module_paths", "observe_node", "strip_compiled"]
+__all__ = [
+    "FrameGraph",
+    "Labeller",
+    "compiling_code",
+    "exact_checkpoint",
+    "module_paths",
+    "observe_node",
+    "skip_node",
+    "strip_compiled",
+]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _ROOT = re.compile(r"^L\['([^']+)'\]((?:\[\d+\])*)")
@@ -56,6 +65,19 @@ def observe_node(x: Any, name: str, forward: bool = True) -> None:
         label = _TABLES[-1].get(name)
         if label is not None:
             recorder.observe(x, label, forward)
+
+
+@torch.compiler.disable
+def skip_node(x: Any, name: str, why: str) -> None:
+    """Record nothing of node ``name``'s value ``x`` nor of its gradient, and say why
+    (``Recorder.skipped``: the coverage line and one warning name it)."""
+    rec = recorder.active()
+    label = _TABLES[-1].get(name) if _TABLES else None
+    if rec is None or label is None or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return
+    rec.skipped[(label, recorder.FORWARD)] = why
+    if x.requires_grad and torch.is_grad_enabled():
+        rec.skipped[(label, recorder.BACKWARD)] = why
 
 
 def exact_checkpoint(body: Callable[..., Any], *args: Any, use_reentrant: bool = False, **_: Any) -> Any:
@@ -361,3 +383,14 @@ def compiling_resume_frame() -> bool:
         return InstructionTranslator.current_tx().f_code.co_name.startswith("torch_dynamo_resume_in")
     except Exception:  # noqa: BLE001 - a dynamo internal; without it inputs are labelled
         return False
+
+
+def compiling_code() -> Any:
+    """The code object of the frame dynamo is compiling (a resume function after a graph
+    break has its own); None where dynamo's internals do not say."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx().f_code
+    except Exception:  # noqa: BLE001 - a dynamo internal
+        return None

@@ -16,9 +16,16 @@ by node, what each value is:
   DTensor (``to_local`` of ``Shard``: a column-parallel layer's output with
   ``use_local_output=True``), directly or through other plain ops; every other plain
   tensor (the embedding's output, a row-parallel layer's all-reduced output, the head's)
-  is the same on every rank of the mesh: only the rank at coordinate 0 records it.
+  is the same on every rank of the mesh: only the rank at coordinate 0 records it;
+* a plain input of a graph that is not the model's own input (a value from before a graph
+  break) has the placement that the parallel layers of the graph declare for it: a
+  ``from_local`` of it, directly or through ops of one such input (``RowwiseParallel``'s
+  input hook: ``Shard(-1)``). Where none does, its placement is unknown, and so is that of
+  every plain tensor computed from it and no shard: those nodes are not recorded on any
+  rank (``UNKNOWN``: the coverage line and one warning name them), never half counted.
 
-Nothing here compares values across ranks: the placements decide.
+A graph that computes no DTensor (all of it after a graph break) takes the mesh of the
+model's parallel layers. Nothing here compares values across ranks: the placements decide.
 """
 
 from __future__ import annotations
@@ -30,9 +37,20 @@ from torch import Tensor, fx, nn
 
 from lightning_scale.record.placements import first_beyond, first_of_replicas, is_distributed
 
-__all__ = ["TensorParallelGraph", "distributed_modules", "local_tensor", "mesh_line", "meshes_of"]
+__all__ = [
+    "UNKNOWN",
+    "TensorParallelGraph",
+    "distributed_modules",
+    "local_tensor",
+    "mesh_line",
+    "meshes_of",
+    "parallel_mesh",
+]
 
 _CONVERSIONS = {"from_local", "to_local", "redistribute", "full_tensor"}
+_SHARD, _REPLICA, _UNKNOWN = "shard", "replica", "unknown"  # a plain node's placement
+#: why a node is recorded on no rank (``Recorder.skipped``)
+UNKNOWN = "placement unknown (computed from a value of before a graph break that no parallel layer declares)"
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -73,41 +91,61 @@ def _sharded_local(node: fx.Node) -> bool:
 class TensorParallelGraph:
     """What tensor parallelism means for one dynamo graph ``gm``.
 
+    Args:
+        gm: the graph.
+        mesh: the mesh of the model's parallel layers, for a graph that computes no DTensor.
+        inputs: placeholders whose placement the graph cannot know from where they come
+            (activations from before a graph break; not the model's inputs or parameters).
+
     Attributes:
-        mesh: the device mesh of the graph's DTensors (None: the graph has none, and every
-            node is recorded as before).
+        mesh: the device mesh of the graph's DTensors (None: the graph has none and the
+            model no parallel layer, and every node is recorded as before).
         aliases: node -> node holding the same logical tensor (DTensor conversions).
         reduced: conversion -> the ``Partial`` node whose reduced value it holds.
         hidden: conversions that are neither (``from_local`` of a tensor with other users:
             its gradient is this user's partial sum); not nodes of the model, not labelled.
         replicas: plain-tensor nodes every rank of ``mesh`` holds whole and equal.
+        unknown: plain-tensor nodes whose placement is unknown: recorded on no rank.
     """
 
-    def __init__(self, gm: fx.GraphModule) -> None:
-        self.mesh = _mesh_of(gm)
+    def __init__(self, gm: fx.GraphModule, mesh: Any = None, inputs: Set[str] = frozenset()) -> None:
+        found = _mesh_of(gm)
+        self.mesh = found if found is not None else mesh
         self.aliases: Dict[str, str] = {}
         self.reduced: Dict[str, str] = {}
         self.replicas: Set[str] = set()
+        self.unknown: Set[str] = set()
         self.hidden: Set[str] = set()
         if self.mesh is None:
             return
         self.aliases, self.reduced = _conversion_aliases(gm)
         self.hidden = {n.name for n in gm.graph.nodes if _is_conversion(n) and n.name not in self.aliases}
-        self.replicas = _replicas(gm)
+        self.replicas, self.unknown = _plain_placements(gm, inputs)
 
-    def observer(self, observe: Callable[..., None]) -> Callable[[Any, str], None]:
+    def observer(
+        self, observe: Callable[..., None], skip: Callable[[Any, str, str], None]
+    ) -> Callable[[Any, str], None]:
         """``observe(x, name, forward=True)`` for this graph: replicas at coordinate 0 of the
         mesh only, partial sums not at all, and their reduced values under their own node's
-        name. A plain parameter (a leaf) is one value on every data-parallel replica too, but
-        its gradient is each replica's own: its value is recorded at coordinate 0 of the
-        root mesh's other dims, its gradient at every one."""
+        name; ``skip(x, name, why)`` for the nodes of unknown placement. A plain parameter
+        (a leaf) is one value on every data-parallel replica too, but its gradient is each
+        replica's own: its value is recorded at coordinate 0 of the root mesh's other dims,
+        its gradient at every one."""
         if self.mesh is None:
             return observe
-        mesh, replicas, reduced = self.mesh, frozenset(self.replicas), dict(self.reduced)
+        mesh, replicas, reduced, unknown = (
+            self.mesh,
+            frozenset(self.replicas),
+            dict(self.reduced),
+            frozenset(self.unknown),
+        )
         partial = frozenset(reduced.values())
 
         @torch.compiler.disable
         def run(x: Any, name: str) -> None:
+            if name in unknown:
+                skip(x, name, UNKNOWN)
+                return
             if name in partial or (name in replicas and not first_of_replicas(mesh)):
                 return
             leaf = name in replicas and isinstance(x, Tensor) and x.is_leaf and x.requires_grad
@@ -142,20 +180,59 @@ def _conversion_aliases(gm: fx.GraphModule) -> Tuple[Dict[str, str], Dict[str, s
     return aliases, reduced
 
 
-def _replicas(gm: fx.GraphModule) -> Set[str]:
-    """Plain-tensor nodes not computed from a local shard (see the module docstring)."""
-    sharded: Set[str] = set()
-    replicas: Set[str] = set()
+def _plain_placements(gm: fx.GraphModule, inputs: Set[str]) -> Tuple[Set[str], Set[str]]:
+    """(replicas, unknown) among the plain-tensor nodes (see the module docstring): ``inputs``
+    start unknown, unless a parallel layer declares their placement."""
+    start = {name: _UNKNOWN for name in inputs}
+    start.update(_declared(gm, _statuses(gm, start)))
+    status = _statuses(gm, start)
+    return {n for n, s in status.items() if s == _REPLICA}, {n for n, s in status.items() if s == _UNKNOWN}
+
+
+def _statuses(gm: fx.GraphModule, start: Dict[str, str]) -> Dict[str, str]:
+    """Plain node -> its placement: a shard where computed from one, else unknown where
+    computed from an unknown input, else a replica."""
+    status: Dict[str, str] = {}
     for node in gm.graph.nodes:
         value = _value(node)
-        if node.op == "output" or not isinstance(value, Tensor) or is_distributed(value):
+        if node.op == "output" or is_distributed(value):
             continue
-        inputs: List[fx.Node] = [n for n in node.all_input_nodes if not is_distributed(_value(n))]
-        if _sharded_local(node) or any(n.name in sharded for n in inputs):
-            sharded.add(node.name)
-        else:
-            replicas.add(node.name)
-    return replicas
+        if node.name in start:
+            status[node.name] = start[node.name]
+        elif isinstance(value, Tensor):
+            found = {status.get(n.name) for n in node.all_input_nodes}
+            sharded = _sharded_local(node) or _SHARD in found
+            status[node.name] = _SHARD if sharded else _UNKNOWN if _UNKNOWN in found else _REPLICA
+    return status
+
+
+def _declared(gm: fx.GraphModule, status: Dict[str, str]) -> Dict[str, str]:
+    """Unknown input -> the placement a ``from_local`` on a 1-D mesh declares for a value
+    computed from it alone (through ops of one unknown input each); where declarations
+    disagree, none."""
+    found: Dict[str, Set[str]] = {}
+    for node in gm.graph.nodes:
+        src, value = _source(node), _value(node)
+        if not _is_conversion(node) or src is None or status.get(src.name) != _UNKNOWN:
+            continue
+        if not is_distributed(value) or value.device_mesh.ndim != 1:
+            continue
+        placement = value.placements[0]
+        kind = _SHARD if placement.is_shard() else _REPLICA if placement.is_replicate() else None
+        root = _unknown_root(src, status)
+        if kind is not None and root is not None:
+            found.setdefault(root, set()).add(kind)
+    return {name: kinds.pop() for name, kinds in found.items() if len(kinds) == 1}
+
+
+def _unknown_root(node: fx.Node, status: Dict[str, str]) -> Optional[str]:
+    """The input whose placement decides ``node``'s, followed through nodes with one unknown input."""
+    while node.op != "placeholder":
+        unknown = [n for n in node.all_input_nodes if status.get(n.name) == _UNKNOWN]
+        if len(unknown) != 1:
+            return None
+        node = unknown[0]
+    return node.name
 
 
 def meshes_of(module: nn.Module) -> List[Any]:
@@ -187,3 +264,15 @@ def distributed_modules(root: nn.Module) -> List[str]:
         if any(getattr(h, "__qualname__", "").startswith("distribute_module.") for h in hooks):
             out.append(path)
     return out
+
+
+def parallel_mesh(root: nn.Module) -> Any:
+    """The device mesh the first parallel layer of ``root`` (``distributed_modules``) runs
+    its activations on, as its ``ParallelStyle`` was given it (None: no parallel layer)."""
+    for m in root.modules():
+        for hook in [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]:  # (torch's own tables)
+            if getattr(hook, "__qualname__", "").startswith("distribute_module."):
+                cells = dict(zip(hook.__code__.co_freevars, hook.__closure__ or ()))
+                if "device_mesh" in cells:
+                    return cells["device_mesh"].cell_contents
+    return None

@@ -4,7 +4,8 @@ Usage: ``python run_tp.py OUT DP TP RUN [RUN ...]``: DP x TP the mesh
 (``ModelParallelStrategy``; DP > 1 adds FSDP2's ``fully_shard``), and each RUN
 ``MODEL:CALLBACK:LOCAL`` one fit, all in turn in the same rank processes (one launch, one
 process group: start-up is most of a fit's time). MODEL is ``mlp`` (embedding - fc1 colwise -
-gelu - fc2 rowwise - head), ``brk`` (``mlp`` with a dynamo graph break after fc1), ``attn``
+gelu - fc2 rowwise - head), ``brk`` and ``tail`` (``mlp`` with a dynamo graph break after fc1,
+after fc2: ``BreakMLP``), ``attn``
 (embedding - head-sharded q, k, v colwise - attention - out rowwise - head) or ``sp``
 (sequence parallel: ``mlp`` with LayerNorms before fc1 and after fc2 and a ``loss_parallel``
 loss, see ``SequenceParallelMLP``); CALLBACK ``on`` or ``off``; LOCAL ``1``
@@ -69,13 +70,23 @@ class MLP(nn.Module):
 
 
 class BreakMLP(MLP):
-    """The MLP with a dynamo graph break between ``fc1`` and its activation: the next graph
-    starts from ``fc1``'s local shard, a plain tensor whose placement that graph cannot see."""
+    """The MLP with a dynamo graph break after ``fc1`` (``brk``: the next graph starts from
+    fc1's local shard, a plain tensor whose placement fc2's input hook declares) or after
+    ``fc2`` (``tail``: the head's graph computes no DTensor, and nothing in it says that its
+    input is a replica)."""
+
+    def __init__(self, after: str) -> None:
+        super().__init__()
+        self.after = after
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         h = _local(self.fc1(self.emb(idx)))
-        torch._dynamo.graph_break()
-        return self.head(_local(self.fc2(self.act(h))))
+        if self.after == "fc1":
+            torch._dynamo.graph_break()
+        h = _local(self.fc2(self.act(h)))
+        if self.after == "fc2":
+            torch._dynamo.graph_break()
+        return self.head(h)
 
 
 class Attention(nn.Module):
@@ -144,7 +155,8 @@ class Module(pl.LightningModule):
     def __init__(self, out: Path, model: str, local: bool) -> None:
         super().__init__()
         self.out, self.local = out, local
-        self.model = {"mlp": MLP, "brk": BreakMLP, "attn": Attention, "sp": SequenceParallelMLP}[model]()
+        models = {"mlp": MLP, "attn": Attention, "sp": SequenceParallelMLP}
+        self.model = {**models, "brk": lambda: BreakMLP("fc1"), "tail": lambda: BreakMLP("fc2")}[model]()
 
     def configure_model(self) -> None:
         parallelize_module(self.model, self.device_mesh["tensor_parallel"], self.model.plan(self.local))

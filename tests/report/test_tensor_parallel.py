@@ -38,7 +38,10 @@ Key = Tuple[str, str, int]  # (model, callback, data-parallel size)
 #: (model, callback, ``use_local_output``); the attention model gets DTensor outputs and
 #: takes them to local tensors itself (``to_local``)
 LAUNCHES = {
-    1: [("mlp", "on", 1), ("mlp", "off", 1), ("attn", "on", 0), ("attn", "off", 0), ("sp", "on", 1)],
+    1: [
+        *[("mlp", "on", 1), ("mlp", "off", 1), ("attn", "on", 0), ("attn", "off", 0), ("sp", "on", 1)],
+        *[("brk", "on", 1), ("tail", "on", 1)],  # (dynamo graph breaks after fc1, after fc2)
+    ],
     2: [("mlp", "on", 1), ("mlp", "off", 1)],
 }
 Nodes = Dict[str, Tuple[Tensor, Tensor]]  # label -> (value, gradient), float64
@@ -125,7 +128,7 @@ def _sequence_parallel(w: Dict[str, Tensor], idx: Tensor) -> Dict[str, Tensor]:
     return {"emb": x, "norm": norm, "fc1": h1, "act": a, "fc2": h2, "norm2": norm2, "head": o}
 
 
-MODELS = {"mlp": _mlp, "attn": _attention, "sp": _sequence_parallel}
+MODELS = {"mlp": _mlp, "brk": _mlp, "tail": _mlp, "attn": _attention, "sp": _sequence_parallel}
 #: SequenceParallel norms' parameter gradients: Partial in the hook (summed by the optimizer step)
 PARTIAL_GRADS = [f"model.{n}.{p}" for n in ("norm", "norm2") for p in ("weight", "bias")]
 
@@ -286,4 +289,45 @@ def test_sequence_parallel_sums_the_partial_gradients_in_one_collective(
         ("all_reduce", "MAX"),
         ("all_reduce", "SUM"),
         ("reduce", "SUM"),
+    ]
+
+
+def test_a_graph_break_after_the_column_parallel_layer_keeps_every_node_exact(
+    trained: Callable[..., Tuple[Path, str]],
+) -> None:
+    """The graph resumed after a break that follows fc1 computes the GELU from fc1's local
+    shard, a plain tensor of unknown placement there; fc2's input hook declares it a shard
+    (``from_local(..., Shard(-1))``), so the GELU is recorded on every rank, not counted as a
+    replica (half its elements)."""
+    out, output = trained("brk")
+    logged = _scalars(out)
+    nodes = _reference(out, "brk")
+    del nodes["model"]  # (a module whose call a nested graph break cuts has no output label: limitations.md)
+    _check(logged, nodes)
+    assert {tag.split("/", 2)[2] for tag in logged if tag.startswith("count/fwd/")} == set(nodes)
+    assert logged["count/fwd/model.act/gelu"] == logged["count/bwd/model.act/gelu"] == nodes["model.act"][0].numel()
+    _assert_nothing_warns(out, output, TP)
+
+
+def test_a_node_whose_placement_a_graph_break_hides_is_left_out_and_named(
+    trained: Callable[..., Tuple[Path, str]],
+) -> None:
+    """After a break that follows fc2, the head's graph computes no DTensor and nothing in
+    it says whether its input is a replica or a shard: the head's output is recorded on no
+    rank (not twice, not half), named once in a warning and in the coverage line; every
+    other node, the head's parameters included, equals the reference."""
+    out, output = trained("tail")
+    logged = _scalars(out)
+    nodes = _reference(out, "tail")
+    hidden = {"model", "model.head", "model.head/linear"}
+    _check(logged, {label: pair for label, pair in nodes.items() if label not in hidden})
+    assert {tag.split("/", 2)[2] for tag in logged if tag.startswith("count/")} == set(nodes) - hidden
+    why = "placement unknown (computed from a value of before a graph break that no parallel layer declares)"
+    named = f"2 nodes skipped: {why} (model.head/linear, model.head/linear grad)"
+    coverage = [line for line in output.splitlines() if line.startswith("ScaleMonitor: coverage:")]
+    assert len(coverage) == 1 and coverage[0].endswith(named), coverage
+    caught = [m for rank in range(TP) for _, m, _ in json.loads((out / f"warnings_rank{rank}.json").read_text())]
+    assert [m for m in caught if "ScaleMonitor" in m] == [
+        f"ScaleMonitor: {named} at step 0: no statistics of these "
+        "tensors, for the reason given; the rest of the step is recorded"
     ]
