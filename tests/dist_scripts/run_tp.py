@@ -90,8 +90,8 @@ class BreakMLP(MLP):
 
 
 class Attention(nn.Module):
-    """Self-attention whose heads are split over the tensor-parallel ranks (not causal: the
-    first query's gradient would be zero only up to rounding, its format counts a coin toss)."""
+    """Causal self-attention whose heads are split over the tensor-parallel ranks (the first
+    query sees one key: its gradient is zero, in float32 up to rounding)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -106,7 +106,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q, k, v = (_local(f(x)) for f in (self.q, self.k, self.v))
         q, k, v = (a.view(b, t, -1, D // HEADS).transpose(1, 2) for a in (q, k, v))  # (B, heads here, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.head(_local(self.out(y)))
 

@@ -29,6 +29,7 @@ from tests.report.test_distributed import _free_ports
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "dist_scripts" / "run_tp.py"
 REL = 1e-5  # TensorBoard stores scalars as float32
+AMBIGUOUS = 1e-6  # |x| at most this fraction of the tensor's absmax: zero up to float32 rounding
 HEADS, TP = 4, 2
 #: statistic -> its tag prefix; the format counts are fractions of the count
 STATISTICS = {"std": "scale", "absmax": "absmax", "count": "count", "zeros": "zeros"}
@@ -111,7 +112,7 @@ def _attention(w: Dict[str, Tensor], idx: Tensor) -> Dict[str, Tensor]:
     b, t, d = x.shape
     qkv = {n: F.linear(x, w[f"{n}.weight"], w.get(f"{n}.bias")) for n in "qkv"}
     q, k, v = (a.view(b, t, HEADS, d // HEADS).transpose(1, 2) for a in qkv.values())  # (B, nh, T, hs)
-    y = F.scaled_dot_product_attention(q, k, v)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     out = F.linear(y.transpose(1, 2).reshape(b, t, d), w["out.weight"], w["out.bias"])
     o = F.linear(out, w["head.weight"], w["head.bias"])
     return {"emb": x, **qkv, "sdpa": y, "out": out, "head": o}
@@ -162,26 +163,32 @@ def _reference(out: Path, model: str, dp: int = 1) -> Nodes:
     return nodes
 
 
-def _expected(t: Tensor) -> Dict[str, float]:
+def _expected(t: Tensor) -> Dict[str, Tuple[float, float]]:
+    """Statistic -> the interval its logged value must lie in. Counts are exact except for
+    elements within rounding of 0 in the reference (``AMBIGUOUS`` of its absmax: the
+    causal first query's gradient, zero here, a few ulps in the float32 run), each of which
+    may be a zero or a tiny nonzero there."""
     a = t.float().double().abs()  # (the run's values are float32)
-    nonzero = a > 0
-    out = {
-        "std": float(t.std()),
-        "absmax": float(a.max()),
-        "count": t.numel(),
-        "zeros": float((~nonzero).double().mean()),
-    }
-    out.update({name: float((nonzero & (a < bound)).double().mean()) for name, bound in BOUNDS.items()})
+    ambiguous = a <= AMBIGUOUS * float(a.max())
+    nonzero, n, slack = a > 0, t.numel(), float(ambiguous.double().sum()) / t.numel()
+    exact = {"std": float(t.std()), "absmax": float(a.max()), "count": n}
+    counts = {"zeros": ~nonzero, **{name: nonzero & (a < bound) for name, bound in BOUNDS.items()}}
+    out = {stat: (value, value) for stat, value in exact.items()}
+    for name, found in counts.items():
+        low = float((found & ~ambiguous).double().sum()) / n
+        out[name] = (low, low + slack)
     return out
 
 
 def _check(logged: Dict[str, float], nodes: Nodes) -> None:
     for label, tensors in nodes.items():
         for direction, t in zip(("fwd", "bwd"), tensors):
-            for stat, value in _expected(t).items():
+            for stat, (low, high) in _expected(t).items():
                 tag = f"{STATISTICS.get(stat, stat)}/{direction}/{label}"
                 assert tag in logged, tag
-                assert logged[tag] == pytest.approx(value, rel=REL, abs=1e-7), (tag, logged[tag], value)
+                value = logged[tag]
+                inside = low - 1e-7 <= value <= high + 1e-7 or value == pytest.approx(low, rel=REL)
+                assert inside, (tag, value, low, high)
 
 
 def _assert_nothing_warns(out: Path, output: str, world: int) -> None:
