@@ -17,9 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_scale.capture.graphs import CaptureError, capture
-from lightning_scale.capture.tensor_parallel import distributed_modules
+from lightning_scale.capture.tensor_parallel import UNKNOWN, distributed_modules, parallel_mesh
 from lightning_scale.record import stats
-from lightning_scale.record.recorder import Recorder, recording
+from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder, recording
 from tests.gloo import one_rank_mesh
 
 
@@ -92,3 +92,45 @@ def test_every_node_is_recorded_as_in_the_unparallelized_model(mesh: DeviceMesh)
             got = stats.summarise(row[d], ["count", "std"])
             assert got["count"] == value.numel(), (label, d)
             assert got["std"] == pytest.approx(float(value.double().std()), rel=1e-5), (label, d)
+
+
+class Broken(MLP):
+    """The MLP with a dynamo graph break after ``fc1`` or after ``fc2``, and a head."""
+
+    def __init__(self, after: str) -> None:
+        super().__init__()
+        self.after, self.head = after, nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.after == "fc1":
+            torch._dynamo.graph_break()
+        h = self.fc2(self.act(h))
+        if self.after == "fc2":
+            torch._dynamo.graph_break()
+        return self.head(h)
+
+
+@pytest.mark.parametrize("after, skipped", [("fc1", []), ("fc2", ["head/linear"])])
+def test_inputs_from_before_a_graph_break_take_the_declared_placement_or_are_skipped(
+    mesh: DeviceMesh, after: str, skipped: "list[str]"
+) -> None:
+    """After the break that follows fc1, fc2's input hook declares the GELU's input a shard:
+    the GELU is recorded. After the one that follows fc2, nothing in the head's graph (no
+    DTensor at all: it takes the parallel layers' mesh) declares its input: the head's output
+    is recorded on no rank, and ``skipped`` says why, forward and backward."""
+    torch.manual_seed(0)
+    model = Broken(after)
+    parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    assert parallel_mesh(model) is mesh and parallel_mesh(MLP()) is None
+    cap = capture(model, "auto")
+    rec = Recorder()
+    with recording(rec):
+        out = cap.tracked()(torch.randn(3, 8))
+    out.square().sum().backward()
+    why = {(label, d): UNKNOWN for label in skipped for d in (FORWARD, BACKWARD)}
+    assert rec.skipped == why
+    records = rec.records(cap.node_labels, cap.aliases)
+    counts = {label: stats.summarise(row[0], ["count"])["count"] for label, row in zip(cap.node_labels, records)}
+    assert counts["act/gelu"] == 3 * 16 and counts["fc2/linear"] == 3 * 8 and counts["head.weight"] == 4 * 8
+    assert counts["head/linear"] == (0 if skipped else 3 * 4)
