@@ -133,13 +133,8 @@ class TensorParallelGraph:
         its gradient at every one."""
         if self.mesh is None:
             return observe
-        mesh, replicas, reduced, unknown = (
-            self.mesh,
-            frozenset(self.replicas),
-            dict(self.reduced),
-            frozenset(self.unknown),
-        )
-        partial = frozenset(reduced.values())
+        mesh, reduced = self.mesh, dict(self.reduced)
+        replicas, unknown, partial = frozenset(self.replicas), frozenset(self.unknown), frozenset(reduced.values())
 
         @torch.compiler.disable
         def run(x: Any, name: str) -> None:
@@ -197,7 +192,7 @@ def _statuses(gm: fx.GraphModule, start: Dict[str, str]) -> Dict[str, str]:
         value = _value(node)
         if node.op == "output" or is_distributed(value):
             continue
-        if node.name in start:
+        if node.name in start and (value is None or isinstance(value, Tensor)):
             status[node.name] = start[node.name]
         elif isinstance(value, Tensor):
             found = {status.get(n.name) for n in node.all_input_nodes}
