@@ -1,11 +1,13 @@
 """Tensor parallelism (DTensor TP through ``ModelParallelStrategy``) on 2 CPU processes over
 gloo: every logged node's statistics (std, absmax, count, format counts, forward and
 backward) are those of the full logical tensor (``use_local_output`` True for the MLP,
-False for the attention model; FSDP2 x TP on 4 processes; sequence parallelism with
-``loss_parallel``), checked against a single-process float64
-reference of the unsharded model with the same weights and batch, written out without the
-library or the model class; training is bit-identical with and without the callback; the
-run warns of nothing. The training script is ``tests/dist_scripts/run_tp.py``."""
+False for the causal attention model; FSDP2 x TP on 4 processes; sequence parallelism with
+``loss_parallel``; dynamo graph breaks after the column- and the row-parallel layer),
+checked against a single-process float64 reference of the unsharded model with the same
+weights and batch, written out without the library or the model class; training is
+bit-identical with and without the callback (both fits in the same rank processes); the
+run warns of nothing, and a node whose placement a graph break hides is left out and
+named. The training script is ``tests/dist_scripts/run_tp.py``."""
 
 from __future__ import annotations
 
