@@ -4,9 +4,10 @@ Usage: ``python run_detector.py OUT RANK`` with ``MASTER_ADDR``/``MASTER_PORT`` 
 alone sees a loss spike at step 6 and a NaN at step 12; both ranks must track the same
 steps. Writes ``OUT/rank<RANK>.pt``: the tracked steps and the events.
 
-``anomaly.py`` imports only torch, so it is loaded from its file: a rank then starts in
-the time torch takes to import, not Lightning's (the package ``__init__`` imports the
-callback, hence Lightning).
+``anomaly.py`` imports only torch and ``lightning_scale.arguments``, so both are loaded from
+their files under an empty ``lightning_scale`` package: a rank then starts in the time torch
+takes to import, not Lightning's (the package ``__init__`` imports the callback, hence
+Lightning).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
+import types
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, List
@@ -21,10 +23,14 @@ from typing import Any, List
 import torch
 import torch.distributed as dist
 
-_FILE = Path(__file__).resolve().parents[2] / "lightning_scale" / "step" / "anomaly.py"
+_PACKAGE = Path(__file__).resolve().parents[2] / "lightning_scale"
+_FILE = _PACKAGE / "step" / "anomaly.py"
 
 
 def _anomaly_module() -> Any:
+    package = types.ModuleType("lightning_scale")  # without its __init__ (Lightning)
+    package.__path__ = [str(_PACKAGE)]
+    sys.modules["lightning_scale"] = package
     spec = importlib.util.spec_from_file_location("_anomaly_alone", _FILE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
