@@ -1,6 +1,7 @@
 """A one-pass kernel for host tensors: sum, sum of squares and max |x|, read once; the
 block what-ifs (MXFP8, MXFP4, NVFP4 casts and their error), element for element as
-``stats.blocks`` defines them; and central moments up to the fourth (kurtosis).
+``stats.blocks`` defines them; central moments up to the fourth (kurtosis); and the
+per-tensor FP8 what-if (E4M3 and E5M2 casts after amax scaling), as ``stats.fp8`` defines it.
 
 torch has no CPU kernel that gives a tensor's sum and sum of squares in one read (its
 ``var_mean`` is ~40x slower than a sum here), so on the host path the statistics read
@@ -50,6 +51,7 @@ __all__ = [
     "blocks",
     "compiler",
     "every_group",
+    "fp8",
     "load",
     "moments",
     "status",
@@ -65,7 +67,7 @@ ENV = "LIGHTNING_SCALE_NATIVE"
 #: torch's two reads take 10.3 ms on one thread, 8.2 ms on two; ours 5.2 ms.)
 SERIAL_MAX = 32768
 SERIAL_THREADS = 2
-_ABI = 4
+_ABI = 5
 #: The kernel's C source, compiled on first use.
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sums.c")
 #: (no fused multiply-adds: the block casts repeat the reference's float32 operations one by one)
@@ -109,6 +111,11 @@ class _Kernels:
             self.all_fns[dtype] = _bind(lib, f"ls_all_{suffix}", all_args)
             self.block_fns[dtype] = _bind(lib, f"ls_blocks_{suffix}", blocks_args)
             self.moment_fns[dtype] = _bind(lib, f"ls_moments_{suffix}", blocks_args[:-1])
+        fp8_args = [*blocks_args[:4], ctypes.c_int32, ctypes.c_void_p]
+        self.fp8_fns = {
+            dtype: _bind(lib, f"ls_fp8_{suffix}", fp8_args)
+            for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16"), (torch.float16, "f16"))
+        }
         self.dtypes = list(self.all_fns)
 
     def call(
@@ -137,6 +144,13 @@ class _Kernels:
     def call_moments(self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int) -> np.ndarray:
         out = np.empty(5)
         self.moment_fns[dtype](address, rows, cols, stride, out.ctypes.data)
+        return out
+
+    def call_fp8(
+        self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, amax: int = -1
+    ) -> np.ndarray:
+        out = np.empty(6)
+        self.fp8_fns[dtype](address, rows, cols, stride, amax, out.ctypes.data)
         return out
 
 
@@ -200,6 +214,24 @@ def moments(x: Tensor) -> Optional[np.ndarray]:
         return None
     layout = _in_place(x)
     return None if layout is None else kernels.call_moments(x.dtype, x.data_ptr(), *layout)
+
+
+def fp8(x: Tensor, amax: Optional[float] = None) -> Optional[np.ndarray]:
+    """``stats.fields.FP8_FIELDS`` of a float32, bfloat16 or float16 CPU tensor (non-empty):
+    per format (E4M3, E5M2) the sum of squared error, the sum of squares and the nonzeros
+    flushed to zero, as ``stats.fp8.fp8_fields`` defines them, in one read (two without
+    ``amax``, the largest finite |x|, where the caller knows it), as 6 float64 numbers; or None
+    where the kernel is not available or does not read ``x`` in place (then ``fp8_fields``).
+    The casts and the flushed counts are the reference's exactly; the sums are added in float64
+    as the reference's, in another order (a few float64 roundings apart)."""
+    kernels = _loaded if _loaded is not None else _try_load()
+    if kernels is None or x.dtype not in kernels.fp8_fns or x.numel() == 0:
+        return None
+    layout = _in_place(x)
+    if layout is None:
+        return None
+    bits = -1 if amax is None else int(np.float32(amax).view(np.int32))
+    return kernels.call_fp8(x.dtype, x.data_ptr(), *layout, bits)  # type: ignore[union-attr]
 
 
 def block_casts(x: Tensor) -> Optional[Tensor]:

@@ -23,6 +23,7 @@ def failure(kernels: Any) -> Optional[str]:
         _sums(kernels)
         _blocks(kernels)
         _moments(kernels)
+        _fp8(kernels)
     except _Failed as why:
         return str(why)
     return None
@@ -96,6 +97,28 @@ def _moments(kernels: Any) -> None:
     scale = [1, v.mean(), want[2], np.abs(d**3).sum(), want[4]]
     if not all(abs(g - w) <= 1e-9 * s for g, w, s in zip(got, want, scale)):
         raise _Failed(f"self-check failed (moments): got {list(got)}, expected {want}")
+
+
+def _fp8(kernels: Any) -> None:
+    """The per-tensor FP8 kernel against an independent numpy quantisation (a grid step from
+    the exponent, ``np.rint``'s ties to even), with ties, subnormals of both formats, flushed
+    values, a NaN and an Inf left out and a scalar tail; its own amax and a given one."""
+    x = np.concatenate([np.linspace(-3.0, 5.0, 1001), [2.0**-10, 2.0**-11 * 3, 1e-4, 1e-7, 0.0, 0.0]])
+    x = x.astype(np.float32)  # 1007 values: 125 vectors of 8 and a tail of 7
+    x[[3, 700]] = np.nan, -np.inf
+    finite = np.where(np.isfinite(x), np.abs(x), 0).astype(np.float32)
+    amax = finite.max()
+    for f, (top, m, lo) in enumerate(((448.0, 3, -6), (57344.0, 2, -14))):
+        scale = np.float32(top) / amax
+        y = (finite * scale).astype(np.float64)  # (float32 products, as the kernel's)
+        step = np.exp2(np.maximum(np.floor(np.log2(np.where(y > 0, y, 1.0))), lo) - m)
+        q = np.rint(y / step) * step
+        want = [(((q - finite.astype(np.float64) * float(scale)) / float(scale)) ** 2).sum()]
+        want += [(finite.astype(np.float64) ** 2).sum(), float(((finite > 0) & (q == 0)).sum())]
+        for given in (-1, int(amax.view(np.int32))):
+            got = kernels.call_fp8(torch.float32, x.ctypes.data, 1, x.size, x.size, given)[3 * f : 3 * f + 3]
+            if not (got[2] == want[2] and all(abs(g - w) <= 1e-12 * w for g, w in zip(got[:2], want[:2]))):
+                raise _Failed(f"self-check failed (fp8, format {f}): got {list(got)}, expected {want}")
 
 
 def _sums_close(got: Any, want: np.ndarray) -> bool:

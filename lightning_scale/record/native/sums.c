@@ -10,10 +10,11 @@
  * ls_sums_max_* kernels, -1 for the others; max |x| is meaningful only where both sums
  * are finite (every element finite, no square overflowing).
  */
+#include <float.h>
 #include <stdint.h>
 #include <string.h>
 
-#define LS_ABI 4
+#define LS_ABI 5
 #define CHUNK 256
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -142,6 +143,28 @@ static inline uint32_t to_bits(float f) {
 
 static inline float scalar_f32(float v) { return v; }
 static inline float scalar_bf16(uint16_t h) { return from_bits((uint32_t)h << 16); }
+
+/* float16 to float32, exact: the magnitude's bits moved to float32's places are 2^-112 times
+ * the value (subnormals too), exponent 31 (inf, NaN) becomes 255 */
+static inline v8f load_f16(const uint16_t *p) {
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    v8u u = __builtin_convertvector(h, v8u);
+    v8f mag;
+    v8u bits = (u & 0x7fffu) << 13;
+    memcpy(&mag, &bits, sizeof mag);
+    mag *= 0x1p112f;
+    memcpy(&bits, &mag, sizeof bits);
+    bits |= ((u & 0x7c00u) == 0x7c00u) & 0x7f800000u;
+    bits |= (u & 0x8000u) << 16;
+    memcpy(&mag, &bits, sizeof mag);
+    return mag;
+}
+
+static inline float scalar_f16(uint16_t h) {
+    uint16_t lanes[8] = {h};
+    return load_f16(lanes)[0];
+}
 
 LS_KERNEL(ls_sums_f32, float, load_f32, scalar_f32, 0)
 LS_KERNEL(ls_sums_bf16, uint16_t, load_bf16, scalar_bf16, 0)
@@ -511,3 +534,117 @@ LS_MOMENT_CHUNK(uint16_t, load_bf16, scalar_bf16)
 
 LS_MOMENTS(ls_moments_f32, float)
 LS_MOMENTS(ls_moments_bf16, uint16_t)
+
+/* ---------------------------------------------------------------------------------------
+ * The per-tensor FP8 what-if (lightning_scale.record.stats.fp8 defines it and is the
+ * reference): with `amax`, the largest finite |x| (its float32 bits; negative: found here by a
+ * first read), per format f (E4M3, then E5M2) scale = max / amax in float32 (the largest
+ * float32 where that is inf), q = fp8(|x| scale) rounded to nearest, ties to even, on the
+ * format's grid (|x| scale is at most max within a float32 rounding, which rounds to max as
+ * torch's cast does: saturation and NaN never arise), and
+ * out[3 f] = sum of ((q - |x| scale) / scale)^2, out[3 f + 1] = sum of x^2, out[3 f + 2] =
+ * #{x != 0, q = 0}. Non-finite elements count as 0. |x| scale is exact in float64 and q - |x|
+ * scale is rounded once, as the reference's; the squares are added in float64 (4 lanes of 8)
+ * and divided by scale^2 at the end (the reference divides each error: a few float64 roundings
+ * apart). A row's last (cols mod 8) elements are zero-padded: a zero adds nothing.
+ */
+static const struct { float max; int m, lo; } FP8[2] = {{448.0f, 3, 121}, {57344.0f, 2, 113}};
+
+typedef struct {
+    v8d sq, err[2];
+    v8i nonzero, kept[2];
+} fp8_acc;
+
+static inline void fp8_vector(v8f v, const v8f *scale, const v8d *scale64, fp8_acc *acc) {
+    const v8i one = (v8i){0} + 1;
+    v8i b = abs_bits(v);
+    b &= b < 0x7f800000;
+    v8f a = float_of(b);
+    v8d w = __builtin_convertvector(a, v8d);
+    acc->sq += w * w;
+    acc->nonzero += imin(b, one);
+    for (int f = 0; f < 2; f++) {
+        v8i cap = (v8i){0} + (int32_t)to_bits(FP8[f].max);
+        v8f q = round_grid(float_of(imin(bits_of(a * scale[f]), cap)), FP8[f].m, FP8[f].lo);
+        v8d e = __builtin_convertvector(q, v8d) - w * scale64[f];
+        acc->err[f] += e * e;
+        acc->kept[f] += imin(bits_of(q), one);
+    }
+}
+
+static inline void fold_fp8(fp8_acc *acc, int64_t *counts) {
+    for (int j = 0; j < 8; j++) {
+        counts[0] += acc->nonzero[j];
+        counts[1] += acc->kept[0][j];
+        counts[2] += acc->kept[1][j];
+    }
+    acc->nonzero = acc->kept[0] = acc->kept[1] = (v8i){0};
+}
+
+#define LS_FP8(NAME, T, LOAD, SCALAR)                                                        \
+    LS_CLONES void NAME(const T *x, int64_t rows, int64_t cols, int64_t stride, int32_t amax, double *out) { \
+        if (amax < 0) { /* the largest finite |x| */                                        \
+            v8i m = {0};                                                                   \
+            uint32_t top = 0;                                                              \
+            for (int64_t r = 0; r < rows; r++) {                                           \
+                const T *p = x + r * stride;                                               \
+                int64_t i = 0;                                                             \
+                for (; cols - i >= 8; i += 8) {                                            \
+                    v8i b = abs_bits(LOAD(p + i));                                         \
+                    m = imax(m, b & (b < 0x7f800000));                                     \
+                }                                                                          \
+                for (; i < cols; i++) {                                                    \
+                    uint32_t b = to_bits(SCALAR(p[i])) & 0x7fffffffu;                      \
+                    top = b < 0x7f800000u && b > top ? b : top;                            \
+                }                                                                          \
+            }                                                                              \
+            uint32_t t = hmax(m);                                                          \
+            amax = (int32_t)(t > top ? t : top);                                           \
+        }                                                                                  \
+        v8f scale[2];                                                                      \
+        v8d scale64[2];                                                                    \
+        for (int f = 0; f < 2; f++) {                                                      \
+            float s = FP8[f].max / from_bits((uint32_t)amax);                              \
+            s = s > FLT_MAX ? FLT_MAX : s; /* (inf: amax 0 or tiny) */ \
+            scale[f] = (v8f){0} + s;                                                       \
+            scale64[f] = (v8d){0} + (double)s;                                             \
+        }                                                                                  \
+        fp8_acc acc[4];                                                                    \
+        memset(acc, 0, sizeof acc);                                                        \
+        int64_t counts[3] = {0, 0, 0}, since = 0;                                          \
+        for (int64_t r = 0; r < rows; r++) {                                               \
+            const T *p = x + r * stride;                                                   \
+            int64_t i = 0;                                                                 \
+            for (; cols - i >= 32; i += 32)                                                \
+                for (int j = 0; j < 4; j++) fp8_vector(LOAD(p + i + 8 * j), scale, scale64, &acc[j]); \
+            for (; cols - i >= 8; i += 8) fp8_vector(LOAD(p + i), scale, scale64, &acc[0]); \
+            if (i < cols) {                                                                \
+                float pad[8] = {0};                                                        \
+                for (int64_t t = i; t < cols; t++) pad[t - i] = SCALAR(p[t]);              \
+                fp8_vector(load_f32(pad), scale, scale64, &acc[0]);                        \
+            }                                                                              \
+            since += cols / 8 + 1;                                                         \
+            if (since >= (1 << 28)) { /* (a lane's int32 counts: below 2^31 while a row is < 2^36) */ \
+                for (int j = 0; j < 4; j++) fold_fp8(&acc[j], counts);                     \
+                since = 0;                                                                 \
+            }                                                                              \
+        }                                                                                  \
+        for (int j = 0; j < 4; j++) fold_fp8(&acc[j], counts);                             \
+        double sq = 0.0, err[2] = {0.0, 0.0};                                              \
+        for (int j = 0; j < 4; j++)                                                        \
+            for (int l = 0; l < 8; l++) {                                                  \
+                sq += acc[j].sq[l];                                                        \
+                err[0] += acc[j].err[0][l];                                                \
+                err[1] += acc[j].err[1][l];                                                \
+            }                                                                              \
+        for (int f = 0; f < 2; f++) {                                                      \
+            double s64 = scale64[f][0];                                                    \
+            out[3 * f] = err[f] / (s64 * s64);                                             \
+            out[3 * f + 1] = sq;                                                           \
+            out[3 * f + 2] = (double)(counts[0] - counts[1 + f]);                          \
+        }                                                                                  \
+    }
+
+LS_FP8(ls_fp8_f32, float, load_f32, scalar_f32)
+LS_FP8(ls_fp8_bf16, uint16_t, load_bf16, scalar_bf16)
+LS_FP8(ls_fp8_f16, uint16_t, load_f16, scalar_f16)
