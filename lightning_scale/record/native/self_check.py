@@ -73,7 +73,8 @@ def _sums(kernels: Any) -> None:
 
 def _blocks(kernels: Any) -> None:
     """The block kernel on one padded block whose MXFP4 cast is known: scale 2^0, q = 1, 3,
-    -0, 6, 0 (0.2 and 0.001 flush), the squares in float64."""
+    -0, 6, 0 (0.2 and 0.001 flush), the sums of squares within float32 rounding (added in
+    float32 per block)."""
     x = np.array([1.0, 3.3, -0.2, 7.9, 0.001], dtype=np.float32)
     for dtype in kernels.dtypes:
         data = x if dtype == torch.float32 else (x.view(np.uint32) >> 16).astype(np.uint16)
@@ -81,7 +82,8 @@ def _blocks(kernels: Any) -> None:
         ref = ref.astype(np.float64)
         err = ((np.array([1.0, 3.0, 0.0, 6.0, 0.0]) - ref) ** 2).sum()
         got = kernels.call_blocks(dtype, data.ctypes.data, 1, 5, 5)
-        if not (got[7] == (ref * ref).sum() and got[8] == 2 and abs(got[6] - err) <= 1e-12 * err):
+        sq = (ref * ref).sum()
+        if not (abs(got[7] - sq) <= 1e-6 * sq and got[8] == 2 and abs(got[6] - err) <= 1e-6 * err):
             raise _Failed(f"self-check failed for {dtype} (blocks): got {list(got)}")
 
 

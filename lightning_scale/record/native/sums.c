@@ -321,9 +321,11 @@ typedef struct {
  * odd, so q(x) - x = sign(x) (q(|x|) - |x|)): |y| = |x| * inv, |q| = round(min(|y|, top)),
  * |d| = |q| * scale, stored with x's sign at `dst` unless it is NULL. x is flushed where it is
  * nonzero and d is zero, and d = 0 wherever x = 0: the flushed count is #{x != 0} (`nonzero`,
- * the block's, added by the caller) less #{d != 0}, here taken away. */
+ * the block's, added by the caller) less #{d != 0}, here taken away. The error d - |x| is exact
+ * in float32; times `unit` (the power of two that brings the block's max |x| near 1: exact) it
+ * is squared and added in float32 into `es` (within 2^-23 relative, as the reference's squares). */
 static inline void cast_vectors(const v8f *v, const v8i *a, int k, float inv, float scale, float top, int m, int lo,
-                                v8d *err, v8i *flushed, float *dst) {
+                                float unit, v8f *es, v8i *flushed, float *dst) {
     const v8i cap = bits_of((v8f){0} + top), one = (v8i){0} + 1;
     for (int j = 0; j < k; j++) {
         v8f y = float_of(a[j]) * inv;
@@ -332,10 +334,36 @@ static inline void cast_vectors(const v8f *v, const v8i *a, int k, float inv, fl
             v8f signed_d = float_of(bits_of(d) | (bits_of(v[j]) & (int32_t)0x80000000));
             memcpy(dst + 8 * j, &signed_d, sizeof signed_d);
         }
-        v8d e = __builtin_convertvector(d - float_of(a[j]), v8d);
-        *err += e * e;
+        v8f e = (d - float_of(a[j])) * unit;
+        *es += e * e;
         *flushed -= imin(bits_of(d), one);
     }
+}
+
+/* cast_vectors for MX's power-of-two scales, on a block's 4 vectors: the error in the scaled
+ * units, e = q r - y with y = |x| inv and r = scale inv (1, or 1/2 for the E8M0 scale 2^-127
+ * that torchao applies as a division by 2^-126), is (d - |x|) inv exactly (powers of two; |x|
+ * inv is exact unless below 2^-126, where the error squared is lost in float32 as the
+ * reference's is); its squares are added in float32 over the block (within 2^-23 relative,
+ * as the reference's) and once per block in float64, times (1 / inv)^2. */
+static inline void cast_mx(const v8f *v, const v8i *a, float inv, float scale, float top, int m, int lo, v8d *err,
+                           v8i *flushed, float *dst) {
+    const v8i cap = bits_of((v8f){0} + top), one = (v8i){0} + 1;
+    const float r = scale * inv;
+    v8f es = {0};
+    for (int j = 0; j < 4; j++) {
+        v8f y = float_of(a[j]) * inv;
+        v8f q = round_grid(float_of(imin(bits_of(y), cap)), m, lo);
+        if (dst) {
+            v8f signed_d = float_of(bits_of(q * scale) | (bits_of(v[j]) & (int32_t)0x80000000));
+            memcpy(dst + 8 * j, &signed_d, sizeof signed_d);
+        }
+        v8f e = q * r - y;
+        es += e * e;
+        *flushed -= imin(bits_of(q), one);
+    }
+    double u = 1.0 / (double)inv;
+    *err += __builtin_convertvector(es, v8d) * (u * u);
 }
 
 /* MX, E8M0 scale: emax, element mantissa bits, least normal exponent + 127, largest value */
@@ -349,8 +377,6 @@ static inline void cast_block(v8f *v, block_acc *acc, float *dst) {
         v8i finite = b[j] < 0x7f800000;
         v[j] = float_of(bits_of(v[j]) & finite);
         b[j] &= finite;
-        v8d w = __builtin_convertvector(v[j], v8d);
-        acc->sq += w * w;
     }
     uint32_t half0 = hmax(imax(b[0], b[1])), half1 = hmax(imax(b[2], b[3]));
     uint32_t amax = half0 > half1 ? half0 : half1;
@@ -358,6 +384,18 @@ static inline void cast_block(v8f *v, block_acc *acc, float *dst) {
         if (dst) memset(dst, 0, 4 * 32 * sizeof *dst);
         return;
     }
+    /* squares in float32 of |x| times `unit`, 2^(127 - the max's exponent): near 1 at most, exact,
+     * times unit^-2 in float64 (squares below 2^-126 of the max's are lost, as the reference's) */
+    int32_t ex = (int32_t)(amax >> 23);
+    ex = ex < 1 ? 1 : ex > 253 ? 253 : ex;
+    const float unit = from_bits((uint32_t)(254 - ex) << 23);
+    const double unit2 = (double)from_bits((uint32_t)ex << 23) * (double)from_bits((uint32_t)ex << 23);
+    v8f sq = {0};
+    for (int j = 0; j < 4; j++) {
+        v8f w = float_of(b[j]) * unit;
+        sq += w * w;
+    }
+    acc->sq += __builtin_convertvector(sq, v8d) * unit2;
     const v8i one = (v8i){0} + 1;
     v8i nonzero = (imin(b[0], one) + imin(b[1], one)) + (imin(b[2], one) + imin(b[3], one));
     for (int f = 0; f < 4; f++) acc->flushed[f] += nonzero;
@@ -366,17 +404,19 @@ static inline void cast_block(v8f *v, block_acc *acc, float *dst) {
         int32_t biased = (t < -127 ? -127 : t > 128 ? 128 : t) + 127;
         int32_t divisor = biased > 1 ? biased : 1; /* (0 divides by 2^-126 and multiplies by 2^-127) */
         float scale = biased == 0 ? from_bits(0x00400000u) : from_bits((uint32_t)biased << 23);
-        cast_vectors(v, b, 4, from_bits((uint32_t)(254 - divisor) << 23), scale, MX[f].top, MX[f].m, MX[f].lo,
-                     &acc->err[f], &acc->flushed[f], dst ? dst + 32 * f : NULL);
+        cast_mx(v, b, from_bits((uint32_t)(254 - divisor) << 23), scale, MX[f].top, MX[f].m, MX[f].lo, &acc->err[f],
+                &acc->flushed[f], dst ? dst + 32 * f : NULL);
     }
     uint32_t halves[2] = {half0, half1};
+    v8f es = {0};
     for (int h = 0; h < 2; h++) {
         float s = from_bits(halves[h]) / 6.0f;
         s = s < 0.015625f ? 0.015625f : s > 448.0f ? 448.0f : s;
         s = round_grid1(s, 3, 121); /* the E4M3 scale */
-        cast_vectors(v + 2 * h, b + 2 * h, 2, 1.0f / s, s, 6.0f, 1, 127, &acc->err[3], &acc->flushed[3],
+        cast_vectors(v + 2 * h, b + 2 * h, 2, 1.0f / s, s, 6.0f, 1, 127, unit, &es, &acc->flushed[3],
                      dst ? dst + 96 + 16 * h : NULL);
     }
+    acc->err[3] += __builtin_convertvector(es, v8d) * unit2;
 }
 
 static inline void fold_flushed(block_acc *acc, int64_t *flushed) {
