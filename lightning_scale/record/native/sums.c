@@ -295,13 +295,12 @@ static inline v8f float_of(v8i u) {
 
 /* a (finite, >= 0, at most the format's largest value) rounded to nearest-even on the grid of
  * a format with `m` mantissa bits whose least normal exponent is `lo` - 127: the grid step is
- * 2^(max(exponent, lo) - 127 - m), multiplying by its inverse is exact, and below 2^23 adding
- * and taking away 2^23 rounds to an integer, ties to even. */
+ * 2^(E - 127 - m), E = max(a's exponent, lo); adding c = 2^(E - 127 + 23 - m) (above a) leaves
+ * exactly the bits of that grid, rounded to nearest, ties to even, and taking c away again is exact. */
 static inline v8f round_grid(v8f a, int m, int lo) {
-    v8i e = imax(bits_of(a) >> 23, (v8i){0} + lo);
-    v8f t = a * float_of((254 - e + m) << 23);
-    t = (t + 8388608.0f) - 8388608.0f;
-    return t * float_of((e - m) << 23);
+    v8i e = imax(bits_of(a) & 0x7f800000, (v8i){0} + (lo << 23));
+    v8f c = float_of(e + ((23 - m) << 23));
+    return (a + c) - c;
 }
 
 static inline float round_grid1(float a, int m, int lo) {
