@@ -1,7 +1,8 @@
 """A one-pass kernel for host tensors: sum, sum of squares and max |x|, read once; the
 block what-ifs (MXFP8, MXFP4, NVFP4 casts and their error), element for element as
 ``stats.blocks`` defines them; central moments up to the fourth (kurtosis); and the
-per-tensor FP8 what-if (E4M3 and E5M2 casts after amax scaling), as ``stats.fp8`` defines it.
+per-tensor FP8 what-if (E4M3 and E5M2 casts after amax scaling), as ``stats.fp8`` defines it;
+and each channel's max |x| (the channels group).
 
 torch has no CPU kernel that gives a tensor's sum and sum of squares in one read (its
 ``var_mean`` is ~40x slower than a sum here), so on the host path the statistics read
@@ -49,6 +50,7 @@ __all__ = [
     "SOURCE",
     "block_casts",
     "blocks",
+    "channel_maxima",
     "compiler",
     "every_group",
     "fp8",
@@ -112,10 +114,9 @@ class _Kernels:
             self.block_fns[dtype] = _bind(lib, f"ls_blocks_{suffix}", blocks_args)
             self.moment_fns[dtype] = _bind(lib, f"ls_moments_{suffix}", blocks_args[:-1])
         fp8_args = [*blocks_args[:4], ctypes.c_int32, ctypes.c_void_p]
-        self.fp8_fns = {
-            dtype: _bind(lib, f"ls_fp8_{suffix}", fp8_args)
-            for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16"), (torch.float16, "f16"))
-        }
+        wide = ((torch.float32, "f32"), (torch.bfloat16, "bf16"), (torch.float16, "f16"))
+        self.fp8_fns = {dtype: _bind(lib, f"ls_fp8_{suffix}", fp8_args) for dtype, suffix in wide}
+        self.channel_fns = {dtype: _bind(lib, f"ls_channels_{suffix}", blocks_args[:5]) for dtype, suffix in wide}
         self.dtypes = list(self.all_fns)
 
     def call(
@@ -152,6 +153,12 @@ class _Kernels:
         out = np.empty(6)
         self.fp8_fns[dtype](address, rows, cols, stride, amax, out.ctypes.data)
         return out
+
+
+    def call_channels(self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int) -> np.ndarray:
+        out = np.zeros(cols, dtype=np.int32)
+        self.channel_fns[dtype](address, rows, cols, stride, out.ctypes.data)
+        return out.view(np.float32)
 
 
 def _bind(lib: ctypes.CDLL, name: str, args: List[Any]) -> Any:
@@ -232,6 +239,32 @@ def fp8(x: Tensor, amax: Optional[float] = None) -> Optional[np.ndarray]:
         return None
     bits = -1 if amax is None else int(np.float32(amax).view(np.int32))
     return kernels.call_fp8(x.dtype, x.data_ptr(), *layout, bits)  # type: ignore[union-attr]
+
+
+def channel_maxima(x: Tensor) -> Optional[Tensor]:
+    """Each last-dimension channel's max |x| over the finite elements (0 where none) of a float32,
+    bfloat16 or float16 CPU tensor of at least 2 dimensions, as ``stats.channels.channel_maxima``
+    (float64 ``[C]``, the same values), in one read; or None where the kernel is not available or
+    the leading dimensions are not evenly strided rows of contiguous channels."""
+    kernels = _loaded if _loaded is not None else _try_load()
+    if kernels is None or x.dtype not in kernels.channel_fns or x.dim() < 2 or x.numel() == 0:
+        return None
+    layout = _channel_rows(x)
+    if layout is None:
+        return None
+    return torch.from_numpy(kernels.call_channels(x.dtype, x.data_ptr(), *layout)).double()  # type: ignore[union-attr]
+
+
+def _channel_rows(x: Tensor) -> Optional[Tuple[int, int, int]]:
+    """(rows, channels, row stride) of ``x`` as rows of its contiguous last dimension whose leading
+    dimensions merge into one stride (checked on the strides), or None."""
+    if type(x) is not Tensor or not x.is_cpu or x.layout is not torch.strided or x.is_neg() or x.stride(-1) != 1:
+        return None
+    c = x.shape[-1]
+    dims = [(size, st) for size, st in zip(x.shape[:-1], x.stride()[:-1]) if size != 1]
+    if all(dims[i][1] == dims[i + 1][1] * dims[i + 1][0] for i in range(len(dims) - 1)):
+        return x.numel() // c, c, (dims[-1][1] if dims else c)
+    return None
 
 
 def block_casts(x: Tensor) -> Optional[Tensor]:

@@ -24,6 +24,7 @@ def failure(kernels: Any) -> Optional[str]:
         _blocks(kernels)
         _moments(kernels)
         _fp8(kernels)
+        _channels(kernels)
     except _Failed as why:
         return str(why)
     return None
@@ -121,6 +122,17 @@ def _fp8(kernels: Any) -> None:
             got = kernels.call_fp8(torch.float32, x.ctypes.data, 1, x.size, x.size, given)[3 * f : 3 * f + 3]
             if not (got[2] == want[2] and all(abs(g - w) <= 1e-12 * w for g, w in zip(got[:2], want[:2]))):
                 raise _Failed(f"self-check failed (fp8, format {f}): got {list(got)}, expected {want}")
+
+
+def _channels(kernels: Any) -> None:
+    """The channel maxima of rows of 19 channels (two vectors and a tail) in rows of 24, a NaN
+    and an Inf left out, against numpy."""
+    x = ((np.arange(5 * 24) * 37 % 101) - 50.0).astype(np.float32).reshape(5, 24)
+    x[1, 2], x[3, 17] = np.nan, -np.inf
+    want = np.where(np.isfinite(x), np.abs(x), 0)[:, :19].max(0)
+    got = kernels.call_channels(torch.float32, x.ctypes.data, 5, 19, 24)
+    if not np.array_equal(got, want):
+        raise _Failed(f"self-check failed (channels): got {list(got)}, expected {list(want)}")
 
 
 def _sums_close(got: Any, want: np.ndarray) -> bool:

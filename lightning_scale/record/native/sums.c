@@ -687,3 +687,32 @@ static inline void fold_fp8(fp8_acc *acc, int64_t *counts) {
 LS_FP8(ls_fp8_f32, float, load_f32, scalar_f32)
 LS_FP8(ls_fp8_bf16, uint16_t, load_bf16, scalar_bf16)
 LS_FP8(ls_fp8_f16, uint16_t, load_f16, scalar_f16)
+
+/* ---------------------------------------------------------------------------------------
+ * Channel maxima (the channels group; lightning_scale.record.stats.channels.channel_maxima is
+ * the reference): out[c] = max(out[c], max over the rows of the finite |x[r, c]|) as float32
+ * bits (a non-negative float compares as its bits), for `rows` rows of `cols` channels; the
+ * caller zeroes `out`. NaN and Inf count as 0. Rows of a few hundred channels keep `out` in cache.
+ */
+#define LS_CHANNELS(NAME, T, LOAD, SCALAR)                                                   \
+    LS_CLONES void NAME(const T *x, int64_t rows, int64_t cols, int64_t stride, int32_t *out) { \
+        for (int64_t r = 0; r < rows; r++) {                                               \
+            const T *p = x + r * stride;                                                   \
+            int64_t i = 0;                                                                 \
+            for (; cols - i >= 8; i += 8) {                                                \
+                v8i b = abs_bits(LOAD(p + i)), m;                                          \
+                memcpy(&m, out + i, sizeof m);                                             \
+                m = imax(m, b & (b < 0x7f800000));                                         \
+                memcpy(out + i, &m, sizeof m);                                             \
+            }                                                                              \
+            for (; i < cols; i++) {                                                        \
+                int32_t b = (int32_t)(to_bits(SCALAR(p[i])) & 0x7fffffffu);                \
+                b = b < 0x7f800000 ? b : 0;                                                \
+                out[i] = b > out[i] ? b : out[i];                                          \
+            }                                                                              \
+        }                                                                                  \
+    }
+
+LS_CHANNELS(ls_channels_f32, float, load_f32, scalar_f32)
+LS_CHANNELS(ls_channels_bf16, uint16_t, load_bf16, scalar_bf16)
+LS_CHANNELS(ls_channels_f16, uint16_t, load_f16, scalar_f16)
