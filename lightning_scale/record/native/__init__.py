@@ -154,7 +154,6 @@ class _Kernels:
         self.fp8_fns[dtype](address, rows, cols, stride, amax, out.ctypes.data)
         return out
 
-
     def call_channels(self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int) -> np.ndarray:
         out = np.zeros(cols, dtype=np.int32)
         self.channel_fns[dtype](address, rows, cols, stride, out.ctypes.data)

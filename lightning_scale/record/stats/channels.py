@@ -71,8 +71,8 @@ def channel_maxima(x: Tensor, chunk: int = CHUNK) -> Tensor:
     A 0-dim tensor is one channel. A float32, bfloat16 or float16 host tensor of evenly strided
     rows is read once by the native kernel (``native.channel_maxima``). Else in host memory a
     max and a min over the leading dimensions (any layout, no temporary) serve where every
-    channel is finite (a free check there); otherwise, and off the host (no host read), ``x`` is read ``chunk`` elements at a
-    time as |x| with NaN and Inf set to 0.
+    channel is finite (a free check there); otherwise, and off the host (no host read), ``x``
+    is read ``chunk`` elements at a time as |x| with NaN and Inf set to 0.
 
     Example:
         >>> channel_maxima(torch.tensor([[1.0, -7.0], [-2.0, float("nan")]])).tolist()
