@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shlex
@@ -69,7 +70,7 @@ ENV = "LIGHTNING_SCALE_NATIVE"
 #: torch's two reads take 10.3 ms on one thread, 8.2 ms on two; ours 5.2 ms.)
 SERIAL_MAX = 32768
 SERIAL_THREADS = 2
-_ABI = 5
+_ABI = 6
 #: The kernel's C source, compiled on first use.
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sums.c")
 #: (no fused multiply-adds: the block casts repeat the reference's float32 operations one by one)
@@ -107,12 +108,13 @@ class _Kernels:
         self.all_fns: Dict[torch.dtype, Any] = {}
         self.block_fns: Dict[torch.dtype, Any] = {}
         self.moment_fns: Dict[torch.dtype, Any] = {}
+        moment_args = [*blocks_args[:4], ctypes.c_double, ctypes.c_void_p]
         for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
             self.fns[(dtype, False)] = _bind(lib, f"ls_sums_{suffix}", sums_args)
             self.fns[(dtype, True)] = _bind(lib, f"ls_sums_max_{suffix}", sums_args)
             self.all_fns[dtype] = _bind(lib, f"ls_all_{suffix}", all_args)
             self.block_fns[dtype] = _bind(lib, f"ls_blocks_{suffix}", blocks_args)
-            self.moment_fns[dtype] = _bind(lib, f"ls_moments_{suffix}", blocks_args[:-1])
+            self.moment_fns[dtype] = _bind(lib, f"ls_moments_{suffix}", moment_args)
         fp8_args = [*blocks_args[:4], ctypes.c_int32, ctypes.c_void_p]
         wide = ((torch.float32, "f32"), (torch.bfloat16, "bf16"), (torch.float16, "f16"))
         self.fp8_fns = {dtype: _bind(lib, f"ls_fp8_{suffix}", fp8_args) for dtype, suffix in wide}
@@ -142,9 +144,11 @@ class _Kernels:
         self.block_fns[dtype](address, rows, cols, stride, out.ctypes.data, casts or None)
         return out
 
-    def call_moments(self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int) -> np.ndarray:
+    def call_moments(
+        self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, centre: float = math.nan
+    ) -> np.ndarray:
         out = np.empty(5)
-        self.moment_fns[dtype](address, rows, cols, stride, out.ctypes.data)
+        self.moment_fns[dtype](address, rows, cols, stride, centre, out.ctypes.data)
         return out
 
     def call_fp8(
@@ -210,16 +214,18 @@ def blocks(x: Tensor) -> Optional[np.ndarray]:
     return kernels.call_blocks(x.dtype, x.data_ptr(), *layout)  # type: ignore[union-attr]
 
 
-def moments(x: Tensor) -> Optional[np.ndarray]:
+def moments(x: Tensor, centre: Optional[float] = None) -> Optional[np.ndarray]:
     """[count, mean, M2, M3, M4] of the finite elements of a float32 or bfloat16 CPU tensor
     (``Mk`` the sum of ``(x - mean)^k``) in float64, as ``stats.outliers.moments_row``, in one
-    read (twice per 1024 elements, the second time from cache), or None where the kernel is
-    not available or does not read ``x`` in place (then ``moments_row``)."""
+    read, or None where the kernel is not available or does not read ``x`` in place (then
+    ``moments_row``). Without ``centre`` (a finite value near the mean, such as the first
+    read's) each 1024 elements are read twice, the second time from cache, about their own mean."""
     kernels = _loaded if _loaded is not None else _try_load()
     if kernels is None or x.dtype not in kernels.moment_fns or x.numel() == 0:
         return None
     layout = _in_place(x)
-    return None if layout is None else kernels.call_moments(x.dtype, x.data_ptr(), *layout)
+    c = centre if centre is not None and math.isfinite(centre) else math.nan
+    return None if layout is None else kernels.call_moments(x.dtype, x.data_ptr(), *layout, c)  # type: ignore[union-attr]
 
 
 def fp8(x: Tensor, amax: Optional[float] = None) -> Optional[np.ndarray]:

@@ -90,16 +90,18 @@ def _blocks(kernels: Any) -> None:
 
 def _moments(kernels: Any) -> None:
     """The moments kernel against numpy float64 on values far from 0 (a mean 1e4 standard
-    deviations away), over chunk boundaries and a tail, a NaN and an Inf left out."""
+    deviations away), over chunk boundaries and a tail, a NaN and an Inf left out; about each
+    chunk's mean and about a given centre."""
     x = (1e4 + np.sin(np.arange(2500)) + (np.arange(2500) % 7) ** 2 / 10.0).astype(np.float32)
     x[10], x[2000] = np.nan, np.inf
     v = x[np.isfinite(x)].astype(np.float64)
     d = v - v.mean()
     want = [v.size, v.mean(), (d**2).sum(), (d**3).sum(), (d**4).sum()]
-    got = kernels.call_moments(torch.float32, x.ctypes.data, 1, x.size, x.size)
     scale = [1, v.mean(), want[2], np.abs(d**3).sum(), want[4]]
-    if not all(abs(g - w) <= 1e-9 * s for g, w, s in zip(got, want, scale)):
-        raise _Failed(f"self-check failed (moments): got {list(got)}, expected {want}")
+    for centre in (np.nan, 1e4 + 3.0):  # (each chunk's own mean; one centre for all)
+        got = kernels.call_moments(torch.float32, x.ctypes.data, 1, x.size, x.size, centre)
+        if not all(abs(g - w) <= 1e-9 * s for g, w, s in zip(got, want, scale)):
+            raise _Failed(f"self-check failed (moments, centre {centre}): got {list(got)}, expected {want}")
 
 
 def _fp8(kernels: Any) -> None:

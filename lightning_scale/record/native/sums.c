@@ -14,7 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define LS_ABI 5
+#define LS_ABI 6
 #define CHUNK 256
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -508,26 +508,30 @@ static inline void merge_moments(moments *a, const moments *b) {
 
 /* one chunk of `len` elements at p (len a multiple of 8 unless it is a row's tail) */
 #define LS_MOMENT_CHUNK(T, LOAD, SCALAR)                                                     \
-    static inline moments chunk_moments_##T(const T *p, int64_t len) {                      \
-        v8d s = {0};                                                                       \
-        v8i c8 = {0};                                                                      \
+    static inline moments chunk_moments_##T(const T *p, int64_t len, double centre) {       \
+        double c = centre;                                                                 \
+        moments m = {0, 0, 0, 0, 0};                                                       \
         int64_t i = 0;                                                                     \
-        for (; len - i >= 8; i += 8) {                                                     \
-            v8f a = LOAD(p + i);                                                           \
-            v8i fin = abs_bits(a) < 0x7f800000;                                            \
-            s += __builtin_convertvector(float_of(bits_of(a) & fin), v8d);                 \
-            c8 -= fin;                                                                     \
+        if (c != c) { /* no centre given: the chunk's mean, from a first pass */          \
+            v8d s = {0};                                                                   \
+            v8i c8 = {0};                                                                  \
+            for (; len - i >= 8; i += 8) {                                                 \
+                v8f a = LOAD(p + i);                                                       \
+                v8i fin = abs_bits(a) < 0x7f800000;                                        \
+                s += __builtin_convertvector(float_of(bits_of(a) & fin), v8d);             \
+                c8 -= fin;                                                                 \
+            }                                                                              \
+            double total = 0, count = 0;                                                   \
+            for (int j = 0; j < 8; j++) total += s[j], count += c8[j];                     \
+            for (int64_t t = i; t < len; t++) {                                            \
+                float v = SCALAR(p[t]);                                                    \
+                if ((to_bits(v) & 0x7fffffffu) < 0x7f800000u) total += v, count += 1;      \
+            }                                                                              \
+            if (count == 0) return m;                                                      \
+            c = total / count; /* (rounded: the sums about it are moved to the exact mean) */ \
         }                                                                                  \
-        double total = 0, count = 0;                                                       \
-        for (int j = 0; j < 8; j++) total += s[j], count += c8[j];                         \
-        for (int64_t t = i; t < len; t++) {                                                \
-            float v = SCALAR(p[t]);                                                        \
-            if ((to_bits(v) & 0x7fffffffu) < 0x7f800000u) total += v, count += 1;          \
-        }                                                                                  \
-        moments m = {count, 0, 0, 0, 0};                                                   \
-        if (count == 0) return m;                                                          \
-        double c = total / count; /* (rounded: the sums about it are moved to the exact mean) */ \
         v8d s1 = {0}, s2 = {0}, s3 = {0}, s4 = {0};                                        \
+        v8i c8 = {0};                                                                      \
         for (i = 0; len - i >= 8; i += 8) {                                                \
             v8f a = LOAD(p + i);                                                           \
             v8i fin = abs_bits(a) < 0x7f800000;                                            \
@@ -538,16 +542,19 @@ static inline void merge_moments(moments *a, const moments *b) {
             s2 += d2;                                                                      \
             s3 += d2 * d;                                                                  \
             s4 += d2 * d2;                                                                 \
+            c8 -= fin;                                                                     \
         }                                                                                  \
-        double r1 = 0, r2 = 0, r3 = 0, r4 = 0;                                             \
-        for (int j = 0; j < 8; j++) r1 += s1[j], r2 += s2[j], r3 += s3[j], r4 += s4[j];    \
+        double r1 = 0, r2 = 0, r3 = 0, r4 = 0, count = 0;                                  \
+        for (int j = 0; j < 8; j++) r1 += s1[j], r2 += s2[j], r3 += s3[j], r4 += s4[j], count += c8[j]; \
         for (int64_t t = i; t < len; t++) {                                                \
             float v = SCALAR(p[t]);                                                        \
             if ((to_bits(v) & 0x7fffffffu) >= 0x7f800000u) continue;                       \
             double d = (double)v - c, d2 = d * d;                                          \
-            r1 += d, r2 += d2, r3 += d2 * d, r4 += d2 * d2;                                \
+            r1 += d, r2 += d2, r3 += d2 * d, r4 += d2 * d2, count += 1;                    \
         }                                                                                  \
+        if (count == 0) return m;                                                          \
         double e = r1 / count; /* the exact mean is c + e: move the sums there */          \
+        m.n = count;                                                                       \
         m.mean = c + e;                                                                    \
         m.m2 = r2 - r1 * e;                                                                \
         m.m3 = r3 - 3.0 * e * r2 + 2.0 * count * e * e * e;                                \
@@ -558,13 +565,17 @@ static inline void merge_moments(moments *a, const moments *b) {
 LS_MOMENT_CHUNK(float, load_f32, scalar_f32)
 LS_MOMENT_CHUNK(uint16_t, load_bf16, scalar_bf16)
 
+/* `centre`: a value near the mean (the first read's), or NaN: each chunk's own mean, from a
+ * first pass over it. Either way the sums about it are moved to each chunk's exact mean; a
+ * centre given saves that pass and costs float64 cancellation of about (|chunk mean - centre|
+ * / the spread)^2 ulp. */
 #define LS_MOMENTS(NAME, T)                                                                  \
-    LS_CLONES void NAME(const T *x, int64_t rows, int64_t cols, int64_t stride, double *out) { \
+    LS_CLONES void NAME(const T *x, int64_t rows, int64_t cols, int64_t stride, double centre, double *out) { \
         moments all = {0, 0, 0, 0, 0};                                                     \
         for (int64_t r = 0; r < rows; r++) {                                               \
             const T *p = x + r * stride;                                                   \
             for (int64_t i = 0; i < cols; i += MCHUNK) {                                   \
-                moments m = chunk_moments_##T(p + i, cols - i < MCHUNK ? cols - i : MCHUNK); \
+                moments m = chunk_moments_##T(p + i, cols - i < MCHUNK ? cols - i : MCHUNK, centre); \
                 merge_moments(&all, &m);                                                   \
             }                                                                              \
         }                                                                                  \
