@@ -174,7 +174,8 @@ def test_channel_maxima_equal_the_torch_code(dtype: torch.dtype) -> None:
     x[1, 2, 3], x[2, 2, 5], x[..., 7] = float("nan"), -float("inf"), float("nan")  # (channel 7: no finite value)
     x[0, 3, 7] = float("inf")
     x[4, 5, 9] = 2.0**-140 if dtype == torch.float32 else 0.0
-    for t in (x, x[..., 3:20], x[2:5, :, :64], x.view(-1, 131)[::3]):  # (evenly strided rows)
+    heads = x[..., :128].reshape(6, 33, 4, 32).transpose(1, 2)  # (B, H, T, D) of a fused projection's slice
+    for t in (x, x[..., 3:20], x[2:5, :, :64], x.view(-1, 131)[::3], heads, x[:, 3:20], x.transpose(0, 1)):
         got = native.channel_maxima(t)
         with native.switched_off():
             want = channel_maxima(t)
@@ -182,5 +183,5 @@ def test_channel_maxima_equal_the_torch_code(dtype: torch.dtype) -> None:
         assert torch.equal(got, want)
         assert torch.equal(channel_maxima(t), want)  # (and the channels group takes it)
     assert native.channel_maxima(x)[7] == 0 and native.channel_maxima(x)[3] > 0
-    for t in (x[:, 3:20], x.transpose(0, 1), x[..., ::2], x.double(), x[0, 0]):
+    for t in (heads[:, :3, 5:], x[..., ::2], x.double(), x[0, 0]):  # (three levels; strided channels; float64; 1-D)
         assert native.channel_maxima(t) is None

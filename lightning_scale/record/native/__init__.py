@@ -70,7 +70,7 @@ ENV = "LIGHTNING_SCALE_NATIVE"
 #: torch's two reads take 10.3 ms on one thread, 8.2 ms on two; ours 5.2 ms.)
 SERIAL_MAX = 32768
 SERIAL_THREADS = 2
-_ABI = 6
+_ABI = 7
 #: The kernel's C source, compiled on first use.
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sums.c")
 #: (no fused multiply-adds: the block casts repeat the reference's float32 operations one by one)
@@ -118,7 +118,8 @@ class _Kernels:
         fp8_args = [*blocks_args[:4], ctypes.c_int32, ctypes.c_void_p]
         wide = ((torch.float32, "f32"), (torch.bfloat16, "bf16"), (torch.float16, "f16"))
         self.fp8_fns = {dtype: _bind(lib, f"ls_fp8_{suffix}", fp8_args) for dtype, suffix in wide}
-        self.channel_fns = {dtype: _bind(lib, f"ls_channels_{suffix}", blocks_args[:5]) for dtype, suffix in wide}
+        channel_args = [ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_void_p]
+        self.channel_fns = {dtype: _bind(lib, f"ls_channels_{suffix}", channel_args) for dtype, suffix in wide}
         self.dtypes = list(self.all_fns)
 
     def call(
@@ -158,9 +159,11 @@ class _Kernels:
         self.fp8_fns[dtype](address, rows, cols, stride, amax, out.ctypes.data)
         return out
 
-    def call_channels(self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int) -> np.ndarray:
+    def call_channels(
+        self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, outer: Tuple[int, int] = (1, 0)
+    ) -> np.ndarray:
         out = np.zeros(cols, dtype=np.int32)
-        self.channel_fns[dtype](address, rows, cols, stride, out.ctypes.data)
+        self.channel_fns[dtype](address, outer[0], outer[1], rows, cols, stride, out.ctypes.data)
         return out.view(np.float32)
 
 
@@ -250,26 +253,36 @@ def channel_maxima(x: Tensor) -> Optional[Tensor]:
     """Each last-dimension channel's max |x| over the finite elements (0 where none) of a float32,
     bfloat16 or float16 CPU tensor of at least 2 dimensions, as ``stats.channels.channel_maxima``
     (float64 ``[C]``, the same values), in one read; or None where the kernel is not available or
-    the leading dimensions are not evenly strided rows of contiguous channels."""
+    the leading dimensions do not form at most two levels of evenly strided rows of contiguous
+    channels (the heads of a fused projection's slice do)."""
     kernels = _loaded if _loaded is not None else _try_load()
     if kernels is None or x.dtype not in kernels.channel_fns or x.dim() < 2 or x.numel() == 0:
         return None
     layout = _channel_rows(x)
     if layout is None:
         return None
-    return torch.from_numpy(kernels.call_channels(x.dtype, x.data_ptr(), *layout)).double()  # type: ignore[union-attr]
+    (rows, stride), outer = layout
+    got = kernels.call_channels(x.dtype, x.data_ptr(), rows, x.shape[-1], stride, outer)  # type: ignore[union-attr]
+    return torch.from_numpy(got).double()
 
 
-def _channel_rows(x: Tensor) -> Optional[Tuple[int, int, int]]:
-    """(rows, channels, row stride) of ``x`` as rows of its contiguous last dimension whose leading
-    dimensions merge into one stride (checked on the strides), or None."""
+def _channel_rows(x: Tensor) -> Optional[Tuple[Tuple[int, int], Tuple[int, int]]]:
+    """((rows, row stride), (groups, group stride)) of ``x``'s contiguous last dimension's rows:
+    its leading dimensions by decreasing stride, merged where one continues the next (checked on
+    the strides, no view made), at most two levels; or None."""
     if type(x) is not Tensor or not x.is_cpu or x.layout is not torch.strided or x.is_neg() or x.stride(-1) != 1:
         return None
-    c = x.shape[-1]
-    dims = [(size, st) for size, st in zip(x.shape[:-1], x.stride()[:-1]) if size != 1]
-    if all(dims[i][1] == dims[i + 1][1] * dims[i + 1][0] for i in range(len(dims) - 1)):
-        return x.numel() // c, c, (dims[-1][1] if dims else c)
-    return None
+    dims = sorted(((size, st) for size, st in zip(x.shape[:-1], x.stride()[:-1]) if size != 1), key=lambda d: d[1])
+    levels: List[List[int]] = []  # [size, stride], innermost first
+    for size, st in dims:
+        if levels and levels[-1][0] * levels[-1][1] == st:
+            levels[-1][0] *= size
+        else:
+            levels.append([size, st])
+    if len(levels) > 2:
+        return None
+    levels += [[1, 0]] * (2 - len(levels))
+    return (levels[0][0], levels[0][1]), (levels[1][0], levels[1][1])
 
 
 def block_casts(x: Tensor) -> Optional[Tensor]:

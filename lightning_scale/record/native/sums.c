@@ -14,7 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define LS_ABI 6
+#define LS_ABI 7
 #define CHUNK 256
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -702,13 +702,15 @@ LS_FP8(ls_fp8_f16, uint16_t, load_f16, scalar_f16)
 /* ---------------------------------------------------------------------------------------
  * Channel maxima (the channels group; lightning_scale.record.stats.channels.channel_maxima is
  * the reference): out[c] = max(out[c], max over the rows of the finite |x[r, c]|) as float32
- * bits (a non-negative float compares as its bits), for `rows` rows of `cols` channels; the
+ * bits (a non-negative float compares as its bits), for `outer` groups (at `outer_stride`) of
+ * `rows` rows (at `stride`) of `cols` channels (heads of a fused projection: two levels); the
  * caller zeroes `out`. NaN and Inf count as 0. Rows of a few hundred channels keep `out` in cache.
  */
 #define LS_CHANNELS(NAME, T, LOAD, SCALAR)                                                   \
-    LS_CLONES void NAME(const T *x, int64_t rows, int64_t cols, int64_t stride, int32_t *out) { \
-        for (int64_t r = 0; r < rows; r++) {                                               \
-            const T *p = x + r * stride;                                                   \
+    LS_CLONES void NAME(const T *x, int64_t outer, int64_t outer_stride, int64_t rows, int64_t cols, int64_t stride, \
+                        int32_t *out) {                                                    \
+        for (int64_t r = 0; r < outer * rows; r++) {                                       \
+            const T *p = x + (r / rows) * outer_stride + (r % rows) * stride;              \
             int64_t i = 0;                                                                 \
             for (; cols - i >= 8; i += 8) {                                                \
                 v8i b = abs_bits(LOAD(p + i)), m;                                          \
