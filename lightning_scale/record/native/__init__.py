@@ -35,13 +35,14 @@ import sysconfig
 import tempfile
 import threading
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_scale.record.native import self_check
+from lightning_scale.record.native.bindings import Kernels
 from lightning_scale.record.stats.layout import dense_order
 
 __all__ = [
@@ -77,100 +78,8 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sums.c")
 _FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
-_loaded: Optional["_Kernels"] = None
+_loaded: Optional[Kernels] = None
 _reason: Optional[str] = None  # why there is no kernel, once tried
-
-
-class _Kernels:
-    def __init__(self, lib: ctypes.CDLL, path: str) -> None:
-        self.path = path
-        sums_args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_double)]
-        all_args = [
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_int32,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-        ]
-        blocks_args = [
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-        ]
-        #: (dtype, with max |x|) -> the sums kernel; dtype -> the kernel of every group, of the block what-ifs
-        self.fns: Dict[Tuple[torch.dtype, bool], Any] = {}
-        self.all_fns: Dict[torch.dtype, Any] = {}
-        self.block_fns: Dict[torch.dtype, Any] = {}
-        self.moment_fns: Dict[torch.dtype, Any] = {}
-        moment_args = [*blocks_args[:4], ctypes.c_double, ctypes.c_void_p]
-        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
-            self.fns[(dtype, False)] = _bind(lib, f"ls_sums_{suffix}", sums_args)
-            self.fns[(dtype, True)] = _bind(lib, f"ls_sums_max_{suffix}", sums_args)
-            self.all_fns[dtype] = _bind(lib, f"ls_all_{suffix}", all_args)
-            self.block_fns[dtype] = _bind(lib, f"ls_blocks_{suffix}", blocks_args)
-            self.moment_fns[dtype] = _bind(lib, f"ls_moments_{suffix}", moment_args)
-        fp8_args = [*blocks_args[:4], ctypes.c_int32, ctypes.c_void_p]
-        wide = ((torch.float32, "f32"), (torch.bfloat16, "bf16"), (torch.float16, "f16"))
-        self.fp8_fns = {dtype: _bind(lib, f"ls_fp8_{suffix}", fp8_args) for dtype, suffix in wide}
-        channel_args = [ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_void_p]
-        self.channel_fns = {dtype: _bind(lib, f"ls_channels_{suffix}", channel_args) for dtype, suffix in wide}
-        self.dtypes = list(self.all_fns)
-
-    def call(
-        self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, with_max: bool
-    ) -> Tuple[float, float, float]:
-        out = (ctypes.c_double * 3)()  # (one per call: thread-safe)
-        self.fns[(dtype, with_max)](address, rows, cols, stride, out)
-        return out[0], out[1], out[2]
-
-    def call_all(
-        self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, bounds: np.ndarray
-    ) -> Tuple[np.ndarray, np.ndarray]:
-        out, counts = np.empty(5), np.empty(len(bounds), dtype=np.int64)
-        self.all_fns[dtype](
-            address, rows, cols, stride, bounds.ctypes.data, len(bounds), counts.ctypes.data, out.ctypes.data
-        )
-        return out, counts
-
-    def call_blocks(
-        self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, casts: int = 0
-    ) -> np.ndarray:
-        out = np.empty(12)
-        self.block_fns[dtype](address, rows, cols, stride, out.ctypes.data, casts or None)
-        return out
-
-    def call_moments(
-        self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, centre: float = math.nan
-    ) -> np.ndarray:
-        out = np.empty(5)
-        self.moment_fns[dtype](address, rows, cols, stride, centre, out.ctypes.data)
-        return out
-
-    def call_fp8(
-        self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, amax: int = -1
-    ) -> np.ndarray:
-        out = np.empty(6)
-        self.fp8_fns[dtype](address, rows, cols, stride, amax, out.ctypes.data)
-        return out
-
-    def call_channels(
-        self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, outer: Tuple[int, int] = (1, 0)
-    ) -> np.ndarray:
-        out = np.zeros(cols, dtype=np.int32)
-        self.channel_fns[dtype](address, outer[0], outer[1], rows, cols, stride, out.ctypes.data)
-        return out.view(np.float32)
-
-
-def _bind(lib: ctypes.CDLL, name: str, args: List[Any]) -> Any:
-    fn = getattr(lib, name)
-    fn.argtypes, fn.restype = args, None
-    return fn
 
 
 def sums(x: Tensor, with_max: bool = False) -> Optional[Tuple[float, float, float]]:
@@ -185,7 +94,7 @@ def sums(x: Tensor, with_max: bool = False) -> Optional[Tuple[float, float, floa
     layout = _layout(x, kernels.fns.get((x.dtype, with_max))) if kernels is not None else None
     if layout is None:
         return None
-    out = (ctypes.c_double * 3)()  # (as _Kernels.call, without its second lookup)
+    out = (ctypes.c_double * 3)()  # (as Kernels.call, without its second lookup)
     kernels.fns[(x.dtype, with_max)](x.data_ptr(), *layout, out)  # type: ignore[union-attr]
     return out[0], out[1], out[2]
 
@@ -228,7 +137,7 @@ def moments(x: Tensor, centre: Optional[float] = None) -> Optional[np.ndarray]:
         return None
     layout = _in_place(x)
     c = centre if centre is not None and math.isfinite(centre) else math.nan
-    return None if layout is None else kernels.call_moments(x.dtype, x.data_ptr(), *layout, c)  # type: ignore[union-attr]
+    return None if layout is None else kernels.call_moments(x.dtype, x.data_ptr(), *layout, c)
 
 
 def fp8(x: Tensor, amax: Optional[float] = None) -> Optional[np.ndarray]:
@@ -331,7 +240,7 @@ def _in_place(x: Tensor) -> Optional[Tuple[int, int, int]]:
     return (1, n, n) if x.is_contiguous() else _rows(x)
 
 
-def _try_load() -> Optional[_Kernels]:
+def _try_load() -> Optional[Kernels]:
     """The kernels, built and loaded on first use; None once that failed (not retried)."""
     return None if _reason is not None else load()
 
@@ -368,7 +277,7 @@ def _last_dim_rows(x: Tensor, block: int = 1) -> Optional[Tuple[int, int, int]]:
     return None
 
 
-def load() -> Optional[_Kernels]:
+def load() -> Optional[Kernels]:
     """Build (once per machine) and load the kernel; None, with ``status()`` saying why,
     where that is not possible. Safe to call from several threads and processes."""
     global _loaded, _reason
@@ -410,7 +319,7 @@ class _Unavailable(Exception):
     pass
 
 
-def _build_and_load() -> _Kernels:
+def _build_and_load() -> Kernels:
     if os.environ.get(ENV, "").strip() == "0":
         raise _Unavailable(f"{ENV}=0")
     with open(SOURCE, "rb") as f:
@@ -436,7 +345,7 @@ def _build_and_load() -> _Kernels:
     lib.ls_abi.restype = ctypes.c_int
     if lib.ls_abi() != _ABI:
         raise _Unavailable(f"{path} has ABI {lib.ls_abi()}, expected {_ABI}")
-    kernels = _Kernels(lib, path)
+    kernels = Kernels(lib, path)
     failed = self_check.failure(kernels)
     if failed is not None:
         raise _Unavailable(failed)
