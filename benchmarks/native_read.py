@@ -4,7 +4,8 @@ Collects the tensors a std-tracked step hands the native kernel (d=128, 4 layers
 values and gradients above 4096 elements), then times, on one thread, over all of them:
 the kernel's sums (``native.sums``), its sums with max |x|, every group in one read
 (``native.every_group``), the block what-ifs (``native.blocks``), the central moments
-(``native.moments``) and, as the floor of one
+(``native.moments``), the per-tensor fp8 what-if (``native.fp8``, its own amax read first), the
+channel maxima (``native.channel_maxima``) and, as the floor of one
 read, ``torch._foreach_norm`` of the same tensors. Medians over interleaved repeats of the
 thread's CPU time (on a shared machine wall time counts other jobs), in ms and GB/s.
 """
@@ -36,6 +37,8 @@ def measure(tensors: List[Tensor], repeats: int = 30) -> List[tuple]:
     }
     ways["native.blocks (MXFP8 E4M3 and E5M2, MXFP4, NVFP4)"] = lambda: [native.blocks(t) for t in tensors]
     ways["native.moments (kurtosis)"] = lambda: [native.moments(t) for t in tensors]
+    ways["native.fp8 (per-tensor E4M3 and E5M2, amax read first)"] = lambda: [native.fp8(t) for t in tensors]
+    ways["native.channel_maxima (channels)"] = lambda: [native.channel_maxima(t) for t in tensors]
     times: dict = {name: [] for name in ways}
     for _ in range(repeats):  # (interleaved: the machine's load drifts alike for each)
         for name, fn in ways.items():

@@ -146,9 +146,15 @@ def targets(res: Results) -> List[str]:
         )
         rows.append(
             f"| issue 27: tracked step with every statistic but fp8 <= {EVERY_MAX}x plain ({MAIN.name}, fx fast "
-            f"path; moments, range, formats, blocks, kurtosis) | CPU {every:.3f}x | "
+            f"path; moments, range, formats, blocks, kurtosis, channels) | CPU {every:.3f}x | "
             f"{_verdict(every <= EVERY_MAX, f'{every:.2f}x')} |"
         )
+        if "tracked_fp8" in res.steps[MAIN][JUDGE]:
+            fp8 = ratio(res, MAIN, "tracked_fp8")
+            rows.append(
+                f"| issue 27: tracked step with the per-tensor fp8 what-if <= {EVERY_MAX}x plain ({MAIN.name}, fx "
+                f"fast path; moments, fp8) | CPU {fp8:.3f}x | {_verdict(fp8 <= EVERY_MAX, f'{fp8:.2f}x')} |"
+            )
     if res.tracked is not None:
         noise = between_noise_floor([r.cpu for r in res.tracked.plain_by_round])
         for kind, limit, what in (("tracked", TRAINER_STD_MAX, "std"), ("tracked_all", TRAINER_ALL_MAX, EVERY_GROUP)):

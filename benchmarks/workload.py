@@ -55,7 +55,8 @@ VARIANTS: Dict[str, str] = {
     ),
     "tracked_range": 'tracked, fx fast path, groups ("moments", "range")',
     "tracked_formats": 'tracked, fx fast path, groups ("moments", "range", "formats")',
-    "tracked_every": 'tracked, fx fast path, every statistic but fp8 (+ "blocks", "kurtosis")',
+    "tracked_every": 'tracked, fx fast path, every statistic but fp8 (+ "blocks", "kurtosis", "channels")',
+    "tracked_fp8": 'tracked, fx fast path, groups ("moments", "fp8"): the per-tensor fp8 what-if',
     "reference": "reference: unit_scaling.utils.ScaleTrackingInterpreter",
     "interpreter": 'ours: lightning_scale.ScaleTrackingInterpreter, groups ("moments",)',
 }
@@ -63,7 +64,8 @@ GROUPS = {
     "tracked": ("moments",),
     "tracked_range": ("moments", "range"),
     "tracked_formats": ("moments", "range", "formats"),
-    "tracked_every": ("moments", "range", "formats", "blocks", "kurtosis"),
+    "tracked_every": ("moments", "range", "formats", "blocks", "kurtosis", "channels"),
+    "tracked_fp8": ("moments", "fp8"),
 }
 
 

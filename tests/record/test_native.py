@@ -182,6 +182,7 @@ def test_without_per_cpu_variants_where_the_toolchain_refuses_them(fresh, monkey
         ("out[1] = squares;", "out[1] = squares * 1.001;"),  # the sum of squares off by one part in a thousand
         ("{2, 1, 127, 6.0f}", "{2, 1, 127, 4.0f}"),  # MXFP4 saturating at 4
         ("out[3] = all.m3", "out[3] = 1.001 * all.m3"),  # the third central moment
+        ("{{448.0f, 3, 121}", "{{448.0f, 3, 120}"),  # per-tensor E4M3 with one subnormal binade too many
     ],
 )
 def test_a_kernel_that_fails_its_self_check_is_not_used(fresh, monkeypatch, right, wrong):

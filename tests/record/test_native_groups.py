@@ -2,7 +2,8 @@
 reference (record/stats/blocks.py, itself tested equal to torchao's casts): the casts bit for
 bit, the flushed counts exactly, the sums of squares to float32 rounding, on the reference
 tests' cases; its central moments (``native.moments``, the kurtosis group) against float64;
-the layouts the kernel declines; and ``record_of`` taking both on the host path."""
+the layouts the kernel declines; ``record_of`` taking both on the host path; and its channel
+maxima (``native.channel_maxima``, the channels group) equal to the torch code's."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from torch import Tensor
 
 from lightning_scale.record import native, stats
+from lightning_scale.record.stats.channels import channel_maxima
 from lightning_scale.record.stats.blocks import BLOCK_FIELDS, BLOCK_FORMATS, block_fields, dequantized
 from lightning_scale.record.stats.fields import BLOCKS_SPAN, Col
 from lightning_scale.record.stats.outliers import moments_row
@@ -135,13 +137,16 @@ MOMENT_CASES = {
 }
 
 
+@pytest.mark.parametrize("centre", ["none", "mean", "off"])
 @pytest.mark.parametrize("case", list(MOMENT_CASES))
-def test_central_moments_equal_float64(case: str) -> None:
+def test_central_moments_equal_float64(case: str, centre: str) -> None:
     x = MOMENT_CASES[case]()
-    got, want = native.moments(x).tolist(), _float64_moments(x)
-    assert got[0] == want[0]
     v = x.double().flatten()
-    spread = float((v[v.isfinite()] - want[1]).abs().max())
+    spread = float((v[v.isfinite()] - v[v.isfinite()].mean()).abs().max()) if v.isfinite().any() else 0.0
+    # no centre: each chunk's mean; the float32 mean, as the first read gives it; one off by half the spread
+    c = {"none": None, "mean": float(v[v.isfinite()].float().mean()), "off": float(v[v.isfinite()].mean()) + spread / 2}
+    got, want = native.moments(x, c[centre]).tolist(), _float64_moments(x)
+    assert got[0] == want[0]
     assert got[1] == pytest.approx(want[1], rel=1e-12, abs=1e-12 * spread)
     for k, (g, w) in enumerate(zip(got[2:], want[2:]), start=2):  # (M3 cancels: within its scale)
         assert abs(g - w) <= 1e-9 * spread**k * want[0], (k, g, w)
@@ -156,8 +161,27 @@ def test_record_of_takes_the_moments_kernel_for_kurtosis() -> None:
     x = torch.randn(200, 130, generator=_gen(18)) * 2 + 5
     rec = stats.record_of(x, ("moments", "kurtosis"))
     want = _float64_moments(x)
-    assert [rec[Col.M3], rec[Col.M4]] == native.moments(x).tolist()[3:]
+    assert [rec[Col.M3], rec[Col.M4]] == native.moments(x, rec[Col.MEAN]).tolist()[3:]  # (about the first read's mean)
     assert float(stats.statistic(stats.assemble([rec]), "kurtosis")[0]) == pytest.approx(
         want[4] * want[0] / want[2] ** 2, rel=1e-6
     )
     assert native.moments(x.double()) is None and native.moments(torch.empty(0)) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_channel_maxima_equal_the_torch_code(dtype: torch.dtype) -> None:
+    x = (torch.distributions.StudentT(torch.tensor(2.0)).sample((6, 33, 131)) * 50).to(dtype)  # (131: a tail of 3)
+    x[1, 2, 3], x[2, 2, 5], x[..., 7] = float("nan"), -float("inf"), float("nan")  # (channel 7: no finite value)
+    x[0, 3, 7] = float("inf")
+    x[4, 5, 9] = 2.0**-140 if dtype == torch.float32 else 0.0
+    heads = x[..., :128].reshape(6, 33, 4, 32).transpose(1, 2)  # (B, H, T, D) of a fused projection's slice
+    for t in (x, x[..., 3:20], x[2:5, :, :64], x.view(-1, 131)[::3], heads, x[:, 3:20], x.transpose(0, 1)):
+        got = native.channel_maxima(t)
+        with native.switched_off():
+            want = channel_maxima(t)
+        assert got is not None and got.dtype == torch.float64
+        assert torch.equal(got, want)
+        assert torch.equal(channel_maxima(t), want)  # (and the channels group takes it)
+    assert native.channel_maxima(x)[7] == 0 and native.channel_maxima(x)[3] > 0
+    for t in (heads[:, :3, 5:], x[..., ::2], x.double(), x[0, 0]):  # (three levels; strided channels; float64; 1-D)
+        assert native.channel_maxima(t) is None

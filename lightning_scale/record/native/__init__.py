@@ -1,6 +1,8 @@
 """A one-pass kernel for host tensors: sum, sum of squares and max |x|, read once; the
 block what-ifs (MXFP8, MXFP4, NVFP4 casts and their error), element for element as
-``stats.blocks`` defines them; and central moments up to the fourth (kurtosis).
+``stats.blocks`` defines them; central moments up to the fourth (kurtosis); and the
+per-tensor FP8 what-if (E4M3 and E5M2 casts after amax scaling), as ``stats.fp8`` defines it;
+and each channel's max |x| (the channels group).
 
 torch has no CPU kernel that gives a tensor's sum and sum of squares in one read (its
 ``var_mean`` is ~40x slower than a sum here), so on the host path the statistics read
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shlex
@@ -32,13 +35,14 @@ import sysconfig
 import tempfile
 import threading
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_scale.record.native import self_check
+from lightning_scale.record.native.bindings import Kernels
 from lightning_scale.record.stats.layout import dense_order
 
 __all__ = [
@@ -48,8 +52,10 @@ __all__ = [
     "SOURCE",
     "block_casts",
     "blocks",
+    "channel_maxima",
     "compiler",
     "every_group",
+    "fp8",
     "load",
     "moments",
     "status",
@@ -65,85 +71,15 @@ ENV = "LIGHTNING_SCALE_NATIVE"
 #: torch's two reads take 10.3 ms on one thread, 8.2 ms on two; ours 5.2 ms.)
 SERIAL_MAX = 32768
 SERIAL_THREADS = 2
-_ABI = 4
+_ABI = 7
 #: The kernel's C source, compiled on first use.
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sums.c")
 #: (no fused multiply-adds: the block casts repeat the reference's float32 operations one by one)
 _FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
-_loaded: Optional["_Kernels"] = None
+_loaded: Optional[Kernels] = None
 _reason: Optional[str] = None  # why there is no kernel, once tried
-
-
-class _Kernels:
-    def __init__(self, lib: ctypes.CDLL, path: str) -> None:
-        self.path = path
-        sums_args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_double)]
-        all_args = [
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_int32,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-        ]
-        blocks_args = [
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_int64,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-        ]
-        #: (dtype, with max |x|) -> the sums kernel; dtype -> the kernel of every group, of the block what-ifs
-        self.fns: Dict[Tuple[torch.dtype, bool], Any] = {}
-        self.all_fns: Dict[torch.dtype, Any] = {}
-        self.block_fns: Dict[torch.dtype, Any] = {}
-        self.moment_fns: Dict[torch.dtype, Any] = {}
-        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
-            self.fns[(dtype, False)] = _bind(lib, f"ls_sums_{suffix}", sums_args)
-            self.fns[(dtype, True)] = _bind(lib, f"ls_sums_max_{suffix}", sums_args)
-            self.all_fns[dtype] = _bind(lib, f"ls_all_{suffix}", all_args)
-            self.block_fns[dtype] = _bind(lib, f"ls_blocks_{suffix}", blocks_args)
-            self.moment_fns[dtype] = _bind(lib, f"ls_moments_{suffix}", blocks_args[:-1])
-        self.dtypes = list(self.all_fns)
-
-    def call(
-        self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, with_max: bool
-    ) -> Tuple[float, float, float]:
-        out = (ctypes.c_double * 3)()  # (one per call: thread-safe)
-        self.fns[(dtype, with_max)](address, rows, cols, stride, out)
-        return out[0], out[1], out[2]
-
-    def call_all(
-        self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, bounds: np.ndarray
-    ) -> Tuple[np.ndarray, np.ndarray]:
-        out, counts = np.empty(5), np.empty(len(bounds), dtype=np.int64)
-        self.all_fns[dtype](
-            address, rows, cols, stride, bounds.ctypes.data, len(bounds), counts.ctypes.data, out.ctypes.data
-        )
-        return out, counts
-
-    def call_blocks(
-        self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int, casts: int = 0
-    ) -> np.ndarray:
-        out = np.empty(12)
-        self.block_fns[dtype](address, rows, cols, stride, out.ctypes.data, casts or None)
-        return out
-
-    def call_moments(self, dtype: torch.dtype, address: int, rows: int, cols: int, stride: int) -> np.ndarray:
-        out = np.empty(5)
-        self.moment_fns[dtype](address, rows, cols, stride, out.ctypes.data)
-        return out
-
-
-def _bind(lib: ctypes.CDLL, name: str, args: List[Any]) -> Any:
-    fn = getattr(lib, name)
-    fn.argtypes, fn.restype = args, None
-    return fn
 
 
 def sums(x: Tensor, with_max: bool = False) -> Optional[Tuple[float, float, float]]:
@@ -158,7 +94,7 @@ def sums(x: Tensor, with_max: bool = False) -> Optional[Tuple[float, float, floa
     layout = _layout(x, kernels.fns.get((x.dtype, with_max))) if kernels is not None else None
     if layout is None:
         return None
-    out = (ctypes.c_double * 3)()  # (as _Kernels.call, without its second lookup)
+    out = (ctypes.c_double * 3)()  # (as Kernels.call, without its second lookup)
     kernels.fns[(x.dtype, with_max)](x.data_ptr(), *layout, out)  # type: ignore[union-attr]
     return out[0], out[1], out[2]
 
@@ -190,16 +126,72 @@ def blocks(x: Tensor) -> Optional[np.ndarray]:
     return kernels.call_blocks(x.dtype, x.data_ptr(), *layout)  # type: ignore[union-attr]
 
 
-def moments(x: Tensor) -> Optional[np.ndarray]:
+def moments(x: Tensor, centre: Optional[float] = None) -> Optional[np.ndarray]:
     """[count, mean, M2, M3, M4] of the finite elements of a float32 or bfloat16 CPU tensor
     (``Mk`` the sum of ``(x - mean)^k``) in float64, as ``stats.outliers.moments_row``, in one
-    read (twice per 1024 elements, the second time from cache), or None where the kernel is
-    not available or does not read ``x`` in place (then ``moments_row``)."""
+    read, or None where the kernel is not available or does not read ``x`` in place (then
+    ``moments_row``). Without ``centre`` (a finite value near the mean, such as the first
+    read's) each 1024 elements are read twice, the second time from cache, about their own mean."""
     kernels = _loaded if _loaded is not None else _try_load()
     if kernels is None or x.dtype not in kernels.moment_fns or x.numel() == 0:
         return None
     layout = _in_place(x)
-    return None if layout is None else kernels.call_moments(x.dtype, x.data_ptr(), *layout)
+    c = centre if centre is not None and math.isfinite(centre) else math.nan
+    return None if layout is None else kernels.call_moments(x.dtype, x.data_ptr(), *layout, c)
+
+
+def fp8(x: Tensor, amax: Optional[float] = None) -> Optional[np.ndarray]:
+    """``stats.fields.FP8_FIELDS`` of a float32, bfloat16 or float16 CPU tensor (non-empty):
+    per format (E4M3, E5M2) the sum of squared error, the sum of squares and the nonzeros
+    flushed to zero, as ``stats.fp8.fp8_fields`` defines them, in one read (two without
+    ``amax``, the largest finite |x|, where the caller knows it), as 6 float64 numbers; or None
+    where the kernel is not available or does not read ``x`` in place (then ``fp8_fields``).
+    The casts and the flushed counts are the reference's exactly; the sums are added in float64
+    as the reference's, in another order (a few float64 roundings apart)."""
+    kernels = _loaded if _loaded is not None else _try_load()
+    if kernels is None or x.dtype not in kernels.fp8_fns or x.numel() == 0:
+        return None
+    layout = _in_place(x)
+    if layout is None:
+        return None
+    bits = -1 if amax is None else int(np.float32(amax).view(np.int32))
+    return kernels.call_fp8(x.dtype, x.data_ptr(), *layout, bits)  # type: ignore[union-attr]
+
+
+def channel_maxima(x: Tensor) -> Optional[Tensor]:
+    """Each last-dimension channel's max |x| over the finite elements (0 where none) of a float32,
+    bfloat16 or float16 CPU tensor of at least 2 dimensions, as ``stats.channels.channel_maxima``
+    (float64 ``[C]``, the same values), in one read; or None where the kernel is not available or
+    the leading dimensions do not form at most two levels of evenly strided rows of contiguous
+    channels (the heads of a fused projection's slice do)."""
+    kernels = _loaded if _loaded is not None else _try_load()
+    if kernels is None or x.dtype not in kernels.channel_fns or x.dim() < 2 or x.numel() == 0:
+        return None
+    layout = _channel_rows(x)
+    if layout is None:
+        return None
+    (rows, stride), outer = layout
+    got = kernels.call_channels(x.dtype, x.data_ptr(), rows, x.shape[-1], stride, outer)  # type: ignore[union-attr]
+    return torch.from_numpy(got).double()
+
+
+def _channel_rows(x: Tensor) -> Optional[Tuple[Tuple[int, int], Tuple[int, int]]]:
+    """((rows, row stride), (groups, group stride)) of ``x``'s contiguous last dimension's rows:
+    its leading dimensions by decreasing stride, merged where one continues the next (checked on
+    the strides, no view made), at most two levels; or None."""
+    if type(x) is not Tensor or not x.is_cpu or x.layout is not torch.strided or x.is_neg() or x.stride(-1) != 1:
+        return None
+    dims = sorted(((size, st) for size, st in zip(x.shape[:-1], x.stride()[:-1]) if size != 1), key=lambda d: d[1])
+    levels: List[List[int]] = []  # [size, stride], innermost first
+    for size, st in dims:
+        if levels and levels[-1][0] * levels[-1][1] == st:
+            levels[-1][0] *= size
+        else:
+            levels.append([size, st])
+    if len(levels) > 2:
+        return None
+    levels += [[1, 0]] * (2 - len(levels))
+    return (levels[0][0], levels[0][1]), (levels[1][0], levels[1][1])
 
 
 def block_casts(x: Tensor) -> Optional[Tensor]:
@@ -248,7 +240,7 @@ def _in_place(x: Tensor) -> Optional[Tuple[int, int, int]]:
     return (1, n, n) if x.is_contiguous() else _rows(x)
 
 
-def _try_load() -> Optional[_Kernels]:
+def _try_load() -> Optional[Kernels]:
     """The kernels, built and loaded on first use; None once that failed (not retried)."""
     return None if _reason is not None else load()
 
@@ -285,7 +277,7 @@ def _last_dim_rows(x: Tensor, block: int = 1) -> Optional[Tuple[int, int, int]]:
     return None
 
 
-def load() -> Optional[_Kernels]:
+def load() -> Optional[Kernels]:
     """Build (once per machine) and load the kernel; None, with ``status()`` saying why,
     where that is not possible. Safe to call from several threads and processes."""
     global _loaded, _reason
@@ -327,7 +319,7 @@ class _Unavailable(Exception):
     pass
 
 
-def _build_and_load() -> _Kernels:
+def _build_and_load() -> Kernels:
     if os.environ.get(ENV, "").strip() == "0":
         raise _Unavailable(f"{ENV}=0")
     with open(SOURCE, "rb") as f:
@@ -353,7 +345,7 @@ def _build_and_load() -> _Kernels:
     lib.ls_abi.restype = ctypes.c_int
     if lib.ls_abi() != _ABI:
         raise _Unavailable(f"{path} has ABI {lib.ls_abi()}, expected {_ABI}")
-    kernels = _Kernels(lib, path)
+    kernels = Kernels(lib, path)
     failed = self_check.failure(kernels)
     if failed is not None:
         raise _Unavailable(failed)

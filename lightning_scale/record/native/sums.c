@@ -10,10 +10,11 @@
  * ls_sums_max_* kernels, -1 for the others; max |x| is meaningful only where both sums
  * are finite (every element finite, no square overflowing).
  */
+#include <float.h>
 #include <stdint.h>
 #include <string.h>
 
-#define LS_ABI 4
+#define LS_ABI 7
 #define CHUNK 256
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -142,6 +143,28 @@ static inline uint32_t to_bits(float f) {
 
 static inline float scalar_f32(float v) { return v; }
 static inline float scalar_bf16(uint16_t h) { return from_bits((uint32_t)h << 16); }
+
+/* float16 to float32, exact: the magnitude's bits moved to float32's places are 2^-112 times
+ * the value (subnormals too), exponent 31 (inf, NaN) becomes 255 */
+static inline v8f load_f16(const uint16_t *p) {
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    v8u u = __builtin_convertvector(h, v8u);
+    v8f mag;
+    v8u bits = (u & 0x7fffu) << 13;
+    memcpy(&mag, &bits, sizeof mag);
+    mag *= 0x1p112f;
+    memcpy(&bits, &mag, sizeof bits);
+    bits |= ((u & 0x7c00u) == 0x7c00u) & 0x7f800000u;
+    bits |= (u & 0x8000u) << 16;
+    memcpy(&mag, &bits, sizeof mag);
+    return mag;
+}
+
+static inline float scalar_f16(uint16_t h) {
+    uint16_t lanes[8] = {h};
+    return load_f16(lanes)[0];
+}
 
 LS_KERNEL(ls_sums_f32, float, load_f32, scalar_f32, 0)
 LS_KERNEL(ls_sums_bf16, uint16_t, load_bf16, scalar_bf16, 0)
@@ -272,13 +295,12 @@ static inline v8f float_of(v8i u) {
 
 /* a (finite, >= 0, at most the format's largest value) rounded to nearest-even on the grid of
  * a format with `m` mantissa bits whose least normal exponent is `lo` - 127: the grid step is
- * 2^(max(exponent, lo) - 127 - m), multiplying by its inverse is exact, and below 2^23 adding
- * and taking away 2^23 rounds to an integer, ties to even. */
+ * 2^(E - 127 - m), E = max(a's exponent, lo); adding c = 2^(E - 127 + 23 - m) (above a) leaves
+ * exactly the bits of that grid, rounded to nearest, ties to even, and taking c away again is exact. */
 static inline v8f round_grid(v8f a, int m, int lo) {
-    v8i e = imax(bits_of(a) >> 23, (v8i){0} + lo);
-    v8f t = a * float_of((254 - e + m) << 23);
-    t = (t + 8388608.0f) - 8388608.0f;
-    return t * float_of((e - m) << 23);
+    v8i e = imax(bits_of(a) & 0x7f800000, (v8i){0} + (lo << 23));
+    v8f c = float_of(e + ((23 - m) << 23));
+    return (a + c) - c;
 }
 
 static inline float round_grid1(float a, int m, int lo) {
@@ -298,9 +320,11 @@ typedef struct {
  * odd, so q(x) - x = sign(x) (q(|x|) - |x|)): |y| = |x| * inv, |q| = round(min(|y|, top)),
  * |d| = |q| * scale, stored with x's sign at `dst` unless it is NULL. x is flushed where it is
  * nonzero and d is zero, and d = 0 wherever x = 0: the flushed count is #{x != 0} (`nonzero`,
- * the block's, added by the caller) less #{d != 0}, here taken away. */
+ * the block's, added by the caller) less #{d != 0}, here taken away. The error d - |x| is exact
+ * in float32; times `unit` (the power of two that brings the block's max |x| near 1: exact) it
+ * is squared and added in float32 into `es` (within 2^-23 relative, as the reference's squares). */
 static inline void cast_vectors(const v8f *v, const v8i *a, int k, float inv, float scale, float top, int m, int lo,
-                                v8d *err, v8i *flushed, float *dst) {
+                                float unit, v8f *es, v8i *flushed, float *dst) {
     const v8i cap = bits_of((v8f){0} + top), one = (v8i){0} + 1;
     for (int j = 0; j < k; j++) {
         v8f y = float_of(a[j]) * inv;
@@ -309,10 +333,36 @@ static inline void cast_vectors(const v8f *v, const v8i *a, int k, float inv, fl
             v8f signed_d = float_of(bits_of(d) | (bits_of(v[j]) & (int32_t)0x80000000));
             memcpy(dst + 8 * j, &signed_d, sizeof signed_d);
         }
-        v8d e = __builtin_convertvector(d - float_of(a[j]), v8d);
-        *err += e * e;
+        v8f e = (d - float_of(a[j])) * unit;
+        *es += e * e;
         *flushed -= imin(bits_of(d), one);
     }
+}
+
+/* cast_vectors for MX's power-of-two scales, on a block's 4 vectors: the error in the scaled
+ * units, e = q r - y with y = |x| inv and r = scale inv (1, or 1/2 for the E8M0 scale 2^-127
+ * that torchao applies as a division by 2^-126), is (d - |x|) inv exactly (powers of two; |x|
+ * inv is exact unless below 2^-126, where the error squared is lost in float32 as the
+ * reference's is); its squares are added in float32 over the block (within 2^-23 relative,
+ * as the reference's) and once per block in float64, times (1 / inv)^2. */
+static inline void cast_mx(const v8f *v, const v8i *a, float inv, float scale, float top, int m, int lo, v8d *err,
+                           v8i *flushed, float *dst) {
+    const v8i cap = bits_of((v8f){0} + top), one = (v8i){0} + 1;
+    const float r = scale * inv;
+    v8f es = {0};
+    for (int j = 0; j < 4; j++) {
+        v8f y = float_of(a[j]) * inv;
+        v8f q = round_grid(float_of(imin(bits_of(y), cap)), m, lo);
+        if (dst) {
+            v8f signed_d = float_of(bits_of(q * scale) | (bits_of(v[j]) & (int32_t)0x80000000));
+            memcpy(dst + 8 * j, &signed_d, sizeof signed_d);
+        }
+        v8f e = q * r - y;
+        es += e * e;
+        *flushed -= imin(bits_of(q), one);
+    }
+    double u = 1.0 / (double)inv;
+    *err += __builtin_convertvector(es, v8d) * (u * u);
 }
 
 /* MX, E8M0 scale: emax, element mantissa bits, least normal exponent + 127, largest value */
@@ -326,8 +376,6 @@ static inline void cast_block(v8f *v, block_acc *acc, float *dst) {
         v8i finite = b[j] < 0x7f800000;
         v[j] = float_of(bits_of(v[j]) & finite);
         b[j] &= finite;
-        v8d w = __builtin_convertvector(v[j], v8d);
-        acc->sq += w * w;
     }
     uint32_t half0 = hmax(imax(b[0], b[1])), half1 = hmax(imax(b[2], b[3]));
     uint32_t amax = half0 > half1 ? half0 : half1;
@@ -335,6 +383,18 @@ static inline void cast_block(v8f *v, block_acc *acc, float *dst) {
         if (dst) memset(dst, 0, 4 * 32 * sizeof *dst);
         return;
     }
+    /* squares in float32 of |x| times `unit`, 2^(127 - the max's exponent): near 1 at most, exact,
+     * times unit^-2 in float64 (squares below 2^-126 of the max's are lost, as the reference's) */
+    int32_t ex = (int32_t)(amax >> 23);
+    ex = ex < 1 ? 1 : ex > 253 ? 253 : ex;
+    const float unit = from_bits((uint32_t)(254 - ex) << 23);
+    const double unit2 = (double)from_bits((uint32_t)ex << 23) * (double)from_bits((uint32_t)ex << 23);
+    v8f sq = {0};
+    for (int j = 0; j < 4; j++) {
+        v8f w = float_of(b[j]) * unit;
+        sq += w * w;
+    }
+    acc->sq += __builtin_convertvector(sq, v8d) * unit2;
     const v8i one = (v8i){0} + 1;
     v8i nonzero = (imin(b[0], one) + imin(b[1], one)) + (imin(b[2], one) + imin(b[3], one));
     for (int f = 0; f < 4; f++) acc->flushed[f] += nonzero;
@@ -343,17 +403,19 @@ static inline void cast_block(v8f *v, block_acc *acc, float *dst) {
         int32_t biased = (t < -127 ? -127 : t > 128 ? 128 : t) + 127;
         int32_t divisor = biased > 1 ? biased : 1; /* (0 divides by 2^-126 and multiplies by 2^-127) */
         float scale = biased == 0 ? from_bits(0x00400000u) : from_bits((uint32_t)biased << 23);
-        cast_vectors(v, b, 4, from_bits((uint32_t)(254 - divisor) << 23), scale, MX[f].top, MX[f].m, MX[f].lo,
-                     &acc->err[f], &acc->flushed[f], dst ? dst + 32 * f : NULL);
+        cast_mx(v, b, from_bits((uint32_t)(254 - divisor) << 23), scale, MX[f].top, MX[f].m, MX[f].lo, &acc->err[f],
+                &acc->flushed[f], dst ? dst + 32 * f : NULL);
     }
     uint32_t halves[2] = {half0, half1};
+    v8f es = {0};
     for (int h = 0; h < 2; h++) {
         float s = from_bits(halves[h]) / 6.0f;
         s = s < 0.015625f ? 0.015625f : s > 448.0f ? 448.0f : s;
         s = round_grid1(s, 3, 121); /* the E4M3 scale */
-        cast_vectors(v + 2 * h, b + 2 * h, 2, 1.0f / s, s, 6.0f, 1, 127, &acc->err[3], &acc->flushed[3],
+        cast_vectors(v + 2 * h, b + 2 * h, 2, 1.0f / s, s, 6.0f, 1, 127, unit, &es, &acc->flushed[3],
                      dst ? dst + 96 + 16 * h : NULL);
     }
+    acc->err[3] += __builtin_convertvector(es, v8d) * unit2;
 }
 
 static inline void fold_flushed(block_acc *acc, int64_t *flushed) {
@@ -446,26 +508,30 @@ static inline void merge_moments(moments *a, const moments *b) {
 
 /* one chunk of `len` elements at p (len a multiple of 8 unless it is a row's tail) */
 #define LS_MOMENT_CHUNK(T, LOAD, SCALAR)                                                     \
-    static inline moments chunk_moments_##T(const T *p, int64_t len) {                      \
-        v8d s = {0};                                                                       \
-        v8i c8 = {0};                                                                      \
+    static inline moments chunk_moments_##T(const T *p, int64_t len, double centre) {       \
+        double c = centre;                                                                 \
+        moments m = {0, 0, 0, 0, 0};                                                       \
         int64_t i = 0;                                                                     \
-        for (; len - i >= 8; i += 8) {                                                     \
-            v8f a = LOAD(p + i);                                                           \
-            v8i fin = abs_bits(a) < 0x7f800000;                                            \
-            s += __builtin_convertvector(float_of(bits_of(a) & fin), v8d);                 \
-            c8 -= fin;                                                                     \
+        if (c != c) { /* no centre given: the chunk's mean, from a first pass */          \
+            v8d s = {0};                                                                   \
+            v8i c8 = {0};                                                                  \
+            for (; len - i >= 8; i += 8) {                                                 \
+                v8f a = LOAD(p + i);                                                       \
+                v8i fin = abs_bits(a) < 0x7f800000;                                        \
+                s += __builtin_convertvector(float_of(bits_of(a) & fin), v8d);             \
+                c8 -= fin;                                                                 \
+            }                                                                              \
+            double total = 0, count = 0;                                                   \
+            for (int j = 0; j < 8; j++) total += s[j], count += c8[j];                     \
+            for (int64_t t = i; t < len; t++) {                                            \
+                float v = SCALAR(p[t]);                                                    \
+                if ((to_bits(v) & 0x7fffffffu) < 0x7f800000u) total += v, count += 1;      \
+            }                                                                              \
+            if (count == 0) return m;                                                      \
+            c = total / count; /* (rounded: the sums about it are moved to the exact mean) */ \
         }                                                                                  \
-        double total = 0, count = 0;                                                       \
-        for (int j = 0; j < 8; j++) total += s[j], count += c8[j];                         \
-        for (int64_t t = i; t < len; t++) {                                                \
-            float v = SCALAR(p[t]);                                                        \
-            if ((to_bits(v) & 0x7fffffffu) < 0x7f800000u) total += v, count += 1;          \
-        }                                                                                  \
-        moments m = {count, 0, 0, 0, 0};                                                   \
-        if (count == 0) return m;                                                          \
-        double c = total / count; /* (rounded: the sums about it are moved to the exact mean) */ \
         v8d s1 = {0}, s2 = {0}, s3 = {0}, s4 = {0};                                        \
+        v8i c8 = {0};                                                                      \
         for (i = 0; len - i >= 8; i += 8) {                                                \
             v8f a = LOAD(p + i);                                                           \
             v8i fin = abs_bits(a) < 0x7f800000;                                            \
@@ -476,16 +542,19 @@ static inline void merge_moments(moments *a, const moments *b) {
             s2 += d2;                                                                      \
             s3 += d2 * d;                                                                  \
             s4 += d2 * d2;                                                                 \
+            c8 -= fin;                                                                     \
         }                                                                                  \
-        double r1 = 0, r2 = 0, r3 = 0, r4 = 0;                                             \
-        for (int j = 0; j < 8; j++) r1 += s1[j], r2 += s2[j], r3 += s3[j], r4 += s4[j];    \
+        double r1 = 0, r2 = 0, r3 = 0, r4 = 0, count = 0;                                  \
+        for (int j = 0; j < 8; j++) r1 += s1[j], r2 += s2[j], r3 += s3[j], r4 += s4[j], count += c8[j]; \
         for (int64_t t = i; t < len; t++) {                                                \
             float v = SCALAR(p[t]);                                                        \
             if ((to_bits(v) & 0x7fffffffu) >= 0x7f800000u) continue;                       \
             double d = (double)v - c, d2 = d * d;                                          \
-            r1 += d, r2 += d2, r3 += d2 * d, r4 += d2 * d2;                                \
+            r1 += d, r2 += d2, r3 += d2 * d, r4 += d2 * d2, count += 1;                    \
         }                                                                                  \
+        if (count == 0) return m;                                                          \
         double e = r1 / count; /* the exact mean is c + e: move the sums there */          \
+        m.n = count;                                                                       \
         m.mean = c + e;                                                                    \
         m.m2 = r2 - r1 * e;                                                                \
         m.m3 = r3 - 3.0 * e * r2 + 2.0 * count * e * e * e;                                \
@@ -496,13 +565,17 @@ static inline void merge_moments(moments *a, const moments *b) {
 LS_MOMENT_CHUNK(float, load_f32, scalar_f32)
 LS_MOMENT_CHUNK(uint16_t, load_bf16, scalar_bf16)
 
+/* `centre`: a value near the mean (the first read's), or NaN: each chunk's own mean, from a
+ * first pass over it. Either way the sums about it are moved to each chunk's exact mean; a
+ * centre given saves that pass and costs float64 cancellation of about (|chunk mean - centre|
+ * / the spread)^2 ulp. */
 #define LS_MOMENTS(NAME, T)                                                                  \
-    LS_CLONES void NAME(const T *x, int64_t rows, int64_t cols, int64_t stride, double *out) { \
+    LS_CLONES void NAME(const T *x, int64_t rows, int64_t cols, int64_t stride, double centre, double *out) { \
         moments all = {0, 0, 0, 0, 0};                                                     \
         for (int64_t r = 0; r < rows; r++) {                                               \
             const T *p = x + r * stride;                                                   \
             for (int64_t i = 0; i < cols; i += MCHUNK) {                                   \
-                moments m = chunk_moments_##T(p + i, cols - i < MCHUNK ? cols - i : MCHUNK); \
+                moments m = chunk_moments_##T(p + i, cols - i < MCHUNK ? cols - i : MCHUNK, centre); \
                 merge_moments(&all, &m);                                                   \
             }                                                                              \
         }                                                                                  \
@@ -511,3 +584,148 @@ LS_MOMENT_CHUNK(uint16_t, load_bf16, scalar_bf16)
 
 LS_MOMENTS(ls_moments_f32, float)
 LS_MOMENTS(ls_moments_bf16, uint16_t)
+
+/* ---------------------------------------------------------------------------------------
+ * The per-tensor FP8 what-if (lightning_scale.record.stats.fp8 defines it and is the
+ * reference): with `amax`, the largest finite |x| (its float32 bits; negative: found here by a
+ * first read), per format f (E4M3, then E5M2) scale = max / amax in float32 (the largest
+ * float32 where that is inf), q = fp8(|x| scale) rounded to nearest, ties to even, on the
+ * format's grid (|x| scale is at most max within a float32 rounding, which rounds to max as
+ * torch's cast does: saturation and NaN never arise), and
+ * out[3 f] = sum of ((q - |x| scale) / scale)^2, out[3 f + 1] = sum of x^2, out[3 f + 2] =
+ * #{x != 0, q = 0}. Non-finite elements count as 0. |x| scale is exact in float64 and q - |x|
+ * scale is rounded once, as the reference's; the squares are added in float64 (4 lanes of 8)
+ * and divided by scale^2 at the end (the reference divides each error: a few float64 roundings
+ * apart). A row's last (cols mod 8) elements are zero-padded: a zero adds nothing.
+ */
+static const struct { float max; int m, lo; } FP8[2] = {{448.0f, 3, 121}, {57344.0f, 2, 113}};
+
+typedef struct {
+    v8d sq, err[2];
+    v8i nonzero, kept[2];
+} fp8_acc;
+
+static inline void fp8_vector(v8f v, const v8f *scale, const v8d *scale64, fp8_acc *acc) {
+    const v8i one = (v8i){0} + 1;
+    v8i b = abs_bits(v);
+    b &= b < 0x7f800000;
+    v8f a = float_of(b);
+    v8d w = __builtin_convertvector(a, v8d);
+    acc->sq += w * w;
+    acc->nonzero += imin(b, one);
+    for (int f = 0; f < 2; f++) {
+        v8i cap = (v8i){0} + (int32_t)to_bits(FP8[f].max);
+        v8f q = round_grid(float_of(imin(bits_of(a * scale[f]), cap)), FP8[f].m, FP8[f].lo);
+        v8d e = __builtin_convertvector(q, v8d) - w * scale64[f];
+        acc->err[f] += e * e;
+        acc->kept[f] += imin(bits_of(q), one);
+    }
+}
+
+static inline void fold_fp8(fp8_acc *acc, int64_t *counts) {
+    for (int j = 0; j < 8; j++) {
+        counts[0] += acc->nonzero[j];
+        counts[1] += acc->kept[0][j];
+        counts[2] += acc->kept[1][j];
+    }
+    acc->nonzero = acc->kept[0] = acc->kept[1] = (v8i){0};
+}
+
+#define LS_FP8(NAME, T, LOAD, SCALAR)                                                        \
+    LS_CLONES void NAME(const T *x, int64_t rows, int64_t cols, int64_t stride, int32_t amax, double *out) { \
+        if (amax < 0) { /* the largest finite |x| */                                        \
+            v8i m = {0};                                                                   \
+            uint32_t top = 0;                                                              \
+            for (int64_t r = 0; r < rows; r++) {                                           \
+                const T *p = x + r * stride;                                               \
+                int64_t i = 0;                                                             \
+                for (; cols - i >= 8; i += 8) {                                            \
+                    v8i b = abs_bits(LOAD(p + i));                                         \
+                    m = imax(m, b & (b < 0x7f800000));                                     \
+                }                                                                          \
+                for (; i < cols; i++) {                                                    \
+                    uint32_t b = to_bits(SCALAR(p[i])) & 0x7fffffffu;                      \
+                    top = b < 0x7f800000u && b > top ? b : top;                            \
+                }                                                                          \
+            }                                                                              \
+            uint32_t t = hmax(m);                                                          \
+            amax = (int32_t)(t > top ? t : top);                                           \
+        }                                                                                  \
+        v8f scale[2];                                                                      \
+        v8d scale64[2];                                                                    \
+        for (int f = 0; f < 2; f++) {                                                      \
+            float s = FP8[f].max / from_bits((uint32_t)amax);                              \
+            s = s > FLT_MAX ? FLT_MAX : s; /* (inf: amax 0 or tiny) */ \
+            scale[f] = (v8f){0} + s;                                                       \
+            scale64[f] = (v8d){0} + (double)s;                                             \
+        }                                                                                  \
+        fp8_acc acc[4];                                                                    \
+        memset(acc, 0, sizeof acc);                                                        \
+        int64_t counts[3] = {0, 0, 0}, since = 0;                                          \
+        for (int64_t r = 0; r < rows; r++) {                                               \
+            const T *p = x + r * stride;                                                   \
+            int64_t i = 0;                                                                 \
+            for (; cols - i >= 32; i += 32)                                                \
+                for (int j = 0; j < 4; j++) fp8_vector(LOAD(p + i + 8 * j), scale, scale64, &acc[j]); \
+            for (; cols - i >= 8; i += 8) fp8_vector(LOAD(p + i), scale, scale64, &acc[0]); \
+            if (i < cols) {                                                                \
+                float pad[8] = {0};                                                        \
+                for (int64_t t = i; t < cols; t++) pad[t - i] = SCALAR(p[t]);              \
+                fp8_vector(load_f32(pad), scale, scale64, &acc[0]);                        \
+            }                                                                              \
+            since += cols / 8 + 1;                                                         \
+            if (since >= (1 << 28)) { /* (a lane's int32 counts: below 2^31 while a row is < 2^36) */ \
+                for (int j = 0; j < 4; j++) fold_fp8(&acc[j], counts);                     \
+                since = 0;                                                                 \
+            }                                                                              \
+        }                                                                                  \
+        for (int j = 0; j < 4; j++) fold_fp8(&acc[j], counts);                             \
+        double sq = 0.0, err[2] = {0.0, 0.0};                                              \
+        for (int j = 0; j < 4; j++)                                                        \
+            for (int l = 0; l < 8; l++) {                                                  \
+                sq += acc[j].sq[l];                                                        \
+                err[0] += acc[j].err[0][l];                                                \
+                err[1] += acc[j].err[1][l];                                                \
+            }                                                                              \
+        for (int f = 0; f < 2; f++) {                                                      \
+            double s64 = scale64[f][0];                                                    \
+            out[3 * f] = err[f] / (s64 * s64);                                             \
+            out[3 * f + 1] = sq;                                                           \
+            out[3 * f + 2] = (double)(counts[0] - counts[1 + f]);                          \
+        }                                                                                  \
+    }
+
+LS_FP8(ls_fp8_f32, float, load_f32, scalar_f32)
+LS_FP8(ls_fp8_bf16, uint16_t, load_bf16, scalar_bf16)
+LS_FP8(ls_fp8_f16, uint16_t, load_f16, scalar_f16)
+
+/* ---------------------------------------------------------------------------------------
+ * Channel maxima (the channels group; lightning_scale.record.stats.channels.channel_maxima is
+ * the reference): out[c] = max(out[c], max over the rows of the finite |x[r, c]|) as float32
+ * bits (a non-negative float compares as its bits), for `outer` groups (at `outer_stride`) of
+ * `rows` rows (at `stride`) of `cols` channels (heads of a fused projection: two levels); the
+ * caller zeroes `out`. NaN and Inf count as 0. Rows of a few hundred channels keep `out` in cache.
+ */
+#define LS_CHANNELS(NAME, T, LOAD, SCALAR)                                                   \
+    LS_CLONES void NAME(const T *x, int64_t outer, int64_t outer_stride, int64_t rows, int64_t cols, int64_t stride, \
+                        int32_t *out) {                                                    \
+        for (int64_t r = 0; r < outer * rows; r++) {                                       \
+            const T *p = x + (r / rows) * outer_stride + (r % rows) * stride;              \
+            int64_t i = 0;                                                                 \
+            for (; cols - i >= 8; i += 8) {                                                \
+                v8i b = abs_bits(LOAD(p + i)), m;                                          \
+                memcpy(&m, out + i, sizeof m);                                             \
+                m = imax(m, b & (b < 0x7f800000));                                         \
+                memcpy(out + i, &m, sizeof m);                                             \
+            }                                                                              \
+            for (; i < cols; i++) {                                                        \
+                int32_t b = (int32_t)(to_bits(SCALAR(p[i])) & 0x7fffffffu);                \
+                b = b < 0x7f800000 ? b : 0;                                                \
+                out[i] = b > out[i] ? b : out[i];                                          \
+            }                                                                              \
+        }                                                                                  \
+    }
+
+LS_CHANNELS(ls_channels_f32, float, load_f32, scalar_f32)
+LS_CHANNELS(ls_channels_bf16, uint16_t, load_bf16, scalar_bf16)
+LS_CHANNELS(ls_channels_f16, uint16_t, load_f16, scalar_f16)

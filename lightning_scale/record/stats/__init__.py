@@ -51,7 +51,6 @@ from lightning_scale.record.stats.fields import (
     assemble,
     deviations,
     extreme_columns,
-    host_sum,
     index_tensor,
     log2_histogram,
     merge,
@@ -67,8 +66,8 @@ from lightning_scale.record.stats.fields import (
     summarise,
 )
 from lightning_scale.record.stats.formats import format_counts_device, format_counts_host
-from lightning_scale.record.stats.fp8 import fp8_fields
-from lightning_scale.record.stats.layout import DEVICE_SCRATCH_FLOOR, SCRATCH_FLOOR, piece_size, pieces
+from lightning_scale.record.stats.fp8 import fp8_fields, host_fp8_fields
+from lightning_scale.record.stats.layout import DEVICE_SCRATCH_FLOOR, piece_size, pieces
 from lightning_scale.record.stats import torch_groups
 from lightning_scale.record.stats.host import (
     DOT_MAX,
@@ -161,11 +160,21 @@ def record_of(
         _host_fields(x, groups, out)
     else:
         _device_fields_bounded(x, groups, out)
-    if "fp8" in groups:
-        fp8 = fp8_fields(x, host_sum, SCRATCH_FLOOR) if host_reads else fp8_fields(x, sum64, DEVICE_SCRATCH_FLOOR)
-        out[FP8_SPAN] = [float(v) for v in fp8] if host_reads else fp8
+    if "fp8" in groups and host_reads:
+        out[FP8_SPAN] = host_fp8_fields(x, _finite_amax(out))
+    elif "fp8" in groups:
+        out[FP8_SPAN] = fp8_fields(x, sum64, DEVICE_SCRATCH_FLOOR)
     torch_groups.fill(x, groups, out, host_reads)
     return out
+
+
+def _finite_amax(out: List[Entry]) -> Optional[float]:
+    """The largest finite |x|, where the host path's record already holds it (the range group
+    computed, no NaN or Inf), else None."""
+    absmax, nan, inf = out[Col.ABSMAX], out[Col.NAN], out[Col.INF]
+    if isinstance(absmax, float) and math.isfinite(absmax) and nan == 0 and inf == 0:
+        return absmax
+    return None
 
 
 def _host_fields(x: Tensor, groups: Collection[str], out: List[Entry]) -> None:

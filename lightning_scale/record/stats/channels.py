@@ -36,6 +36,7 @@ from typing import Dict, Sequence
 import torch
 from torch import Tensor
 
+from lightning_scale.record import native
 from lightning_scale.record.stats.blocks import row_pieces
 
 __all__ = [
@@ -67,10 +68,11 @@ CHUNK = 1 << 20
 def channel_maxima(x: Tensor, chunk: int = CHUNK) -> Tensor:
     """float64 ``[C]``: each last-dimension channel's max |x| over the finite elements (0 where none).
 
-    A 0-dim tensor is one channel. In host memory a max and a min over the leading
-    dimensions (any layout, no temporary) serve where every channel is finite (a free check
-    there); otherwise, and off the host (no host read), ``x`` is read ``chunk`` elements at a
-    time as |x| with NaN and Inf set to 0.
+    A 0-dim tensor is one channel. A float32, bfloat16 or float16 host tensor of evenly strided
+    rows is read once by the native kernel (``native.channel_maxima``). Else in host memory a
+    max and a min over the leading dimensions (any layout, no temporary) serve where every
+    channel is finite (a free check there); otherwise, and off the host (no host read), ``x``
+    is read ``chunk`` elements at a time as |x| with NaN and Inf set to 0.
 
     Example:
         >>> channel_maxima(torch.tensor([[1.0, -7.0], [-2.0, float("nan")]])).tolist()
@@ -78,6 +80,9 @@ def channel_maxima(x: Tensor, chunk: int = CHUNK) -> Tensor:
     """
     x = x.detach()
     c = x.shape[-1] if x.dim() else 1
+    fast = native.channel_maxima(x) if x.is_cpu else None
+    if fast is not None:
+        return fast
     if x.is_cpu and x.numel():
         lead = tuple(range(x.dim() - 1))
         a = torch.maximum(x.amax(lead), -x.amin(lead)) if lead else x.abs().reshape(c)

@@ -7,13 +7,14 @@ The fused Triton kernel computes both in its one read (``triton_stats``), except
 given what it left. Elsewhere ``fill`` reads the tensor once more per group: for ``blocks``
 of a float32 or bfloat16 host tensor with evenly strided rows, with the native kernel's
 block casts (``native.blocks``), for ``kurtosis`` of such a tensor read in place with its
-moments kernel (``native.moments``), no temporaries; otherwise with torch code, in pieces
+moments kernel (``native.moments``, about the mean the first read gave), no temporaries;
+otherwise with torch code, in pieces
 whose temporaries stay within ``layout.scratch_bytes``.
 """
 
 from __future__ import annotations
 
-from typing import Collection, List, Tuple, Union
+from typing import Collection, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -34,8 +35,9 @@ _MOMENTS = slice(Col.M3, Col.M4 + 1)
 assert Col.M4 == Col.M3 + 1
 
 
-def _columns(x: Tensor, groups: Collection[str]) -> List[Tuple[slice, Tensor]]:
-    """(columns, float64 values on ``x``'s device) of each of ``TORCH_GROUPS`` in ``groups``."""
+def _columns(x: Tensor, groups: Collection[str], centre: Optional[float] = None) -> List[Tuple[slice, Tensor]]:
+    """(columns, float64 values on ``x``'s device) of each of ``TORCH_GROUPS`` in ``groups``;
+    ``centre``: the mean where the host path's first read gave it (the moments kernel's centre)."""
     floor = SCRATCH_FLOOR if x.device.type == "cpu" else DEVICE_SCRATCH_FLOOR
     wide = 2 if x.dtype == torch.float64 else 1
     out: List[Tuple[slice, Tensor]] = []
@@ -46,7 +48,7 @@ def _columns(x: Tensor, groups: Collection[str]) -> List[Tuple[slice, Tensor]]:
         else:
             out.append((BLOCKS_SPAN, torch.stack(block_fields(x, piece_size(x, _SCRATCH["blocks"] * wide, floor)))))
     if "kurtosis" in groups:
-        fast = native.moments(x) if x.device.type == "cpu" else None
+        fast = native.moments(x, centre) if x.device.type == "cpu" else None
         if fast is not None:
             out.append((_MOMENTS, torch.from_numpy(fast[3:5])))
         else:
@@ -60,7 +62,8 @@ def fill(x: Tensor, groups: Collection[str], out: Union[List[Entry], Tensor], ho
     tensor on ``x``'s device (written in place, nothing read back)."""
     if TORCH_GROUPS.isdisjoint(groups):  # (the kernels' paths: no op at all)
         return
-    for cols, values in _columns(x.detach(), groups):
+    mean = out[Col.MEAN] if isinstance(out, list) else None
+    for cols, values in _columns(x.detach(), groups, mean if isinstance(mean, float) else None):
         if isinstance(out, Tensor):
             out[cols] = values
         elif host_reads:
