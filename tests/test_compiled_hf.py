@@ -1,8 +1,13 @@
-"""ScaleMonitor on a compiled Hugging Face model (a tiny Llama, Inductor on the CPU): the
+"""ScaleMonitor on a compiled Hugging Face model (a tiny Llama): the
 three ways users compile it in a LightningModule (``torch.compile(model)``,
 ``model.compile()``, each decoder layer ``torch.compile(layer)``) train bit-identically with
 and without the callback, log the uncompiled model's labels with its values within compiled
 rounding, and compile nothing when switching between tracked and untracked steps.
+
+The model compiles with AOTAutograd's eager backend (``aot_eager``): the route is the one
+Inductor takes (the user's backend compiles the instrumented graphs), without Inductor's C++
+compiles, which took 12 minutes for one pattern of this test on the loaded 2-core machine
+(where the same assertions passed for ``torch.compile(model)`` under Inductor).
 
 Found on the way, and fixed: a no-op ``.to()`` (RMSNorm's ``hidden_states.to(torch.float32)``)
 probed apart from its source changed the order in which gradients add up (the fidelity probe
@@ -36,6 +41,7 @@ pytestmark = [
     pytest.mark.timeout(1800),  # Inductor compiles with g++: minutes on a loaded machine
 ]
 VOCAB, SEQ = 64, 8
+BACKEND = "aot_eager"
 
 
 def llama() -> Any:
@@ -90,8 +96,9 @@ class GraphCount(pl.Callback):
 
 
 def fit(path: Path, pattern: Optional[str], monitor: Optional[ScaleMonitor]) -> Tuple[CompiledLlama, GraphCount]:
+    """Three steps on 6 sequences, batches of 2, SGD."""
     batches = [torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i)) for i in range(6)]
-    module, count = CompiledLlama(pattern), GraphCount()
+    module, count = CompiledLlama(pattern, BACKEND), GraphCount()
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=3,
@@ -128,15 +135,18 @@ def uncompiled(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Dict[int, 
     return logged(path)
 
 
-# Tags the capture around a compiled module adds (fx: the compiled call is a leaf and `.loss`
-# a `getattr` node), or spells otherwise where dynamo runs the model between compiled layers
-# (the layers' calls are graph breaks; see docs/limitations.md).
+# Tags only one side logs. Around a compiled model, fx takes `.loss` of the compiled call (a
+# leaf) as a `getattr` node. The loss's `view` of the logits is recorded, not pruned as a view:
+# its source, `logits.float()` (the logits tensor itself), is also the returned logits. With
+# compiled layers, dynamo runs the model around them with a graph break at each layer call, and
+# compiles the final norm's call as a frame of its own: its input is an input of that frame,
+# and its output and the model's (`model.model`) are no module outputs (docs/limitations.md).
 AROUND = {
-    "whole": {"model/llamaforcausallm", "getattr"},
-    "in_place": {"model/llamaforcausallm", "getattr"},
-    "blocks": {"model.model/input_ids", "model.model.norm/hidden_states"},
+    "whole": {"getattr", "model/view"},
+    "in_place": {"getattr", "model/view"},
+    "blocks": {"model.model.norm/hidden_states"},
 }
-NOT_SEEN = {"whole": set(), "in_place": set(), "blocks": {"ids", "model.model", "model.model.norm"}}
+NOT_SEEN = {"whole": set(), "in_place": set(), "blocks": {"model.model", "model.model.norm"}}
 
 
 @pytest.mark.parametrize("pattern", ["whole", "in_place", "blocks"])

@@ -195,7 +195,7 @@ class InstrumentingBackend:
     ) -> Callable[..., Any]:
         started = time.perf_counter()
         graph = route.labels.frame_graph(gm)
-        names = [s.name for s in graph.sites if s.name not in graph.views]
+        names = [s.name for s in graph.sites if s.name not in graph.views and s.name not in graph.copies]
         rewritten = instrument_graph(gm, names, example_inputs, route.groups, graph.stand_ins)
         if rewritten is None:
             return self.backend(gm, example_inputs)
@@ -328,6 +328,10 @@ class CompiledRoute:
         table = self.labels.table(graph, self.labels.scope(graph, args, depth=2))
         kept = [i for i, name in enumerate(names) if name in table]
         keys = [table[names[i]] for i in kept]
+        row = {name: i for i, name in enumerate(names)}
+        copies = [(n, row[s]) for n, s in graph.copies.items() if n in table and s in row and s in table]
+        kept += [i for _, i in copies]  # (a node that returned a recorded tensor itself: its row again)
+        keys += [table[n] for n, _ in copies]
         index = torch.tensor(kept, dtype=torch.long).to(rows.device, non_blocking=True)
         rec.add_rows(keys, FORWARD, rows.index_select(0, index))
         if probe.requires_grad:

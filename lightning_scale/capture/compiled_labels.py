@@ -92,8 +92,11 @@ class CompiledLabels:
         outputs = frames.module_outputs(gm, complete=not getattr(reason, "graph_break", True))
         same, stand_ins, shared = same_tensor(gm, {s.name for s in sites})
         views = {v: s for v, s in view_aliases(gm, {s.name: s.name for s in sites}).items() if s not in shared}
-        views.update(same)
-        return frames.FrameGraph(gm, sites, _own_output(gm, reason) + outputs, views, stand_ins)
+        # (the eager recorder logs such a node under its own label, a copy of its source's record)
+        copies = {n: s for n, s in same.items() if s not in views}
+        views.update({n: s for n, s in same.items() if s in views})
+        own = _own_output(gm, reason) + outputs
+        return frames.FrameGraph(gm, sites, own, views, stand_ins, copies)
 
     def scope(self, graph: frames.FrameGraph, args: Tuple[Any, ...], depth: int = 1) -> Tuple[str, ...]:
         """(owner path, path per root local) of the modules running ``graph`` now, from the

@@ -100,6 +100,8 @@ class FrameGraph:
     views: Dict[str, str] = field(default_factory=dict)  # node -> node with equal statistics
     # node -> a graph input whose tensor it returns itself: the compiled route records the input
     stand_ins: Dict[str, str] = field(default_factory=dict)
+    # node -> recorded node that returned the same tensor: the compiled route logs its row twice
+    copies: Dict[str, str] = field(default_factory=dict)
 
     def roots(self) -> List[str]:
         return sorted({s.root for s in self.sites if s.root} | {r for r, _, _ in self.outputs if r})
