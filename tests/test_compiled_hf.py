@@ -30,6 +30,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import Tensor
 
+from tests.gloo import ROOT, run_ranks
 from lightning_scale import ScaleMonitor
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -175,3 +176,28 @@ def test_compiled_llama_is_seen_inside_and_trains_unchanged(
         if tag in got:  # step 0: the same parameters and batch; Inductor rounds float32 work otherwise
             assert got[tag][0] == pytest.approx(values[0], rel=1e-4, abs=1e-7), tag
             assert got[tag][2] == pytest.approx(values[2], rel=1e-3, abs=1e-6), tag
+
+
+@pytest.fixture(scope="module")
+def fsdp_ranks(tmp_path_factory: pytest.TempPathFactory) -> Tuple[Path, List[Dict[str, Any]]]:
+    """Two gloo ranks, FSDP2 units on each decoder layer and the model, each layer then
+    ``torch.compile(layer)``: a fit with the callback and one without, in one launch."""
+    out = tmp_path_factory.mktemp("fsdp")
+    return out, run_ranks(ROOT / "tests" / "dist_scripts" / "run_hf_fsdp.py", out, 2, ["blocks"], timeout=600)
+
+
+def test_fsdp2_with_compiled_layers_trains_unchanged_and_logs_the_layers_labels(
+    fsdp_ranks: Tuple[Path, List[Dict[str, Any]]], uncompiled: Dict[str, Dict[int, float]]
+) -> None:
+    """fx cannot trace the model's FSDP units (transformers): `auto` takes dynamo for the model
+    around the compiled layers, which the compiled route sees inside."""
+    out, ranks = fsdp_ranks
+    for rank, saved in enumerate(ranks):
+        assert saved["warnings"] == [], rank
+        for name, p in saved["on"].items():
+            assert torch.equal(p, saved["off"][name]), (rank, name)
+    got = logged(out / "logs" / "version_0")  # rank 0's
+    labels = lambda tags: {t.split("/", 2)[2] for t in tags}  # noqa: E731
+    assert labels(set(got) - set(uncompiled)) == AROUND["blocks"]  # (as without FSDP)
+    assert labels(set(uncompiled) - set(got)) == NOT_SEEN["blocks"]
+    assert "scale/bwd/model.model.layers.1.mlp.down_proj" in got
