@@ -20,8 +20,9 @@ output (``model``, its loss) had no record, the model returning an output object
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import lightning.pytorch as pl
 import pytest
@@ -121,6 +122,15 @@ def logged(path: Path) -> Dict[str, Dict[int, float]]:
     }
 
 
+def code_view_labels(path: Path) -> Set[str]:
+    """The labels of the Code view's lines that show a scale (``(-> 0.02, <- 0.07)  label  x = ...``)."""
+    acc = EventAccumulator(str(path), size_guidance={"tensors": 0})
+    acc.Reload()
+    text = acc.Tensors("scale_code/text_summary")[-1].tensor_proto.string_val[0].decode()
+    lines = re.findall(r"^\s*\(-> ([^,]+), <- ([^)]+)\)\s+(?:!\S\s+)?(\S+)\s+\w+ = ", text, re.M)
+    return {label for fwd, bwd, label in lines if (fwd, bwd) != ("n/a", "n/a")}
+
+
 def monitor(**kwargs: Any) -> ScaleMonitor:
     return ScaleMonitor(every_n_steps=2, histograms=False, code=False, **kwargs)  # steps 0 and 2 tracked
 
@@ -156,7 +166,7 @@ def test_compiled_llama_is_seen_inside_and_trains_unchanged(
 ) -> None:
     torch._dynamo.reset()
     plain, _ = fit(tmp_path / "plain", pattern, None)
-    watched = monitor()
+    watched = ScaleMonitor(every_n_steps=2, histograms=False)  # (with the Code view)
     tracked, count = fit(tmp_path / "tracked", pattern, watched)
     for (name, p), q in zip(plain.named_parameters(), tracked.parameters()):
         assert torch.equal(p, q), name  # the callback changed nothing
@@ -172,6 +182,9 @@ def test_compiled_llama_is_seen_inside_and_trains_unchanged(
     assert labels(set(uncompiled) - set(got)) == NOT_SEEN[pattern]
     assert "scale/fwd/model.model.layers.1.self_attn/mul" in got  # rotary embedding: in the attention
     assert "scale/bwd/model.model.layers.0.mlp.down_proj" in got  # a module output inside
+    # the Code view names each recorded line by its tag (others, integer tensors, read n/a)
+    named = code_view_labels(tmp_path / "tracked")
+    assert len(named) > 100 and named <= labels(got), sorted(named - labels(got))
     for tag, values in uncompiled.items():
         if tag in got:  # step 0: the same parameters and batch; Inductor rounds float32 work otherwise
             assert got[tag][0] == pytest.approx(values[0], rel=1e-4, abs=1e-7), tag
