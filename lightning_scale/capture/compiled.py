@@ -119,10 +119,15 @@ def _example(node: fx.Node, inputs: Dict[str, Any]) -> Any:
 
 
 def instrument_graph(
-    gm: fx.GraphModule, names: Sequence[str], example_inputs: Sequence[Any], groups: Tuple[str, ...]
+    gm: fx.GraphModule,
+    names: Sequence[str],
+    example_inputs: Sequence[Any],
+    groups: Tuple[str, ...],
+    stand_ins: Optional[Dict[str, str]] = None,
 ) -> Optional[_Instrumented]:
     """A copy of ``gm`` with a record row after each node of ``names`` (floating, nonempty)
-    stacked into one extra output, a probe input, and ``Probe`` on each node with a gradient."""
+    stacked into one extra output, a probe input, and ``Probe`` on each node with a gradient.
+    A node of ``stand_ins`` (node -> the input it returns itself) is recorded at that input."""
     graph = fx.Graph()
     copied: Dict[fx.Node, fx.Node] = {}
     result = graph.graph_copy(gm.graph, copied)
@@ -137,9 +142,9 @@ def instrument_graph(
     returned = set(result) if isinstance(result, (tuple, list)) else {result}
     outputs = tuple(result) if isinstance(result, (tuple, list)) else (result,)
     output = graph.output(outputs)  # (first: a probe replaces the node in it too)
-    rows = [
-        _instrument_node(graph, n, i, probes, _example(n, inputs), n in returned, groups) for i, n in enumerate(nodes)
-    ]
+    by_name = {n.name: n for n in placeholders}
+    at = [n if n in returned else by_name.get((stand_ins or {}).get(n.name, ""), n) for n in nodes]
+    rows = [_instrument_node(graph, a, i, probes, _example(a, inputs), a in returned, groups) for i, a in enumerate(at)]
     with graph.inserting_before(output):
         stacked = graph.call_function(torch.stack, (rows,))
     output.args = ((*output.args[0], stacked),)
@@ -190,8 +195,8 @@ class InstrumentingBackend:
     ) -> Callable[..., Any]:
         started = time.perf_counter()
         graph = route.labels.frame_graph(gm)
-        names = [s.name for s in graph.sites if s.name not in graph.views]
-        rewritten = instrument_graph(gm, names, example_inputs, route.groups)
+        names = [s.name for s in graph.sites if s.name not in graph.views and s.name not in graph.copies]
+        rewritten = instrument_graph(gm, names, example_inputs, route.groups, graph.stand_ins)
         if rewritten is None:
             return self.backend(gm, example_inputs)
         rows = len(rewritten.names)
@@ -323,6 +328,10 @@ class CompiledRoute:
         table = self.labels.table(graph, self.labels.scope(graph, args, depth=2))
         kept = [i for i, name in enumerate(names) if name in table]
         keys = [table[names[i]] for i in kept]
+        row = {name: i for i, name in enumerate(names)}
+        copies = [(n, row[s]) for n, s in graph.copies.items() if n in table and s in row and s in table]
+        kept += [i for _, i in copies]  # (a node that returned a recorded tensor itself: its row again)
+        keys += [table[n] for n, _ in copies]
         index = torch.tensor(kept, dtype=torch.long).to(rows.device, non_blocking=True)
         rec.add_rows(keys, FORWARD, rows.index_select(0, index))
         if probe.requires_grad:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, List, Optional, Set, Tuple
 
-from torch import fx, nn
+from torch import Tensor, fx, nn
 
 from lightning_scale.capture import frames
 from lightning_scale.capture.labels import view_aliases
 
-__all__ = ["MODULE_OUTPUT", "CompiledLabels", "graph_op"]
+__all__ = ["MODULE_OUTPUT", "CompiledLabels", "graph_op", "same_tensor"]
 
 #: Key prefix of a module output in ``CompiledLabels.labels`` (no graph node of its own).
 MODULE_OUTPUT = "<module>"
@@ -90,8 +90,13 @@ class CompiledLabels:
         sites = [s for s in sites if s.is_attr or s.name not in inputs]
         reason = getattr(gm, "compile_subgraph_reason", None)
         outputs = frames.module_outputs(gm, complete=not getattr(reason, "graph_break", True))
-        views = view_aliases(gm, {s.name: s.name for s in sites})
-        return frames.FrameGraph(gm, sites, _own_output(gm, sites, reason) + outputs, views)
+        same, stand_ins, shared = same_tensor(gm, {s.name for s in sites})
+        views = {v: s for v, s in view_aliases(gm, {s.name: s.name for s in sites}).items() if s not in shared}
+        # (the eager recorder logs such a node under its own label, a copy of its source's record)
+        copies = {n: s for n, s in same.items() if s not in views}
+        views.update({n: s for n, s in same.items() if s in views})
+        own = _own_output(gm, reason) + outputs
+        return frames.FrameGraph(gm, sites, own, views, stand_ins, copies)
 
     def scope(self, graph: frames.FrameGraph, args: Tuple[Any, ...], depth: int = 1) -> Tuple[str, ...]:
         """(owner path, path per root local) of the modules running ``graph`` now, from the
@@ -109,16 +114,24 @@ class CompiledLabels:
         table = frames.table_for(graph, scope, self._labeller)
         aliases = {table[v]: table[s] for v, s in graph.views.items() if v in table and s in table}
         listed = dict(table)
+        replaced = set()
         for full, node in self._module_outputs(graph, scope):
             source = table.get(node)
-            if source is not None and full and not self._taken(full):  # (the compiled module's own too)
-                aliases[full] = aliases.get(source, source)
-                listed[MODULE_OUTPUT + full] = full
+            if source is None or not full:
+                continue
+            if self._leaf_output(full):  # the compiled module's own output: the graph names its tensor
+                replaced.add(full)
+            elif self._taken(full):
+                continue
+            aliases[full] = aliases.get(source, source)
+            listed[MODULE_OUTPUT + full] = full
         new = {k: v for k, v in listed.items() if not any(v in t.values() for t in self.labels)}
         if new:
             self.graphs.append(graph.gm)
             self.labels.append(new)
         for alias, source in aliases.items():
+            if alias in replaced:
+                self.aliases[alias] = source
             self.aliases.setdefault(alias, source)
         observed = {k: v for k, v in table.items() if v not in self.aliases}
         self._tables[key] = observed
@@ -132,14 +145,74 @@ class CompiledLabels:
             out.append((".".join(p for p in (base, path) if p), node))
         return out
 
+    def _leaf_output(self, label: str) -> bool:
+        """Whether the capture around the compiled module made ``label`` (its path) an alias of
+        its leaf call (``model`` -> ``model/llamaforcausallm``), whose value may be no tensor
+        (a model output object): the compiled graph's own output replaces it."""
+        target = self.aliases.get(label, "")
+        return target.startswith(label + "/") and "/" not in target[len(label) + 1 :] and target not in self._labeller
+
     def _taken(self, label: str) -> bool:
         return label in self._labeller or label in self.aliases or any(label in t.values() for t in self.labels)
 
 
-def _own_output(gm: fx.GraphModule, sites: List[frames.NodeSite], reason: Any) -> List[Tuple[Optional[str], str, str]]:
-    """The compiled module's own output (``L['self']``'s, path ``""`` under it): the node its
-    graph returns, when the graph is the whole call (no graph break) and returns one tensor."""
-    if getattr(reason, "graph_break", True) or not any(s.root == "self" for s in sites):
+def _mutates(node: fx.Node) -> bool:
+    """An in-place op (``add_``, ``x += y``, ``relu(x, inplace=True)``): it returns its input,
+    with other values."""
+    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
+    in_place_operator = getattr(node.target, "__module__", "") in ("_operator", "operator") and name.startswith("i")
+    return (name.endswith("_") and not name.endswith("__")) or bool(node.kwargs.get("inplace")) or in_place_operator
+
+
+def same_tensor(gm: fx.GraphModule, labelled: Set[str]) -> Tuple[Dict[str, str], Dict[str, str], Set[str]]:
+    """Nodes that return a tensor of the graph itself, unchanged (``.to()`` to its own dtype,
+    ``.float()`` of a float, ``.contiguous()`` of a contiguous tensor; dynamo's example
+    values are the very same object): (node -> labelled node with the same record, node ->
+    graph input it stands in for, the nodes whose tensor has other uses as well: a view of
+    them is no alias).
+
+    Such a node's value and gradient are its source's, as the eager recorder takes them (one
+    tensor, so its hooks see every use's gradient). Recording it apart would also change the
+    training: a probe on it makes its uses' gradients add up apart from the source's other
+    uses, in another order (float32 rounding). So it is an alias of its source; where the
+    source is a graph input produced outside (not recorded in this graph), the first such
+    node records the input itself under its own label (``stand_ins``), the others alias it.
+    """
+    first: Dict[int, fx.Node] = {}  # id(example value) -> the node that made it
+    aliases: Dict[str, str] = {}
+    stand_ins: Dict[str, str] = {}
+    uses: Dict[int, int] = {}  # id(example value) -> its uses, identities left out
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        if not isinstance(value, Tensor):
+            continue
+        uses[id(value)] = uses.get(id(value), 0) + len(node.users)
+        source = first.setdefault(id(value), node)
+        if source is node:
+            continue
+        uses[id(value)] -= 1
+        if _mutates(node):  # (new values: the source of what follows)
+            first[id(value)] = node
+            continue
+        if node.name not in labelled:
+            continue
+        if source.name in labelled:
+            aliases[node.name] = aliases.get(source.name, source.name)
+        elif source.op == "placeholder":
+            first[id(value)] = node  # (the first stand-in; later nodes alias it)
+            stand_ins[node.name] = source.name
+    same = {*aliases, *stand_ins}
+    value_of = {n.name: id(n.meta.get("example_value")) for n in gm.graph.nodes}
+    return aliases, stand_ins, {n for n in same if uses[value_of[n]] > 1}
+
+
+def _own_output(gm: fx.GraphModule, reason: Any) -> List[Tuple[Optional[str], str, str]]:
+    """The compiled module's own output (path ``""`` under the module running the graph), when
+    the graph is the whole call (no graph break): the tensor it returns, or of several (a
+    model's loss and logits) the last it computes, as the uncompiled dynamo route takes it."""
+    if getattr(reason, "graph_break", True):
         return []
     returned = [a for a in gm.graph.output_node().args[0] if isinstance(a, fx.Node)]  # (dynamo: a tuple)
-    return [("self", "", returned[0].name)] if len(returned) == 1 else []
+    computed = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    last = returned[0] if len(returned) == 1 else (computed[-1] if computed and computed[-1] in returned else None)
+    return [(None, "", last.name)] if last is not None and isinstance(last.meta.get("example_value"), Tensor) else []

@@ -18,7 +18,7 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import fx, nn
@@ -120,6 +120,10 @@ class FrameGraph:
     sites: List[NodeSite]
     outputs: List[Tuple[Optional[str], str, str]] = field(default_factory=list)  # (root, path, node)
     views: Dict[str, str] = field(default_factory=dict)  # node -> node with equal statistics
+    # node -> a graph input whose tensor it returns itself: the compiled route records the input
+    stand_ins: Dict[str, str] = field(default_factory=dict)
+    # node -> recorded node that returned the same tensor: the compiled route logs its row twice
+    copies: Dict[str, str] = field(default_factory=dict)
 
     def roots(self) -> List[str]:
         return sorted({s.root for s in self.sites if s.root} | {r for r, _, _ in self.outputs if r})
@@ -177,16 +181,46 @@ def _placeholder_site(node: fx.Node) -> Optional[NodeSite]:
     return NodeSite(node.name, None, "", name, "")
 
 
+def _innermost_local(node: fx.Node) -> Tuple[Optional[str], str]:
+    """(root, path) of the innermost module call of ``node`` held by the frame's locals. A
+    module held in a global is no submodule of the captured module (transformers' kernel hub
+    wraps functions such as ``apply_rotary_pos_emb`` in one): its ops sit in the module that
+    called it (``self_attn/mul``)."""
+    for stack_path, _ in reversed(list(breaks.module_stack(node).values())):
+        root, path = _site_path(str(stack_path))
+        if root is not None:
+            return root, path
+    return None, ""
+
+
 def _op_site(node: fx.Node, op_name: Callable[[fx.Node], str]) -> NodeSite:
     """An op's site; an item of a tuple output sits where its source does, as ``source[i]``."""
     item = indexed_item(node, lambda n: isinstance(n.meta.get("example_value"), (tuple, list)))
     source = node if item is None else item[0]
-    stack = breaks.module_stack(source)
-    root, path = _site_path(str(list(stack.values())[-1][0])) if stack else (None, "")
+    root, path = _innermost_local(source)
     site = NodeSite(node.name, root, path, op_name(source), _source(source))
     if item is not None:
         site.origin, site.index = source.name, item[1]
     return site
+
+
+def _under_transform(gm: fx.GraphModule) -> Set[fx.Node]:
+    """Nodes computed inside a functorch transform that dynamo inlined (``vmap``, as in
+    ``associative_scan`` of transformers' Mamba under dynamo): between its
+    ``_vmap_increment_nesting`` and ``_vmap_decrement_nesting`` calls, values are batched
+    views of one vmap level. Recording them there is an escape from the transform (eagerly),
+    or an autograd Function under vmap (compiled): they are left out."""
+    inside: Set[fx.Node] = set()
+    depth = 0
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+        if name.endswith("_increment_nesting"):
+            depth += 1
+        elif name.endswith("_decrement_nesting"):
+            depth = max(depth - 1, 0)
+        elif depth:
+            inside.add(node)
+    return inside
 
 
 def node_sites(
@@ -197,8 +231,9 @@ def node_sites(
     if not prefix:
         breaks.resumed_module_frames(gm)  # (ops of a module's frame resumed after a break: under it)
     sites = []
+    transformed = _under_transform(gm)
     for node in gm.graph.nodes:
-        if node.op in ("output", "get_attr"):
+        if node.op in ("output", "get_attr") or node in transformed:
             continue
         if node.op == "placeholder":
             value = node.meta.get("example_value", node.meta.get("grapharg"))

@@ -366,8 +366,13 @@ def _capture(
             raise CaptureError(f"{why}; capture them with dynamo")
         return Capture("dynamo", module, reason=f"auto: {why}")
     if units:
-        cap = _fx_capture(module, leaves + tuple(units), autowrap_modules, autowrap_functions)
-        _add_units(cap, module, units, leaves, autowrap_modules, autowrap_functions)
+        try:
+            cap = _fx_capture(module, leaves + tuple(units), autowrap_modules, autowrap_functions)
+            _add_units(cap, module, units, leaves, autowrap_modules, autowrap_functions)
+        except Exception as err:  # noqa: BLE001 - a Hugging Face model in FSDP units: dynamo traces it whole
+            if mode == "fx":
+                raise
+            return Capture("dynamo", module, reason=f"auto: fx failed on the FSDP units ({failure_reason(err)})")
         cap.reason = f"fx per unit: {len(units)} separately captured units"
         return cap
     try:
