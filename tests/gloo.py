@@ -47,11 +47,37 @@ def load_script(path: Path) -> ModuleType:
     return module
 
 
-def run_ranks(
+class Ranks:
+    """``world`` processes of a script over gloo, started by ``start_ranks``."""
+
+    def __init__(self, script: Path, out: Path, procs: "List[subprocess.Popen[str]]", timeout: float) -> None:
+        self.script, self.out, self.procs, self.timeout = script, out, procs, timeout
+
+    def wait(self) -> List[Dict[str, Any]]:
+        """Fail the test if a rank hangs or fails; each rank's saved ``rank{r}.pt``."""
+        try:
+            logs = [p.communicate(timeout=self.timeout)[0] for p in self.procs]
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"{self.script.name} ranks hung")
+        for p, log in zip(self.procs, logs):
+            assert p.returncode == 0, log[-3000:]
+        return [torch.load(self.out / f"rank{r}.pt", weights_only=False) for r in range(len(self.procs))]
+
+    def stop(self) -> None:
+        """Kill the ranks still running (a test that started them was not run)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+def start_ranks(
     script: Path, out: Path, world: int, args: Sequence[str] = (), env: Mapping[str, str] = {}, timeout: float = 180
-) -> List[Dict[str, Any]]:
-    """Run ``script OUT RANK WORLD *args`` as ``world`` processes over gloo (one thread each),
-    fail the test if one hangs or fails, and return each rank's saved ``rank{r}.pt``."""
+) -> Ranks:
+    """Start ``script OUT RANK WORLD *args`` as ``world`` processes over gloo (one thread
+    each). Started early, the ranks run while other tests do (much of a rank's time is
+    start-up); ``Ranks.wait`` collects them."""
     port = str(free_port())
     full = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, **env}
     full["OMP_NUM_THREADS"] = "1"
@@ -60,12 +86,12 @@ def run_ranks(
         subprocess.Popen(cmd(r), env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in range(world)
     ]
-    try:
-        logs = [p.communicate(timeout=timeout)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"{script.name} ranks hung")
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return Ranks(script, out, procs, timeout)
+
+
+def run_ranks(
+    script: Path, out: Path, world: int, args: Sequence[str] = (), env: Mapping[str, str] = {}, timeout: float = 180
+) -> List[Dict[str, Any]]:
+    """Run ``script OUT RANK WORLD *args`` as ``world`` processes over gloo (one thread each),
+    fail the test if one hangs or fails, and return each rank's saved ``rank{r}.pt``."""
+    return start_ranks(script, out, world, args, env, timeout).wait()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import lightning.pytorch as pl
 import pytest
@@ -31,7 +31,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import Tensor
 
-from tests.gloo import ROOT, run_ranks
+from tests.gloo import ROOT, Ranks, start_ranks
 from lightning_scale import ScaleMonitor
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -191,12 +191,21 @@ def test_compiled_llama_is_seen_inside_and_trains_unchanged(
             assert got[tag][2] == pytest.approx(values[2], rel=1e-3, abs=1e-6), tag
 
 
-@pytest.fixture(scope="module")
-def fsdp_ranks(tmp_path_factory: pytest.TempPathFactory) -> Tuple[Path, List[Dict[str, Any]]]:
+@pytest.fixture(scope="module", autouse=True)
+def fsdp_launch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ranks]:
     """Two gloo ranks, FSDP2 units on each decoder layer and the model, each layer then
-    ``torch.compile(layer)``: a fit with the callback and one without, in one launch."""
-    out = tmp_path_factory.mktemp("fsdp")
-    return out, run_ranks(ROOT / "tests" / "dist_scripts" / "run_hf_fsdp.py", out, 2, ["blocks"], timeout=600)
+    ``torch.compile(layer)``: a fit with the callback and one without, in one launch, started
+    with this module's first test (it runs while the others do)."""
+    ranks = start_ranks(
+        ROOT / "tests" / "dist_scripts" / "run_hf_fsdp.py", tmp_path_factory.mktemp("fsdp"), 2, ["blocks"], timeout=600
+    )
+    yield ranks
+    ranks.stop()
+
+
+@pytest.fixture(scope="module")
+def fsdp_ranks(fsdp_launch: Ranks) -> Tuple[Path, List[Dict[str, Any]]]:
+    return fsdp_launch.out, fsdp_launch.wait()
 
 
 def test_fsdp2_with_compiled_layers_trains_unchanged_and_logs_the_layers_labels(
