@@ -282,3 +282,28 @@ def test_compiled_std_is_accurate_when_mean_dominates() -> None:
     naive = math.sqrt(max(float((w * w).mean() - w.mean() ** 2), 0.0))
     assert abs(naive / float(want.std()) - 1) > 1e-3
     torch._dynamo.reset()
+
+
+def test_channels_group_on_the_compiled_route_records_the_others_and_no_channel_rows() -> None:
+    """``channels`` is a row beside the record, not traceable yet: with it asked for, the
+    compiled graphs still record every other field (against float64), the step does not
+    fail, and the compiled nodes' channel rows stay empty (zeros: nothing is written).
+    The user's backend is AOTAutograd without Inductor (no C++ compile)."""
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    groups = ("moments", "range", "channels")
+    holder = Holder(torch.compile(nn.Linear(48, 40), backend="aot_eager"))
+    route = CompiledRoute(holder, groups)
+    rec = Recorder(groups=groups)
+    with recording(rec):
+        out = route.forward_for(holder.model)(torch.randn(16, 48))
+    out.retain_grad()
+    out.square().mean().backward()
+    tags = route.labels.tags
+    records = rec.records(tags, route.labels.aliases)
+    row = records[tags.index("model")]
+    assert_close_summary(row_summary(row[FORWARD]), float64_summary(out), DEVICE_REL, "model")
+    assert_close_summary(row_summary(row[BACKWARD]), float64_summary(out.grad), DEVICE_REL, "model grad")
+    channels = rec.channel_tensor(tags, route.labels.aliases)
+    assert channels.shape[0] == len(tags) and not channels.any()
+    torch._dynamo.reset()
