@@ -3,11 +3,12 @@
 ``traceable_record(x, groups)`` gives the same ``len(FIELDS)`` float64 vector as
 ``record_of`` on the device path, written without host reads, data-dependent branches or
 in-place writes, so that TorchDynamo/AOTAutograd can trace it into a model's own graph and
-Inductor can fuse its reductions (a float64 accumulation of every element, read from the
-tensor's own buffer) with the kernels that produce the tensor.
+Inductor can fuse its reductions (float32 vector sums over rows of 256 elements, merged in
+float64, read from the tensor's own buffer) with the kernels that produce the tensor.
 
-Moments take one pass, in float64, about the tensor's first element, so a mean far above
-the spread (|mean| / std of 1e3 and more) costs no accuracy (``_moments`` says why).
+Moments take each row about its own mean estimate, scaled by a power of two, so a mean far
+above the spread (|mean| / std of 1e3 and more) costs no accuracy (``_moments`` says why):
+within ~1e-7 of float64, the device path's standard.
 
 Every group is traceable. The optional ones reuse the device path's own functions, which are
 torch ops on tensors throughout (their only Python branches are on shapes), called with the
@@ -72,13 +73,13 @@ def _moments(x: Tensor) -> Dict[str, Tensor]:
     (the tail one shorter row) in float32 (float64 for float64 ``x``), merged in float64.
 
     Each row is scaled by the power of two ``s`` that brings its max |x| to [1, 2) and
-    shifted by its first element ``c``: the sums of ``d = x s - c s`` and ``d**2`` neither
-    overflow nor underflow, and a mean far above the spread cancels in ``d``, exactly near
-    ``c``. The cancellation left in a row's ``m2 = sum(d**2) - sum(d)**2 / n`` is about
-    ``(mean - c)**2 / var`` float32 roundings (a few, ``c`` being one of the row's values).
-    Inductor runs a row's max and its sums in one loop nest over the row (the softmax
-    pattern): one read of ``x`` from memory in float32 vector arithmetic, and no
-    whole-size temporary, where a float64 sum of every element costs several times more."""
+    shifted by ``c``, its mean in float32 (a first, cheap pass over the row, with its max):
+    the sums of ``d = x s - c s`` and ``d**2`` neither overflow nor underflow, and a mean
+    far above the spread cancels in ``d``, exactly near ``c``. The cancellation left in a
+    row's ``m2 = sum(d**2) - sum(d)**2 / n`` is about ``(mean - c)**2 / var`` float32
+    roundings: none to speak of, ``c`` being the row's mean up to rounding. One read of
+    ``x`` from memory in float32 vector arithmetic and no whole-size temporary, where
+    Inductor's float64 sum of every element cost several times more."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     flat = _memory_order(x).reshape(-1)
     n = flat.numel()
@@ -100,8 +101,8 @@ def _memory_order(x: Tensor) -> Tensor:
 
 
 def _row_sums(r: Tensor, acc: torch.dtype) -> Tensor:
-    """``[8, rows]`` float64, per row of ``r``: its length, first element ``c`` (0 if not
-    finite), scale ``s``, the sums of ``d`` and ``d**2``, NaN count, non-finite count, max |x|."""
+    """``[8, rows]`` float64, per row of ``r``: its length, shift ``c`` (its float32 mean, 0
+    if not finite), scale ``s``, the sums of ``d`` and ``d**2``, NaN count, non-finite count, max |x|."""
     y = r.to(acc)
     top = y.abs().amax(1, keepdim=True)  # (NaN with a NaN)
     bound = 126 if acc == torch.float32 else 1022  # (2**±bound: normal numbers)
