@@ -4,7 +4,8 @@
   submodule runs its instrumented compiled version, the backward, the one read of the
   records, AdamW) against the same compiled GPT's plain step, interleaved; beside it the
   eager route's ratio (the uncompiled GPT, fx capture, against its plain step), the bar
-  the compiled route should not exceed.
+  the compiled route should not exceed; and an A/A ratio (the plain step timed twice a
+  round, as two variants), the noise floor of the rounds, with the load average.
 * **scheduled but idle**: untracked steps of a Trainer fit of the compiled GPT with
   ``ScaleMonitor(every_n_steps=10**9)`` installed (step 0 tracked, later steps idle)
   against the same fit without it.
@@ -32,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from timing import Samples, Stopwatch, interleaved
+from timing import Samples, Stopwatch, interleaved, load_average
 from workload import MAIN, Size, Workload  # puts the repository root on sys.path
 
 from lightning_scale import Recorder, ScaleMonitor, capture, recording
@@ -59,6 +60,8 @@ class CompiledCost:
     size: Size
     rounds: int
     tracked_ratio: float  # tracked compiled step / plain compiled step
+    aa_ratio: float  # the plain compiled step against itself, in the same rounds (the noise floor)
+    load: str  # the 1-minute load average when the steps were timed
     eager_ratio: float  # tracked eager (fx) step / plain eager step
     idle_ratio: float  # untracked step with the monitor scheduled / without, in a Trainer fit
     idle_rounds: int
@@ -69,7 +72,8 @@ class CompiledCost:
     def line(self) -> str:
         return (
             f"compiled GPT {self.size.name}: tracked {self.tracked_ratio:.2f}x a compiled plain step "
-            f"(eager route {self.eager_ratio:.2f}x), scheduled but idle {self.idle_ratio:.3f}x, tracked version "
+            f"(A/A {self.aa_ratio:.3f}x, load {self.load}; eager route {self.eager_ratio:.2f}x), "
+            f"scheduled but idle {self.idle_ratio:.3f}x, tracked version "
             f"compiled in {self.compile_s:.1f} s (the user's: {self.user_compile_s:.1f} s); {self.rounds} rounds"
         )
 
@@ -109,7 +113,8 @@ def step_ratios(size: Size, rounds: int, budget_s: Optional[float]) -> Tuple[Dic
     holder = Holder(torch.compile(work.model))
     compiled, user_s, tracked_s = _steps(work, holder)
     eager = Workload(size)
-    steps = {**compiled, "eager_plain": eager.step("plain"), "eager_tracked": eager.step("tracked")}
+    steps = {**compiled, "plain_again": compiled["plain"]}  # (A/A: the same step, timed as another variant)
+    steps.update(eager_plain=eager.step("plain"), eager_tracked=eager.step("tracked"))
     return interleaved(steps, rounds, budget_s=budget_s, min_rounds=min(4, rounds)), user_s, tracked_s
 
 
@@ -187,6 +192,7 @@ def idle_ratio(size: Size, rounds: int, steps: int, budget_s: Optional[float]) -
 def measure(size: Size = MAIN, quick: bool = False) -> CompiledCost:
     """Every figure of the module docstring (``quick``: a few rounds, to check the code)."""
     samples, user_s, tracked_s = step_ratios(size, 4 if quick else 20, None if quick else 60.0)
+    load = load_average()
     print(
         f"[compiled_cost] steps: tracked {_ratio(samples, 'tracked', 'plain'):.3f}x, eager route "
         f"{_ratio(samples, 'eager_tracked', 'eager_plain'):.3f}x; compile {tracked_s:.1f} s (user's {user_s:.1f} s)",
@@ -198,6 +204,8 @@ def measure(size: Size = MAIN, quick: bool = False) -> CompiledCost:
         size=size,
         rounds=len(samples["plain"].cpu),
         tracked_ratio=_ratio(samples, "tracked", "plain"),
+        aa_ratio=_ratio(samples, "plain_again", "plain"),
+        load=load,
         eager_ratio=_ratio(samples, "eager_tracked", "eager_plain"),
         idle_ratio=idle,
         idle_rounds=idle_rounds,
@@ -214,13 +222,14 @@ def section(cost: CompiledCost) -> str:
             "## The compiled route (a compiled GPT, Inductor on the CPU)",
             "",
             f"GPT {cost.size.name}, batch {cost.size.batch}, one thread, median CPU time of interleaved steps "
-            f"({cost.rounds} rounds; idle: {cost.idle_rounds} pairs of Trainer fits).",
+            f"({cost.rounds} rounds; idle: {cost.idle_rounds} pairs of Trainer fits; load average {cost.load}).",
             "",
             "| measure | value | target |",
             "|---|---|---|",
             f"| compiled plain step | {cost.plain_ms:.1f} ms | |",
             f"| tracked compiled step / compiled plain step | {cost.tracked_ratio:.2f}x | <= 1.25x, and <= the eager "
             "route's |",
+            f"| A/A: compiled plain step / itself, same rounds | {cost.aa_ratio:.3f}x | (noise floor) |",
             f"| eager route: tracked (fx) / plain, uncompiled | {cost.eager_ratio:.2f}x | |",
             f"| untracked step, `ScaleMonitor` scheduled but idle / without | {cost.idle_ratio:.3f}x | <= 1.03x |",
             f"| the tracked version's compile | {cost.compile_s:.1f} s | (the user's compile: "
