@@ -200,3 +200,34 @@ def test_a_graph_that_cannot_be_instrumented_runs_as_the_user_compiled_it(
     assert len(ours) == 1 and "compiled graph not instrumented (RuntimeError: injected)" in ours[0], ours
     for (name, p), q in zip(plain.named_parameters(), tracked.parameters()):
         assert torch.equal(p, q), name
+
+
+CHANNELS = ["channel_max_ratio", "outlier_channels"]
+
+
+def channel_logged(path: Path) -> Dict[str, Dict[int, float]]:
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = [t for t in acc.Tags()["scalars"] if t.split("/")[0] in CHANNELS]
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in tags}
+
+
+def test_channel_statistics_of_a_compiled_gpt_equal_the_uncompiled_models(tmp_path: Path) -> None:
+    """The ``channels`` group compiled into the graphs (aot_eager: no C++ compile): every
+    channel tag the uncompiled model logs through the dynamo route (the host path's rows) is
+    logged, with the same value at both tracked steps (a max is exact, and aot_eager computes
+    eager's tensors); training is bit-identical to the compiled model's without the callback."""
+    statistics = ["std", *CHANNELS]
+    fit(tmp_path / "uncompiled", None, monitor(capture="dynamo", statistics=statistics))
+    torch._dynamo.reset()
+    plain, _ = fit(tmp_path / "plain", "whole", None, backend="aot_eager")
+    tracked, _ = fit(tmp_path / "tracked", "whole", monitor(statistics=statistics), backend="aot_eager")
+    for (name, p), q in zip(plain.named_parameters(), tracked.parameters()):
+        assert torch.equal(p, q), name
+    want, got = channel_logged(tmp_path / "uncompiled"), channel_logged(tmp_path / "tracked")
+    assert "channel_max_ratio/fwd/model.blocks.1.mlp.fc1/linear" in want
+    assert "outlier_channels/bwd/model.blocks.0.attn" in want and "channel_max_ratio/bwd/model.head.weight" in want
+    assert set(want) <= set(got), sorted(set(want) - set(got))
+    for tag, values in want.items():
+        assert set(values) == {0, 2} and got[tag] == values, tag
+    torch._dynamo.reset()
