@@ -105,7 +105,8 @@ def _place(out: Tensor, placement: Dict[int, List[int]], slots: List[int], direc
     if dst:
         flat = out.view(-1, CHANNEL_WIDTH)
         taken = rows.index_select(0, index_tensor(src, rows.device)).to(out.device)
-        flat.index_reduce_(0, index_tensor(dst, out.device), taken, "amax")
+        index = index_tensor(dst, out.device).unsqueeze(1).expand(-1, CHANNEL_WIDTH)
+        flat.scatter_reduce_(0, index, taken, "amax")
 
 
 def _max(a: Tensor, b: Tensor) -> Tensor:
