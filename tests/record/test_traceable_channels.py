@@ -2,7 +2,7 @@
 channel rows): bit for bit the host path's row (``channel_row``: the native kernel or torch
 code) and a float64 numpy reference, on spiky, folded (> 4,096 channels), NaN/Inf-bearing,
 strided and 0/1-dim tensors, eager and compiled by Inductor; the row a compiled graph
-returns (record, then channel row) and its split."""
+returns (record, then channel row) and its split; whole rows merged with the host path's."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_scale.record import stats
+from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder, observe, recording
 from lightning_scale.record.stats.channels import CHANNEL_CAP, CHANNEL_WIDTH, channel_row, channel_statistics
 from lightning_scale.record.stats.traceable import traceable_record
 from lightning_scale.record.stats.traceable_channels import (
@@ -111,3 +112,22 @@ def test_traceable_row_is_the_record_then_the_channel_row() -> None:
     assert split_row(plain)[1] is None
     with pytest.raises(ValueError, match=r"`rows` must be \d+ or \d+ wide, got 3"):
         split_row(torch.zeros(2, 3))
+
+
+def test_whole_rows_merge_with_host_rows_as_the_concatenation() -> None:
+    """``ChannelRows.add_rows`` (a compiled graph's rows) and ``add`` (the host path's) merge
+    by a max into the row of the tensors concatenated; later rows are taken when read."""
+    x1, x2, x3 = spiky((6, 5000), seed=4), spiky((3, 5000), seed=5) * 9, spiky((2, 5000), seed=6)
+    rec = Recorder(groups=("moments", "channels"))
+    with recording(rec):
+        observe(x1, "a")
+    assert rec.channels is not None
+    rec.channels.add_rows([rec.slot("a")], FORWARD, traceable_channel_row(x2)[None])
+    rec.channels.add_rows_later([rec.slot("a")], FORWARD, lambda: traceable_channel_row(x3)[None])
+    rec.channels.add_rows_later([rec.slot("a")], BACKWARD, lambda: None)  # (no backward: nothing)
+    got = rec.channel_tensor(["b", "a"], {"b": "a"})  # an alias gets its source's row
+    want = channel_row(torch.cat([x1, x2, x3]))
+    assert torch.equal(got[1, FORWARD], want) and torch.equal(got[0, FORWARD], want)
+    assert not got[:, BACKWARD].any()
+    with pytest.raises(ValueError, match=r"`rows` must be \[1, 4097\], got \[2, 4097\]"):
+        rec.channels.add_rows([0], FORWARD, torch.zeros(2, CHANNEL_WIDTH, dtype=torch.float64))
