@@ -37,10 +37,10 @@ class CompiledGPT(pl.LightningModule):
     ``in_place`` (``model.compile()``), ``blocks`` (each block ``torch.compile(block)``), or
     ``None`` (not compiled)."""
 
-    def __init__(self, pattern: Optional[str], backend: str = "inductor") -> None:
+    def __init__(self, pattern: Optional[str], backend: str = "inductor", layers: int = 2) -> None:
         super().__init__()
         torch.manual_seed(0)
-        gpt: Any = GPT(GPTConfig(vocab=VOCAB, seq=8, layers=2, dim=32, heads=2))
+        gpt: Any = GPT(GPTConfig(vocab=VOCAB, seq=8, layers=layers, dim=32, heads=2))
         if pattern == "whole":
             gpt = torch.compile(gpt, backend=backend)
         elif pattern == "in_place":
@@ -72,10 +72,10 @@ class GraphCount(pl.Callback):
 
 
 def fit(
-    tmp_path: Path, pattern: Optional[str], monitor: Optional[ScaleMonitor], backend: str = "inductor"
+    tmp_path: Path, pattern: Optional[str], monitor: Optional[ScaleMonitor], backend: str = "inductor", layers: int = 2
 ) -> Tuple[CompiledGPT, GraphCount]:
     x, y = synthetic_tokens(16, 8, VOCAB)
-    module, count = CompiledGPT(pattern, backend), GraphCount()
+    module, count = CompiledGPT(pattern, backend, layers), GraphCount()
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=4,
@@ -200,3 +200,35 @@ def test_a_graph_that_cannot_be_instrumented_runs_as_the_user_compiled_it(
     assert len(ours) == 1 and "compiled graph not instrumented (RuntimeError: injected)" in ours[0], ours
     for (name, p), q in zip(plain.named_parameters(), tracked.parameters()):
         assert torch.equal(p, q), name
+
+
+CHANNELS = ["channel_max_ratio", "outlier_channels"]
+
+
+def channel_logged(path: Path) -> Dict[str, Dict[int, float]]:
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = [t for t in acc.Tags()["scalars"] if t.split("/")[0] in CHANNELS]
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in tags}
+
+
+def test_channel_statistics_of_a_compiled_gpt_equal_the_uncompiled_models(tmp_path: Path) -> None:
+    """The ``channels`` group compiled into the graphs (aot_eager: no C++ compile): every
+    channel tag the uncompiled model logs through the dynamo route (the host path's rows) is
+    logged, with the same value at both tracked steps (a max is exact, and aot_eager computes
+    eager's tensors); training is bit-identical to the compiled model's without the callback."""
+    statistics = ["std", *CHANNELS]  # (one block: the tracked version's compile is most of the test's time)
+    fit(tmp_path / "uncompiled", None, monitor(capture="dynamo", statistics=statistics), layers=1)
+    torch._dynamo.reset()
+    plain, _ = fit(tmp_path / "plain", "whole", None, backend="aot_eager", layers=1)
+    tracked, _ = fit(tmp_path / "tracked", "whole", monitor(statistics=statistics), backend="aot_eager", layers=1)
+    for (name, p), q in zip(plain.named_parameters(), tracked.parameters()):
+        assert torch.equal(p, q), name
+    want, got = channel_logged(tmp_path / "uncompiled"), channel_logged(tmp_path / "tracked")
+    assert "channel_max_ratio/fwd/model.blocks.0.mlp.fc1/linear" in want
+    assert "outlier_channels/bwd/model.blocks.0.attn" in want and "channel_max_ratio/bwd/model.head.weight" in want
+    assert set(want) <= set(got), sorted(set(want) - set(got))
+    for tag, values in want.items():  # (steps where every channel maximum is 0, zero-initialised biases: none)
+        assert set(values) <= {0, 2} and got[tag] == values, tag
+    assert sum(len(v) for v in want.values()) > 100
+    torch._dynamo.reset()

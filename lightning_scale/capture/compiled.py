@@ -6,11 +6,12 @@ compiled by the same backend with the same options. Its dynamo backend
 (``InstrumentingBackend``) rewrites each graph dynamo hands over before it calls the user's
 backend on it:
 
-* after each recorded node, the node's record as graph ops (``traceable_record``); the rows
-  of all nodes are stacked into one extra graph output, taken off before dynamo sees it;
+* after each recorded node, the node's row as graph ops (``traceable_row``: its record and,
+  with the ``channels`` group, its channel row); the rows of all nodes are stacked into one
+  extra graph output, taken off before dynamo sees it;
 * each recorded node that requires a gradient goes through ``Probe``, an identity whose
   backward returns the gradient unchanged and, as the gradient of a row of a probe tensor
-  passed in as one extra input (fresh on every call), the gradient's record.
+  passed in as one extra input (fresh on every call), the gradient's row.
 
 So the statistics compile, and fuse where the compiler can, with the model's own kernels;
 nothing runs in Python per node. The gradients and outputs the model computes are the
@@ -39,8 +40,7 @@ from lightning_scale.capture.compiled_labels import CompiledLabels
 from lightning_scale.capture.forward_swap import ForwardSwap
 from lightning_scale.record import recorder as recording
 from lightning_scale.record.recorder import BACKWARD, FORWARD
-from lightning_scale.record.stats import FIELDS
-from lightning_scale.record.stats.traceable import traceable_record
+from lightning_scale.record.stats.traceable_channels import row_width, split_row, traceable_row
 
 __all__ = ["CompiledRoute", "InstrumentingBackend", "Probe", "UserCompile", "compiled_modules", "probe", "user_compile"]
 
@@ -74,8 +74,8 @@ def user_compile(module: nn.Module) -> Optional[UserCompile]:
 
 
 class Probe(torch.autograd.Function):
-    """Identity on ``x``; backward: ``x``'s gradient unchanged, and its record as the
-    gradient of ``probe`` (a ``[len(FIELDS)]`` row). ``copy`` returns a copy of ``x``
+    """Identity on ``x``; backward: ``x``'s gradient unchanged, and its row (``traceable_row``)
+    as the gradient of ``probe`` (a ``[row_width(groups)]`` row). ``copy`` returns a copy of ``x``
     (for a graph output: an output that aliases an intermediate is rebuilt outside the
     compiled graph, and its gradient would bypass this backward)."""
 
@@ -89,7 +89,7 @@ class Probe(torch.autograd.Function):
     def backward(ctx: Any, grad: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         if grad is None:
             return None, None, None, None
-        return grad, traceable_record(grad, ctx.groups), None, None
+        return grad, traceable_row(grad, ctx.groups), None, None
 
 
 def probe(x: Tensor, probe: Tensor, groups: Tuple[str, ...], copy: bool) -> Tensor:
@@ -159,7 +159,7 @@ def _instrument_node(
     """Insert ``node``'s forward row (returned) and, if it has a gradient, its ``Probe``."""
     anchor = probes if node.op == "placeholder" else node
     with graph.inserting_after(anchor):
-        row = graph.call_function(traceable_record, (node,), {"groups": groups})
+        row = graph.call_function(traceable_row, (node,), {"groups": groups})
     if value.requires_grad:
         with graph.inserting_after(row):
             row_probe = graph.call_function(operator.getitem, (probes, i))
@@ -203,7 +203,7 @@ class InstrumentingBackend:
         device = next((t.device for t in example_inputs if isinstance(t, Tensor)), torch.device("cpu"))
 
         def probes() -> Tensor:
-            empty = torch.zeros(rows, len(FIELDS), dtype=torch.float64, device=device)
+            empty = torch.zeros(rows, row_width(route.groups), dtype=torch.float64, device=device)
             return empty.requires_grad_(torch.is_grad_enabled())
 
         compiled = self.backend(rewritten.gm, [*example_inputs, probes()])
@@ -333,9 +333,15 @@ class CompiledRoute:
         kept += [i for _, i in copies]  # (a node that returned a recorded tensor itself: its row again)
         keys += [table[n] for n, _ in copies]
         index = torch.tensor(kept, dtype=torch.long).to(rows.device, non_blocking=True)
-        rec.add_rows(keys, FORWARD, rows.index_select(0, index))
+        records, channels = split_row(rows.index_select(0, index))
+        rec.add_rows(keys, FORWARD, records)
+        slots = [rec.slot(key) for key in keys]
+        if channels is not None and rec.channels is not None:
+            rec.channels.add_rows(slots, FORWARD, channels)
         if probe.requires_grad:
-            rec.add_rows_later(keys, BACKWARD, functools.partial(_gradient_rows, probe, index))
+            rec.add_rows_later(keys, BACKWARD, functools.partial(_gradient_rows, probe, index, 0))
+            if channels is not None and rec.channels is not None:
+                rec.channels.add_rows_later(slots, BACKWARD, functools.partial(_gradient_rows, probe, index, 1))
 
     def describe(self) -> str:
         """``compiled=<paths>`` and the tracked version's compile time so far."""
@@ -343,9 +349,10 @@ class CompiledRoute:
         return f"compiled modules: {paths} (tracked version compiled in {self.compile_seconds:.1f} s so far)"
 
 
-def _gradient_rows(probe: Tensor, index: Tensor) -> Optional[Tensor]:
-    """The probe's gradient: its nodes' gradient rows (None: no backward reached them)."""
-    return None if probe.grad is None else probe.grad.index_select(0, index)
+def _gradient_rows(probe: Tensor, index: Tensor, part: int) -> Optional[Tensor]:
+    """The probe's gradient: its nodes' gradient records (``part`` 0) or channel rows (1)
+    (None: no backward reached them)."""
+    return None if probe.grad is None else split_row(probe.grad.index_select(0, index))[part]
 
 
 class _CompiledCallSwap:

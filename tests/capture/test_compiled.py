@@ -19,6 +19,7 @@ from lightning_scale.capture import capture
 from lightning_scale.capture.compiled import CompiledRoute, user_compile
 from lightning_scale.record import stats
 from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder, recording
+from lightning_scale.record.stats.channels import CHANNEL_CAP, channel_row, channel_statistics
 from lightning_scale.record.stats.traceable import traceable_record
 from lightning_scale.tools.models import Block, GPTConfig
 
@@ -284,26 +285,58 @@ def test_compiled_std_is_accurate_when_mean_dominates() -> None:
     torch._dynamo.reset()
 
 
-def test_channels_group_on_the_compiled_route_records_the_others_and_no_channel_rows() -> None:
-    """``channels`` is a row beside the record, not traceable yet: with it asked for, the
-    compiled graphs still record every other field (against float64), the step does not
-    fail, and the compiled nodes' channel rows stay empty (zeros: nothing is written).
+class Gained(nn.Module):
+    """A Linear to 4,100 channels (folded into 4,096 slots) times a gain: an outlier channel,
+    and ±Inf and NaN channels (forward and, through the loss, backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(48, CHANNEL_CAP + 4)
+        gain = torch.ones(CHANNEL_CAP + 4)
+        gain[7], gain[CHANNEL_CAP + 1], gain[CHANNEL_CAP + 3] = 40.0, math.inf, math.nan
+        self.register_buffer("gain", gain)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x) * self.gain
+
+
+def test_channel_rows_on_the_compiled_route_equal_the_eager_routes() -> None:
+    """The ``channels`` group compiled into the graph: every node's channel row, forward and
+    backward, is bit for bit the one the eager (dynamo) route takes on the host path from the
+    same computation, and the module output's is the host path's row of the very tensors
+    (folding, NaN and ±Inf included). The other fields are still recorded (against float64).
     The user's backend is AOTAutograd without Inductor (no C++ compile)."""
     torch._dynamo.reset()
     torch.manual_seed(5)
     groups = ("moments", "range", "channels")
-    holder = Holder(torch.compile(nn.Linear(48, 40), backend="aot_eager"))
+    eager = Holder(Gained())
+    holder = Holder(torch.compile(copy.deepcopy(eager.model), backend="aot_eager"))
     route = CompiledRoute(holder, groups)
+    x = torch.randn(16, 48)
     rec = Recorder(groups=groups)
     with recording(rec):
-        out = route.forward_for(holder.model)(torch.randn(16, 48))
+        out = route.forward_for(holder.model)(x)
     out.retain_grad()
     out.square().mean().backward()
     tags = route.labels.tags
-    records = rec.records(tags, route.labels.aliases)
-    row = records[tags.index("model")]
-    assert_close_summary(row_summary(row[FORWARD]), float64_summary(out), DEVICE_REL, "model")
-    assert_close_summary(row_summary(row[BACKWARD]), float64_summary(out.grad), DEVICE_REL, "model grad")
     channels = rec.channel_tensor(tags, route.labels.aliases)
-    assert channels.shape[0] == len(tags) and not channels.any()
+    model = tags.index("model")
+    assert torch.equal(channels[model, FORWARD], channel_row(out)) and channels[model, FORWARD, 0] == CHANNEL_CAP + 4
+    assert torch.equal(channels[model, BACKWARD], channel_row(out.grad))
+    assert float(channel_statistics(channels[model, FORWARD])["channel_max_ratio"]) > 20  # the gain-40 channel
+    records = rec.records(tags, route.labels.aliases)
+    lin = holder.model.lin.weight
+    weight = tags.index("model.lin.weight")
+    assert_close_summary(row_summary(records[weight, FORWARD]), float64_summary(lin), DEVICE_REL, "weight")
+    assert torch.equal(channels[weight, BACKWARD], channel_row(lin.grad))  # (rows of NaN and ±Inf)
+
+    cap = capture(eager, "dynamo")  # the eager route, the host path's channel rows
+    eager_rec = Recorder(groups=groups)
+    with recording(eager_rec):
+        eager_out = cap.tracked()(x)
+    eager_out.square().mean().backward()
+    want = eager_rec.channel_tensor(tags, cap.aliases)
+    assert int((want[:, :, 0] > 0).sum()) >= 8  # (nodes with rows: the linear, the gain, the product, ...)
+    for i, tag in enumerate(tags):
+        assert torch.equal(channels[i], want[i]), tag
     torch._dynamo.reset()

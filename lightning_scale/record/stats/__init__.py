@@ -6,9 +6,10 @@ path for tensors in host memory, ``device`` the one that reads nothing back, ``f
 ``fp8``, ``blocks`` and ``outliers`` the optional groups (the last two computed by torch
 code after the host kernel and torch's device kernels, ``torch_groups``; inside the fused
 Triton kernel's read otherwise), ``channels`` the channel rows kept beside the records (their
-own group, pooled as their own segment), ``layout`` how a tensor is read in place (dense views,
-strided grids) and in bounded pieces (a large tensor's temporaries stay within
-``layout.scratch_bytes``).
+own group, pooled as their own segment), ``traceable`` and ``traceable_channels`` the record
+and the channel row as graph ops (for the compiled route), ``layout`` how a tensor is read in
+place (dense views, strided grids) and in bounded pieces (a large tensor's temporaries stay
+within ``layout.scratch_bytes``).
 
 Nothing here imports Lightning.
 """
