@@ -31,6 +31,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import Tensor
 
+from tests.compiling import GraphCount, tiny_llama
 from tests.gloo import ROOT, Ranks, start_ranks
 from lightning_scale import ScaleMonitor
 
@@ -46,19 +47,6 @@ VOCAB, SEQ = 64, 8
 BACKEND = "aot_eager"
 
 
-def llama() -> Any:
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-    )
-    return transformers.LlamaForCausalLM(cfg)
-
-
 class CompiledLlama(pl.LightningModule):
     """A tiny Llama compiled as ``pattern`` says (``whole``, ``in_place``, ``blocks``; None:
     not compiled), trained on its own language-model loss."""
@@ -66,7 +54,7 @@ class CompiledLlama(pl.LightningModule):
     def __init__(self, pattern: Optional[str], backend: str = "inductor") -> None:
         super().__init__()
         torch.manual_seed(0)
-        model = llama()
+        model = tiny_llama(VOCAB)
         if pattern == "whole":
             model = torch.compile(model, backend=backend)
         elif pattern == "in_place":
@@ -85,16 +73,6 @@ class CompiledLlama(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-class GraphCount(pl.Callback):
-    """Dynamo's count of compiled graphs at the end of each training batch."""
-
-    def __init__(self) -> None:
-        self.counts: List[int] = []
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.counts.append(int(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
 
 
 def fit(path: Path, pattern: Optional[str], monitor: Optional[ScaleMonitor]) -> Tuple[CompiledLlama, GraphCount]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import lightning.pytorch as pl
 import pytest
@@ -18,6 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.compiling import GraphCount
 from lightning_scale import ScaleMonitor
 from lightning_scale.capture import compiled
 from lightning_scale.tools.models import GPT, GPTConfig, synthetic_tokens
@@ -59,16 +60,6 @@ class CompiledGPT(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-class GraphCount(pl.Callback):
-    """Dynamo's count of compiled graphs at the end of each training batch."""
-
-    def __init__(self) -> None:
-        self.counts: List[int] = []
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.counts.append(int(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
 
 
 def fit(

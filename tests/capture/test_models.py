@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from tests.compiling import tiny_llama
 from lightning_scale.record import stats
 from lightning_scale.callback import ScaleMonitor
 from lightning_scale.capture import capture
@@ -80,16 +81,7 @@ def t5() -> nn.Module:
 
 
 def llama() -> nn.Module:
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-    )
-    return transformers.LlamaForCausalLM(cfg)
+    return tiny_llama(VOCAB)
 
 
 def mixtral() -> nn.Module:

@@ -25,9 +25,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 
 from lightning_scale import ScaleMonitor
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-import transformers  # noqa: E402
+from tests.compiling import tiny_llama
 
 VOCAB, SEQ = 64, 8
 
@@ -36,16 +34,7 @@ class FsdpLlama(pl.LightningModule):
     def __init__(self, pattern: str) -> None:
         super().__init__()
         torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=16,
-        )
-        self.model = transformers.LlamaForCausalLM(cfg)
+        self.model = tiny_llama(VOCAB)
         self.pattern = pattern
 
     def configure_model(self) -> None:
