@@ -255,7 +255,7 @@ class _Packing:
         if reached not in self._layouts:
             nodes = [self.rewritten.probed[i] for i in reached]
             layout = PackedLayout([self.rewritten.numels[i] for i in nodes], self.groups, self.device)
-            self._layouts[reached] = layout, torch.tensor(nodes, dtype=torch.long, device=self.device)
+            self._layouts[reached] = layout, torch.tensor(nodes, dtype=torch.long).to(self.device, non_blocking=True)
         layout, nodes = self._layouts[reached]
         out = torch.zeros(len(self.rewritten.numels), len(FIELDS), dtype=torch.float64, device=self.device)
         out.index_copy_(0, nodes, layout.records(torch.cat([probes[i].grad for i in reached])))

@@ -242,3 +242,18 @@ def test_packed_layout_rejects_vectors_of_another_size() -> None:
     layout = PackedLayout([100, 300], ("moments",), torch.device("cpu"))
     with pytest.raises(ValueError, match=r"`packed` must have shape \[21\], got \[20\]"):
         layout.records(torch.zeros(20, dtype=torch.float64))
+
+
+def test_a_recorded_tensor_adds_few_ops_to_the_graph() -> None:
+    """The tracked version's compile time grows with the ops each recorded tensor adds to its
+    graphs (AOTAutograd traces them, Inductor schedules, generates and compiles them), once
+    forward and once backward: ``packed_record`` as Inductor decomposes it stays near the ops
+    its row loops need (29; the float64 merge in the graph made it 128 on a GPT)."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    for shape in [(16, 64, 128), (384,), (8, 100)]:
+        traced = make_fx(lambda t: packed_record(t, ("moments", "range")), decomposition_table=select_decomp_table())
+        graph = traced(torch.randn(*shape)).graph
+        ops = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+        assert len(ops) <= 32, (shape, len(ops), ops)

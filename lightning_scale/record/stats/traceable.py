@@ -33,6 +33,7 @@ import functools
 import math
 from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -185,31 +186,30 @@ class PackedLayout:
         self.extras = extra_fields(groups)
         self.with_range = "range" in groups
         self.sizes = tuple(packed_size(n, groups) for n in self.numels)
-        shape = [row_lengths(n) for n in self.numels]
-        rows = torch.tensor([r + (t > 0) for _, r, t in shape])
-        first = torch.cumsum(rows, 0) - rows
-        length = torch.repeat_interleave(torch.tensor([k for k, _, _ in shape]), rows)
-        tails = [(int(f + r), t) for f, (_, r, t) in zip(first.tolist(), shape) if t]
-        if tails:
-            length[[i for i, _ in tails]] = torch.tensor([t for _, t in tails])
-        on = functools.partial(torch.Tensor.to, device=device)
-        self._rows, self._first = on(rows), on(first)
-        self._length, self._count = on(length.double()), on(torch.tensor(self.numels, dtype=torch.float64))
-        self._segment = on(torch.repeat_interleave(torch.arange(len(self.numels)), rows))
-        self._columns = on(torch.tensor([IX[name] for name in self.extras], dtype=torch.long))
-        self._rows_at, self._extras_at = (on(i) if i is not None else None for i in self._positions(rows))
+        shape = [row_lengths(n) for n in self.numels]  # (built on the host with numpy: one upload each, no sync)
+        rows = np.array([r + (t > 0) for _, r, t in shape], dtype=np.int64)
+        first = np.cumsum(rows) - rows
+        length = np.repeat(np.array([k for k, _, _ in shape], dtype=np.float64), rows)
+        tailed = np.array([t > 0 for _, _, t in shape], dtype=bool)
+        length[(first + rows - 1)[tailed]] = [t for _, _, t in shape if t]
+        up = functools.partial(_upload, device=device)
+        self._rows, self._first, self._length = up(rows), up(first), up(length)
+        self._count = up(np.array(self.numels, dtype=np.float64))
+        self._segment = up(np.repeat(np.arange(len(self.numels)), rows))
+        self._columns = up(np.array([IX[name] for name in self.extras], dtype=np.int64))
+        self._rows_at, self._extras_at = (None if i is None else up(i) for i in self._positions(rows))
 
-    def _positions(self, rows: Tensor) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    def _positions(self, rows: np.ndarray) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
         """Where the rows' and the other fields' elements lie in the concatenated vectors
         (None, None: there are no other fields, the vectors are rows only)."""
         if not self.extras:
             return None, None
-        sizes = torch.tensor(self.sizes)
-        starts = torch.cumsum(sizes, 0) - sizes + rows * _K  # (each tensor's first other field)
-        extras = (starts[:, None] + torch.arange(len(self.extras))).reshape(-1)
-        is_row = torch.ones(int(sizes.sum()), dtype=torch.bool)
+        sizes = np.array(self.sizes, dtype=np.int64)
+        starts = np.cumsum(sizes) - sizes + rows * _K  # (each tensor's first other field)
+        extras = (starts[:, None] + np.arange(len(self.extras))).reshape(-1)
+        is_row = np.ones(int(sizes.sum()), dtype=bool)
         is_row[extras] = False
-        return is_row.nonzero()[:, 0], extras
+        return np.flatnonzero(is_row), extras
 
     def records(self, packed: Tensor) -> Tensor:
         """``[len(numels), len(FIELDS)]`` float64 records from the concatenated packed vectors.
@@ -269,6 +269,10 @@ def _formats(x: Tensor) -> Dict[str, Tensor]:
     if missing:  # the field table and this function must name the same fields
         raise ValueError(f"`formats` fields without a traceable formula: {missing}")
     return out
+
+
+def _upload(values: np.ndarray, device: torch.device) -> Tensor:
+    return torch.tensor(values).to(device, non_blocking=True)
 
 
 def _what_ifs(x: Tensor, groups: Collection[str]) -> Dict[str, Tensor]:
