@@ -6,12 +6,15 @@ compiled by the same backend with the same options. Its dynamo backend
 (``InstrumentingBackend``) rewrites each graph dynamo hands over before it calls the user's
 backend on it:
 
-* after each recorded node, the node's row as graph ops (``traceable_row``: its record and,
-  with the ``channels`` group, its channel row); the rows of all nodes are stacked into one
-  extra graph output, taken off before dynamo sees it;
+* after each recorded node, the node's statistics as graph ops (``packed_record``: the
+  partial sums of its rows, the optional groups' fields and, with ``channels``, its channel
+  row, packed); the packed vectors of all nodes are concatenated into one extra graph
+  output, taken off before dynamo sees it, and finished into records and channel rows
+  (``PackedLayout``, a few vectorised ops for the whole graph) after it ran;
 * each recorded node that requires a gradient goes through ``Probe``, an identity whose
-  backward returns the gradient unchanged and, as the gradient of a row of a probe tensor
-  passed in as one extra input (fresh on every call), the gradient's row.
+  backward returns the gradient unchanged and, as the gradient of a probe tensor passed
+  in as one extra input (one per such node, fresh on every call), the gradient's packed
+  statistics.
 
 So the statistics compile, and fuse where the compiler can, with the model's own kernels;
 nothing runs in Python per node. The gradients and outputs the model computes are the
@@ -26,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import operator
 import time
 import weakref
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ from lightning_scale.capture.compiled_labels import CompiledLabels
 from lightning_scale.capture.forward_swap import ForwardSwap
 from lightning_scale.record import recorder as recording
 from lightning_scale.record.recorder import BACKWARD, FORWARD
-from lightning_scale.record.stats.traceable_channels import row_width, split_row, traceable_row
+from lightning_scale.record.stats.traceable import PackedLayout, packed_record, packed_size
 
 __all__ = ["CompiledRoute", "InstrumentingBackend", "Probe", "UserCompile", "compiled_modules", "probe", "user_compile"]
 
@@ -74,8 +76,9 @@ def user_compile(module: nn.Module) -> Optional[UserCompile]:
 
 
 class Probe(torch.autograd.Function):
-    """Identity on ``x``; backward: ``x``'s gradient unchanged, and its row (``traceable_row``)
-    as the gradient of ``probe`` (a ``[row_width(groups)]`` row). ``copy`` returns a copy of ``x``
+    """Identity on ``x``; backward: ``x``'s gradient unchanged, and its packed statistics
+    (``packed_record``) as the gradient of ``probe`` (float64, ``packed_size`` elements).
+    ``copy`` returns a copy of ``x``
     (for a graph output: an output that aliases an intermediate is rebuilt outside the
     compiled graph, and its gradient would bypass this backward)."""
 
@@ -89,7 +92,7 @@ class Probe(torch.autograd.Function):
     def backward(ctx: Any, grad: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         if grad is None:
             return None, None, None, None
-        return grad, traceable_row(grad, ctx.groups), None, None
+        return grad, packed_record(grad, ctx.groups), None, None
 
 
 def probe(x: Tensor, probe: Tensor, groups: Tuple[str, ...], copy: bool) -> Tensor:
@@ -99,10 +102,13 @@ def probe(x: Tensor, probe: Tensor, groups: Tuple[str, ...], copy: bool) -> Tens
 
 @dataclass
 class _Instrumented:
-    """A rewritten graph, its recorded nodes (in row order), and its outputs' container."""
+    """A rewritten graph, its recorded nodes (in row order) and their element counts, the
+    nodes with a probe input (indices, in input order), and its outputs' container."""
 
     gm: fx.GraphModule
     names: List[str]
+    numels: List[int]
+    probed: List[int]
     output_type: Optional[type]  # tuple or list; None: a single output
 
 
@@ -125,9 +131,10 @@ def instrument_graph(
     groups: Tuple[str, ...],
     stand_ins: Optional[Dict[str, str]] = None,
 ) -> Optional[_Instrumented]:
-    """A copy of ``gm`` with a record row after each node of ``names`` (floating, nonempty)
-    stacked into one extra output, a probe input, and ``Probe`` on each node with a gradient.
-    A node of ``stand_ins`` (node -> the input it returns itself) is recorded at that input."""
+    """A copy of ``gm`` with the packed statistics of each node of ``names`` (floating,
+    nonempty), concatenated into one extra output, and ``Probe`` on each node with a
+    gradient, its probe an extra input. A node of ``stand_ins`` (node -> the input it
+    returns itself) is recorded at that input."""
     graph = fx.Graph()
     copied: Dict[fx.Node, fx.Node] = {}
     result = graph.graph_copy(gm.graph, copied)
@@ -137,36 +144,44 @@ def instrument_graph(
     nodes = [n for n in graph.nodes if n.name in wanted and _floating(_example(n, inputs))]
     if not nodes:
         return None
-    with graph.inserting_after(placeholders[-1]):
-        probes = graph.placeholder("statistics_probes")
     returned = set(result) if isinstance(result, (tuple, list)) else {result}
     outputs = tuple(result) if isinstance(result, (tuple, list)) else (result,)
     output = graph.output(outputs)  # (first: a probe replaces the node in it too)
     by_name = {n.name: n for n in placeholders}
     at = [n if n in returned else by_name.get((stand_ins or {}).get(n.name, ""), n) for n in nodes]
-    rows = [_instrument_node(graph, a, i, probes, _example(a, inputs), a in returned, groups) for i, a in enumerate(at)]
+    values = [_example(a, inputs) for a in at]
+    probed = [i for i, v in enumerate(values) if v.requires_grad]
+    probes, last = {}, placeholders[-1]
+    for i in probed:
+        with graph.inserting_after(last):
+            probes[i] = last = graph.placeholder(f"statistics_probe_{i}")
+    packed = [_instrument_node(graph, a, last, probes.get(i), a in returned, groups) for i, a in enumerate(at)]
     with graph.inserting_before(output):
-        stacked = graph.call_function(torch.stack, (rows,))
-    output.args = ((*output.args[0], stacked),)
+        joined = graph.call_function(torch.cat, (packed,))
+    output.args = ((*output.args[0], joined),)
     graph.lint()
     kind = type(result) if isinstance(result, (tuple, list)) else None
-    return _Instrumented(fx.GraphModule(gm, graph), [n.name for n in nodes], kind)
+    numels = [v.numel() for v in values]
+    return _Instrumented(fx.GraphModule(gm, graph), [n.name for n in nodes], numels, probed, kind)
 
 
 def _instrument_node(
-    graph: fx.Graph, node: fx.Node, i: int, probes: fx.Node, value: Tensor, returned: bool, groups: Tuple[str, ...]
+    graph: fx.Graph,
+    node: fx.Node,
+    last: fx.Node,
+    probe_input: Optional[fx.Node],
+    returned: bool,
+    groups: Tuple[str, ...],
 ) -> fx.Node:
-    """Insert ``node``'s forward row (returned) and, if it has a gradient, its ``Probe``."""
-    anchor = probes if node.op == "placeholder" else node
+    """Insert ``node``'s packed statistics (returned) and, with a probe input, its ``Probe``."""
+    anchor = last if node.op == "placeholder" else node
     with graph.inserting_after(anchor):
-        row = graph.call_function(traceable_row, (node,), {"groups": groups})
-    if value.requires_grad:
-        with graph.inserting_after(row):
-            row_probe = graph.call_function(operator.getitem, (probes, i))
-        with graph.inserting_after(row_probe):
-            through = graph.call_function(probe, (node, row_probe, groups, returned))
-        node.replace_all_uses_with(through, delete_user_cb=lambda user: user not in (row, through))
-    return row
+        packed = graph.call_function(packed_record, (node,), {"groups": groups})
+    if probe_input is not None:
+        with graph.inserting_after(packed):
+            through = graph.call_function(probe, (node, probe_input, groups, returned))
+        node.replace_all_uses_with(through, delete_user_cb=lambda user: user not in (packed, through))
+    return packed
 
 
 class InstrumentingBackend:
@@ -199,26 +214,57 @@ class InstrumentingBackend:
         rewritten = instrument_graph(gm, names, example_inputs, route.groups, graph.stand_ins)
         if rewritten is None:
             return self.backend(gm, example_inputs)
-        rows = len(rewritten.names)
         device = next((t.device for t in example_inputs if isinstance(t, Tensor)), torch.device("cpu"))
-
-        def probes() -> Tensor:
-            empty = torch.zeros(rows, row_width(route.groups), dtype=torch.float64, device=device)
-            return empty.requires_grad_(torch.is_grad_enabled())
-
-        compiled = self.backend(rewritten.gm, [*example_inputs, probes()])
+        packing = _Packing(rewritten, route.groups, device)
+        compiled = self.backend(rewritten.gm, [*example_inputs, *packing.probes()])
         route.compile_seconds += time.perf_counter() - started
         weak, kind = self._route, rewritten.output_type
 
         def run(*args: Any) -> Any:
-            probe = probes()
-            out = compiled(*args, probe)
+            probes = packing.probes()
+            out = compiled(*args, *probes)
             owner = weak()
             if owner is not None:
-                owner.called(graph, rewritten.names, args, out[-1], probe)
+                owner.called(graph, packing, args, out[-1], probes)
             return kind(out[:-1]) if kind is not None else out[0]
 
         return run
+
+
+class _Packing:
+    """The packed statistics of an instrumented graph: fresh probe inputs for a call, and
+    the layouts that finish the forward output and the probes' gradients into records."""
+
+    def __init__(self, rewritten: _Instrumented, groups: Tuple[str, ...], device: torch.device) -> None:
+        self.rewritten, self.groups, self.device = rewritten, groups, device
+        self.layout = PackedLayout(rewritten.numels, groups, device)
+        self._sizes = [packed_size(rewritten.numels[i], groups) for i in rewritten.probed]
+        self._layouts: Dict[Tuple[int, ...], Tuple[PackedLayout, Tensor]] = {}
+
+    def probes(self) -> List[Tensor]:
+        """One zero probe per node with a gradient (requiring grad where grad mode is on)."""
+        grad = torch.is_grad_enabled()
+        return [torch.zeros(n, dtype=torch.float64, device=self.device).requires_grad_(grad) for n in self._sizes]
+
+    def gradient_rows(self, probes: List[Tensor], index: Tensor, channels: bool = False) -> Optional[Tensor]:
+        """The records (or, with ``channels``, the channel rows) of the probes' gradients, of
+        the nodes at ``index``: zeros for a node whose gradient backward did not reach; None:
+        it reached none."""
+        reached = tuple(i for i, p in enumerate(probes) if p.grad is not None)
+        if not reached:
+            return None
+        if reached not in self._layouts:
+            nodes = [self.rewritten.probed[i] for i in reached]
+            layout = PackedLayout([self.rewritten.numels[i] for i in nodes], self.groups, self.device)
+            self._layouts[reached] = layout, torch.tensor(nodes, dtype=torch.long).to(self.device, non_blocking=True)
+        layout, nodes = self._layouts[reached]
+        packed = torch.cat([probes[i].grad for i in reached])
+        rows = layout.channel_rows(packed) if channels else layout.records(packed)
+        if rows is None:
+            return None
+        out = torch.zeros(len(self.rewritten.numels), rows.shape[1], dtype=torch.float64, device=self.device)
+        out.index_copy_(0, nodes, rows)
+        return out.index_select(0, index)
 
 
 def _failing(compiled: Callable[..., Any], error: Exception) -> Callable[..., Any]:
@@ -320,11 +366,15 @@ class CompiledRoute:
                     in_place.replace(m, self.forward_for(m))
             yield
 
-    def called(self, graph: Any, names: List[str], args: Tuple[Any, ...], rows: Tensor, probe: Tensor) -> None:
-        """A run of an instrumented graph: its rows go to the active recorder, if any."""
+    def called(
+        self, graph: Any, packing: "_Packing", args: Tuple[Any, ...], packed: Tensor, probes: List[Tensor]
+    ) -> None:
+        """A run of an instrumented graph: its records and channel rows (``packed``, finished)
+        go to the active recorder, if any, and its probes' gradients' when the recorder is read."""
         rec = recording.active()
         if rec is None:
             return
+        names, rows = packing.rewritten.names, packing.layout.records(packed)
         table = self.labels.table(graph, self.labels.scope(graph, args, depth=2))
         kept = [i for i, name in enumerate(names) if name in table]
         keys = [table[names[i]] for i in kept]
@@ -333,26 +383,21 @@ class CompiledRoute:
         kept += [i for _, i in copies]  # (a node that returned a recorded tensor itself: its row again)
         keys += [table[n] for n, _ in copies]
         index = torch.tensor(kept, dtype=torch.long).to(rows.device, non_blocking=True)
-        records, channels = split_row(rows.index_select(0, index))
-        rec.add_rows(keys, FORWARD, records)
-        slots = [rec.slot(key) for key in keys]
-        if channels is not None and rec.channels is not None:
-            rec.channels.add_rows(slots, FORWARD, channels)
-        if probe.requires_grad:
-            rec.add_rows_later(keys, BACKWARD, functools.partial(_gradient_rows, probe, index, 0))
-            if channels is not None and rec.channels is not None:
-                rec.channels.add_rows_later(slots, BACKWARD, functools.partial(_gradient_rows, probe, index, 1))
+        rec.add_rows(keys, FORWARD, rows.index_select(0, index))
+        channels = packing.layout.channel_rows(packed) if rec.channels is not None else None
+        slots = [rec.slot(key) for key in keys] if channels is not None else []
+        if channels is not None:
+            rec.channels.add_rows(slots, FORWARD, channels.index_select(0, index))
+        if any(p.requires_grad for p in probes):
+            rec.add_rows_later(keys, BACKWARD, functools.partial(packing.gradient_rows, probes, index))
+            if channels is not None:
+                later = functools.partial(packing.gradient_rows, probes, index, channels=True)
+                rec.channels.add_rows_later(slots, BACKWARD, later)
 
     def describe(self) -> str:
         """``compiled=<paths>`` and the tracked version's compile time so far."""
         paths = ", ".join(p or "<root>" for p, _ in self.targets)
         return f"compiled modules: {paths} (tracked version compiled in {self.compile_seconds:.1f} s so far)"
-
-
-def _gradient_rows(probe: Tensor, index: Tensor, part: int) -> Optional[Tensor]:
-    """The probe's gradient: its nodes' gradient records (``part`` 0) or channel rows (1)
-    (None: no backward reached them)."""
-    return None if probe.grad is None else split_row(probe.grad.index_select(0, index))[part]
 
 
 class _CompiledCallSwap:

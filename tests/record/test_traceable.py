@@ -6,14 +6,14 @@ quantisation for ``fp8``, torchao's emulated casts for ``blocks``, fsum central 
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import pytest
 import torch
 from torch import Tensor
 
 from lightning_scale.record import stats
-from lightning_scale.record.stats.traceable import TRACEABLE_GROUPS, traceable_record
+from lightning_scale.record.stats.traceable import TRACEABLE_GROUPS, PackedLayout, packed_record, traceable_record
 from test_blocks_whatif import FORMATS as BLOCK_FORMATS
 from test_blocks_whatif import what_if as block_what_if
 from test_fp8_whatif import FP8
@@ -87,7 +87,7 @@ def test_eager_rows_equal_the_device_path_bit_for_bit_for_every_dtype(monkeypatc
     from lightning_scale.record import native
 
     for kernel in ("blocks", "moments", "fp8", "channel_maxima"):
-        monkeypatch.setattr(native, kernel, lambda *args: None)
+        monkeypatch.setattr(native, kernel, lambda *args, **kwargs: None)
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         x = (torch.randn(5, 70, generator=_gen(5)) * 3 + 40).to(dtype)
         x[0, 0], x[1, 1] = math.inf, math.nan
@@ -97,8 +97,11 @@ def test_eager_rows_equal_the_device_path_bit_for_bit_for_every_dtype(monkeypatc
 
 @pytest.fixture(scope="module")
 def compiled_record() -> Callable[[Tensor], Tensor]:
+    """As the compiled route computes a record: ``packed_record`` compiled, its rows merged
+    after the graph (``PackedLayout.records``)."""
     torch._dynamo.reset()
-    yield torch.compile(lambda t: traceable_record(t, ALL_GROUPS), fullgraph=True, dynamic=False)
+    packed = torch.compile(lambda t: packed_record(t, ALL_GROUPS), fullgraph=True, dynamic=False)
+    yield lambda t: PackedLayout((t.numel(),), ALL_GROUPS, t.device).records(packed(t))[0]
     torch._dynamo.reset()
 
 
@@ -185,3 +188,72 @@ def test_compiled_route_records_every_group_of_the_tensors_it_computes() -> None
     for (label, direction), t in tensors.items():
         assert_matches_references(records[tags.index(label), direction], t.detach(), f"{label} {direction}")
     torch._dynamo.reset()
+
+
+def _packed_cases() -> Dict[str, Tensor]:
+    """Tensors whose rows differ: one short row (100), rows that divide the tensor (384: 2 of
+    192; a strided view of 8 x 96: read along memory), rows of 256 and a tail (1009, prime),
+    |mean| 1e4 times the spread, NaN and ±Inf, float64 and bfloat16."""
+    big = torch.randn(24, 64, generator=_gen(12), dtype=torch.float64).t()
+    odd = torch.randn(1009, generator=_gen(13)) * 1e-3 + 7.0
+    bad = torch.randn(300, generator=_gen(14))
+    bad[5], bad[260], bad[299] = math.nan, math.inf, -math.inf
+    inf = torch.randn(64, 6, generator=_gen(15))
+    inf[3, 2] = -math.inf
+    return {
+        "short": torch.randn(100, generator=_gen(10)),
+        "divides": torch.randn(384, generator=_gen(11)) + 1e4,
+        "strided": torch.randn(8, 96, 2, generator=_gen(16))[..., 0].t(),
+        "float64": big,
+        "tail": odd,
+        "non_finite": bad,
+        "one_inf": inf,
+        "bfloat16": (torch.randn(40, 13, generator=_gen(17)) * 3 + 1).bfloat16(),
+    }
+
+
+@pytest.mark.parametrize("groups", [("moments", "range"), ("moments",), ALL_GROUPS])
+def test_packed_records_of_many_tensors_equal_each_tensor_alone(groups: Tuple[str, ...]) -> None:
+    """Many tensors' packed vectors finished at once (segment sums over all their rows) give
+    each tensor's own record bit for bit, and moments within 1e-6 of float64 (fsum)."""
+    cases = _packed_cases()
+    layout = PackedLayout([x.numel() for x in cases.values()], groups, torch.device("cpu"))
+    packed = [packed_record(x, groups) for x in cases.values()]
+    assert [p.numel() for p in packed] == list(layout.sizes)
+    rows = layout.records(torch.cat(packed))
+    for row, (case, x) in zip(rows, cases.items()):
+        torch.testing.assert_close(row, traceable_record(x, groups), rtol=0, atol=0, equal_nan=True, msg=case)
+        n, mean, m2, _, _ = reference_moments(x)
+        assert row[IX["count"]] == x.numel() and row[IX["nan"]] == int(x.isnan().sum()), case
+        assert row[IX["inf"]] == int(x.isinf().sum()), case
+        if x.isfinite().all():  # (the device path's standard: 1e-6 of |mean| + sigma, of m2)
+            sigma = math.sqrt(m2 / n)
+            assert float(row[IX["mean"]]) == pytest.approx(mean, rel=0, abs=1e-6 * (abs(mean) + sigma)), case
+            assert float(row[IX["m2"]]) == pytest.approx(m2, rel=1e-6), case
+        assert math.isnan(row[IX["absmax"]]) == ("range" not in groups or bool(x.isnan().any())), case
+        if "range" in groups and not x.isnan().any():
+            assert row[IX["absmax"]] == x.abs().max().double(), case
+    by_case = dict(zip(cases, rows))
+    assert by_case["one_inf"][IX["mean"]] == -math.inf and by_case["one_inf"][IX["m2"]].isnan()
+    assert by_case["non_finite"][IX["mean"]].isnan() and by_case["non_finite"][IX["m2"]].isnan()
+
+
+def test_packed_layout_rejects_vectors_of_another_size() -> None:
+    layout = PackedLayout([100, 300], ("moments",), torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"`packed` must have shape \[21\], got \[20\]"):
+        layout.records(torch.zeros(20, dtype=torch.float64))
+
+
+def test_a_recorded_tensor_adds_few_ops_to_the_graph() -> None:
+    """The tracked version's compile time grows with the ops each recorded tensor adds to its
+    graphs (AOTAutograd traces them, Inductor schedules, generates and compiles them), once
+    forward and once backward: ``packed_record`` as Inductor decomposes it stays near the ops
+    its row loops need (29; the float64 merge in the graph made it 128 on a GPT)."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    for shape in [(16, 64, 128), (384,), (8, 100)]:
+        traced = make_fx(lambda t: packed_record(t, ("moments", "range")), decomposition_table=select_decomp_table())
+        graph = traced(torch.randn(*shape)).graph
+        ops = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+        assert len(ops) <= 32, (shape, len(ops), ops)

@@ -2,7 +2,8 @@
 channel rows): bit for bit the host path's row (``channel_row``: the native kernel or torch
 code) and a float64 numpy reference, on spiky, folded (> 4,096 channels), NaN/Inf-bearing,
 strided and 0/1-dim tensors, eager and compiled by Inductor; the row a compiled graph
-returns (record, then channel row) and its split; whole rows merged with the host path's."""
+packs (record sums, other fields, then channel row) and its layout's split; whole rows merged
+with the host path's."""
 
 from __future__ import annotations
 
@@ -16,13 +17,8 @@ from torch import Tensor
 from lightning_scale.record import stats
 from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder, observe, recording
 from lightning_scale.record.stats.channels import CHANNEL_CAP, CHANNEL_WIDTH, channel_row, channel_statistics
-from lightning_scale.record.stats.traceable import traceable_record
-from lightning_scale.record.stats.traceable_channels import (
-    row_width,
-    split_row,
-    traceable_channel_row,
-    traceable_row,
-)
+from lightning_scale.record.stats.traceable import PackedLayout, packed_record, packed_size, traceable_record
+from lightning_scale.record.stats.traceable_channels import traceable_channel_row
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -99,19 +95,23 @@ def test_compiled_row_equals_the_eager_row() -> None:
     torch._dynamo.reset()
 
 
-def test_traceable_row_is_the_record_then_the_channel_row() -> None:
-    x = spiky((5, 12), seed=2)
-    groups = ("moments", "range", "channels")
-    row = traceable_row(x, groups)
-    assert row.shape == (row_width(groups),) == (len(stats.FIELDS) + CHANNEL_WIDTH,)
-    records, channels = split_row(torch.stack([row, row]))
-    torch.testing.assert_close(records[0], traceable_record(x, groups), rtol=0, atol=0, equal_nan=True)
-    assert channels is not None and torch.equal(channels[1], channel_row(x))
-    plain = traceable_row(x)
-    assert plain.shape == (row_width(("moments",)),) == (len(stats.FIELDS),)
-    assert split_row(plain)[1] is None
-    with pytest.raises(ValueError, match=r"`rows` must be \d+ or \d+ wide, got 3"):
-        split_row(torch.zeros(2, 3))
+def test_packed_vectors_carry_each_tensors_channel_row_after_its_other_statistics() -> None:
+    """Tensors of different sizes (one row, divisible, with a tail row) and the optional
+    groups' fields between: the layout takes out each one's record and channel row exactly."""
+    xs = [spiky((5, 12), seed=2), spiky((7, 300), seed=3), spiky((4, 4097), seed=4)]
+    groups = ("moments", "range", "kurtosis", "channels")
+    packed = [packed_record(x, groups) for x in xs]
+    assert [p.numel() for p in packed] == [packed_size(x.numel(), groups) for x in xs]
+    assert packed_size(60, groups) - packed_size(60, ("moments", "range", "kurtosis")) == CHANNEL_WIDTH
+    layout = PackedLayout([x.numel() for x in xs], groups, torch.device("cpu"))
+    joined = torch.cat(packed)
+    records, channels = layout.records(joined), layout.channel_rows(joined)
+    assert channels is not None and channels.shape == (3, CHANNEL_WIDTH)
+    for i, x in enumerate(xs):
+        torch.testing.assert_close(records[i], traceable_record(x, groups), rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(channels[i], channel_row(x))
+    without = PackedLayout([x.numel() for x in xs], ("moments", "range"), torch.device("cpu"))
+    assert without.channel_rows(torch.cat([packed_record(x) for x in xs])) is None
 
 
 def test_whole_rows_merge_with_host_rows_as_the_concatenation() -> None:

@@ -8,25 +8,21 @@ branches or in-place writes (its only Python branch is on the rank), so that
 TorchDynamo/AOTAutograd trace it into a model's graph and Inductor fuses |x|, the NaN/Inf
 mask and the max over the leading dimensions into one reduction that reads ``x`` once.
 
-The compiled route (``capture.compiled``) appends a node's channel row to its record:
-``traceable_row(x, groups)`` is the record (``traceable.traceable_record``) followed, when
-``groups`` holds ``channels``, by the channel row, ``row_width(groups)`` wide; ``split_row``
-takes the two apart again.
+The compiled route (``capture.compiled``) packs a node's channel row after its other
+statistics (``traceable.packed_record`` with the ``channels`` group), and
+``traceable.PackedLayout.channel_rows`` takes the rows of all of a graph's nodes out again.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Collection, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from lightning_scale.record.stats.channels import CHANNEL_CAP, CHANNEL_WIDTH
-from lightning_scale.record.stats.fields import FIELDS
-from lightning_scale.record.stats.traceable import traceable_record
+from lightning_scale.record.stats.channels import CHANNEL_CAP
 
-__all__ = ["row_width", "split_row", "traceable_channel_row", "traceable_row"]
+__all__ = ["traceable_channel_row"]
 
 
 def traceable_channel_row(x: Tensor) -> Tensor:
@@ -51,28 +47,3 @@ def traceable_channel_row(x: Tensor) -> Tensor:
     count = torch.full((1,), c, dtype=torch.float64, device=x.device)
     return torch.cat([count, slots])
 
-
-def traceable_row(x: Tensor, groups: Collection[str] = ("moments", "range")) -> Tensor:
-    """The row a compiled graph computes for ``x``: its record (``traceable_record(x, groups)``),
-    then, if ``groups`` holds ``channels``, its channel row; ``row_width(groups)`` float64 values."""
-    record = traceable_record(x, groups)
-    return torch.cat([record, traceable_channel_row(x)]) if "channels" in groups else record
-
-
-def row_width(groups: Collection[str]) -> int:
-    """The length of ``traceable_row(x, groups)``."""
-    return len(FIELDS) + (CHANNEL_WIDTH if "channels" in groups else 0)
-
-
-def split_row(rows: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
-    """``[..., row_width]`` rows of ``traceable_row`` -> (records ``[..., len(FIELDS)]``, channel
-    rows ``[..., CHANNEL_WIDTH]`` or None without the ``channels`` group). Views, nothing copied.
-
-    Raises:
-        ValueError: ``rows`` is neither width.
-    """
-    width = rows.shape[-1]
-    if width not in (len(FIELDS), len(FIELDS) + CHANNEL_WIDTH):
-        raise ValueError(f"`rows` must be {len(FIELDS)} or {len(FIELDS) + CHANNEL_WIDTH} wide, got {width}")
-    records = rows[..., : len(FIELDS)]
-    return records, (rows[..., len(FIELDS) :] if width > len(FIELDS) else None)
