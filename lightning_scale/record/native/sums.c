@@ -355,19 +355,22 @@ static inline __attribute__((always_inline)) void take_block(block_group *g, con
 #define SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
 #endif
 
-/* the max of each of 8 vectors, lane i holding h[i]'s: pairs, then quads, then all (taken in
- * the order 0 4 2 6 1 5 3 7, which the three steps undo) */
+/* two vectors' 4-lane halves' maxima: x's at 0-3, y's at 4-7 */
+static inline __attribute__((always_inline)) v8i pair_maxima(v8i x, v8i y) {
+    return imax(SHUFFLE2(x, y, 0, 1, 2, 3, 8, 9, 10, 11), SHUFFLE2(x, y, 4, 5, 6, 7, 12, 13, 14, 15));
+}
+
+/* of two such, each 4 lanes' pairs' maxima: x's halves at 0-1 and 4-5, y's at 2-3 and 6-7 */
+static inline __attribute__((always_inline)) v8i quad_maxima(v8i x, v8i y) {
+    return imax(SHUFFLE2(x, y, 0, 1, 8, 9, 4, 5, 12, 13), SHUFFLE2(x, y, 2, 3, 10, 11, 6, 7, 14, 15));
+}
+
+/* the max of each of 8 vectors, lane i holding h[i]'s (the three steps leave the lanes in the
+ * order 0 4 2 6 1 5 3 7 of their inputs: the vectors are taken in that order) */
 static inline __attribute__((always_inline)) v8i lane_maxima(const v8i *h) {
-    v8i u[4], w[2];
-    static const int order[8] = {0, 4, 2, 6, 1, 5, 3, 7};
-    for (int k = 0; k < 4; k++) {
-        v8i x = h[order[2 * k]], y = h[order[2 * k + 1]];
-        u[k] = imax(SHUFFLE2(x, y, 0, 1, 2, 3, 8, 9, 10, 11), SHUFFLE2(x, y, 4, 5, 6, 7, 12, 13, 14, 15));
-    }
-    for (int k = 0; k < 2; k++)
-        w[k] = imax(SHUFFLE2(u[2 * k], u[2 * k + 1], 0, 1, 8, 9, 4, 5, 12, 13),
-                    SHUFFLE2(u[2 * k], u[2 * k + 1], 2, 3, 10, 11, 6, 7, 14, 15));
-    return imax(SHUFFLE2(w[0], w[1], 0, 8, 2, 10, 4, 12, 6, 14), SHUFFLE2(w[0], w[1], 1, 9, 3, 11, 5, 13, 7, 15));
+    v8i w0 = quad_maxima(pair_maxima(h[0], h[4]), pair_maxima(h[2], h[6]));
+    v8i w1 = quad_maxima(pair_maxima(h[1], h[5]), pair_maxima(h[3], h[7]));
+    return imax(SHUFFLE2(w0, w1, 0, 8, 2, 10, 4, 12, 6, 14), SHUFFLE2(w0, w1, 1, 9, 3, 11, 5, 13, 7, 15));
 }
 
 /* MX, E8M0 scale: emax, element mantissa bits, least normal exponent + 127, largest value */
@@ -376,8 +379,10 @@ static const struct { int emax, m, lo; float top; } MX[3] = {{8, 3, 121, 448.0f}
 /* Per format (MXFP8 E4M3, E5M2, MXFP4, NVFP4) and lane (MX: block b at 2b and 2b + 1, NVFP4: the
  * halves), what its elements are multiplied by (inv), their dequantizing scale, and scale * unit. */
 typedef struct {
-    v8f inv[4], scale[4], rp[4];
+    float inv[4][8], scale[4][8], rp[4][8];
 } group_scales;
+
+static inline __attribute__((always_inline)) void put(float *to, v8f v) { memcpy(to, &v, sizeof v); }
 
 /* the scales from the lane maxima of the halves `h`: MX's E8M0 scale 2^(floor(log2 amax) - emax),
  * clamped to [2^-127, 2^127] (2^-127: torchao divides by 2^-126 and multiplies by 2^-127), its
@@ -388,19 +393,20 @@ static inline __attribute__((always_inline)) void work_out_scales(v8i h, v8f uni
         v8i t = (amax >> 23) - (127 + MX[f].emax);
         v8i biased = imin(imax(t, (v8i){0} - 127), (v8i){0} + 128) + 127;
         v8i divisor = imax(biased, (v8i){0} + 1);
-        s->inv[f] = float_of((254 - divisor) << 23);
-        s->scale[f] = float_of((biased << 23) | ((biased == 0) & 0x00400000));
-        s->rp[f] = s->scale[f] * unit;
+        v8f scale = float_of((biased << 23) | ((biased == 0) & 0x00400000));
+        put(s->inv[f], float_of((254 - divisor) << 23));
+        put(s->scale[f], scale);
+        put(s->rp[f], scale * unit);
     }
     v8f nv = float_of(h) / 6.0f;
     nv = float_of(imin(imax(bits_of(nv), bits_of((v8f){0} + 0.015625f)), bits_of((v8f){0} + 448.0f)));
     nv = round_grid(nv, 3, 121); /* the E4M3 scale */
-    s->inv[3] = 1.0f / nv;
-    s->scale[3] = nv;
-    s->rp[3] = nv * unit;
+    put(s->inv[3], 1.0f / nv);
+    put(s->scale[3], nv);
+    put(s->rp[3], nv * unit);
 }
 
-static inline __attribute__((always_inline)) v8f lane(const v8f v, int i) { return (v8f){0} + v[i]; }
+static inline __attribute__((always_inline)) v8f lane(const float *v, int i) { return (v8f){0} + v[i]; }
 
 /* one format on a vector of magnitudes `af` whose (unit-scaled) magnitudes are `au`: |q| =
  * round(min(|x| inv, top)), e = |q| rp - |x| unit (exact); `dst`, unless NULL, gets |q| scale
@@ -431,6 +437,7 @@ static inline __attribute__((always_inline)) void cast_group(block_group *g, blo
     for (int f = 0; f < 3; f++) caps[f] = bits_of((v8f){0} + MX[f].top);
     caps[3] = bits_of((v8f){0} + 6.0f);
     v8f sq = {0}, es[4] = {{0}, {0}, {0}, {0}};
+    v8i kept[4] = {{0}, {0}, {0}, {0}}, nonzero = {0};
     const v8i one = (v8i){0} + 1;
     for (int b = 0; b < g->n; b++) {
         v8f inv[4], scale[4], rp[4];
@@ -441,16 +448,19 @@ static inline __attribute__((always_inline)) void cast_group(block_group *g, blo
             v8i a = g->a[b][j];
             v8f af = float_of(a), au = af * unit;
             sq += au * au;
-            acc->nonzero += imin(a, one);
-            for (int f = 0; f < 4; f++) {
-                int m = f < 3 ? MX[f].m : 1, lo = f < 3 ? MX[f].lo : 127;
-                float *to = dst ? dst + 128 * b + 32 * f + 8 * j : NULL; /* (NVFP4's halves side by side) */
-                cast_vector(af, au, g->sign[b][j], inv[f], scale[f], rp[f], caps[f], m, lo, &es[f], &acc->kept[f], to);
-            }
+            nonzero += imin(a, one);
+            float *to = dst ? dst + 128 * b + 8 * j : NULL; /* (NVFP4's halves side by side) */
+            v8i sign = g->sign[b][j];
+            /* (written out: a loop over the formats kept its sums in memory) */
+            cast_vector(af, au, sign, inv[0], scale[0], rp[0], caps[0], MX[0].m, MX[0].lo, &es[0], &kept[0], to);
+            cast_vector(af, au, sign, inv[1], scale[1], rp[1], caps[1], MX[1].m, MX[1].lo, &es[1], &kept[1], to ? to + 32 : NULL);
+            cast_vector(af, au, sign, inv[2], scale[2], rp[2], caps[2], MX[2].m, MX[2].lo, &es[2], &kept[2], to ? to + 64 : NULL);
+            cast_vector(af, au, sign, inv[3], scale[3], rp[3], caps[3], 1, 127, &es[3], &kept[3], to ? to + 96 : NULL);
         }
     }
     acc->sq += __builtin_convertvector(sq, v8d) * u2;
-    for (int f = 0; f < 4; f++) acc->err[f] += __builtin_convertvector(es[f], v8d) * u2;
+    for (int f = 0; f < 4; f++) acc->err[f] += __builtin_convertvector(es[f], v8d) * u2, acc->kept[f] += kept[f];
+    acc->nonzero += nonzero;
     g->n = 0;
 }
 
