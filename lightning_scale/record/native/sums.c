@@ -315,6 +315,14 @@ static inline v8f round_grid(v8f a, int m, int lo) {
     return (a + c) - c;
 }
 
+/* (From here to the end of the block kernels GCC may fuse a product and a sum into one rounding
+ * where the CPU has FMA: the errors q rp - |x| unit are exact either way, their squares' sums
+ * take one rounding less; no cast has a product followed by a sum.) */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+#endif
+
 /* Blocks are taken GROUP at a time (4 blocks of 32, 128 elements): a first look at each block
  * keeps its magnitudes (bits of |x|, non-finite as 0) and the lane maxima of its two halves; the
  * 8 halves' maxima are then reduced together (lanes = halves) and every block's scales worked
@@ -525,6 +533,10 @@ static inline __attribute__((always_inline)) void fold_counts(block_acc *acc, in
 
 LS_BLOCKS(ls_blocks_f32, float, load_f32, scalar_f32)
 LS_BLOCKS(ls_blocks_bf16, uint16_t, load_bf16, scalar_bf16)
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
 
 /* ---------------------------------------------------------------------------------------
  * Central moments of the finite elements (the kurtosis group; lightning_scale.record.stats
