@@ -315,9 +315,9 @@ static inline v8f round_grid(v8f a, int m, int lo) {
     return (a + c) - c;
 }
 
-/* (From here to the end of the block kernels GCC may fuse a product and a sum into one rounding
- * where the CPU has FMA: the errors q rp - |x| unit are exact either way, their squares' sums
- * take one rounding less; no cast has a product followed by a sum.) */
+/* (From here to the end of the moments kernels GCC may fuse a product and a sum into one
+ * rounding where the CPU has FMA: the block errors q rp - |x| unit are exact either way, the
+ * sums of squares and powers take one rounding less; no cast has a product followed by a sum.) */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
@@ -534,10 +534,6 @@ static inline __attribute__((always_inline)) void fold_counts(block_acc *acc, in
 LS_BLOCKS(ls_blocks_f32, float, load_f32, scalar_f32)
 LS_BLOCKS(ls_blocks_bf16, uint16_t, load_bf16, scalar_bf16)
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC pop_options
-#endif
-
 /* ---------------------------------------------------------------------------------------
  * Central moments of the finite elements (the kurtosis group; lightning_scale.record.stats
  * .outliers.moments_row is the reference): out = [count, mean, M2, M3, M4], Mk the sum of
@@ -570,7 +566,7 @@ static inline void merge_moments(moments *a, const moments *b) {
 
 /* one chunk of `len` elements at p (len a multiple of 8 unless it is a row's tail) */
 #define LS_MOMENT_CHUNK(T, LOAD, SCALAR)                                                     \
-    static inline moments chunk_moments_##T(const T *p, int64_t len, double centre) {       \
+    static inline __attribute__((always_inline)) moments chunk_moments_##T(const T *p, int64_t len, double centre) { \
         double c = centre;                                                                 \
         moments m = {0, 0, 0, 0, 0};                                                       \
         int64_t i = 0;                                                                     \
@@ -593,18 +589,33 @@ static inline void merge_moments(moments *a, const moments *b) {
             c = total / count; /* (rounded: the sums about it are moved to the exact mean) */ \
         }                                                                                  \
         v8d s1 = {0}, s2 = {0}, s3 = {0}, s4 = {0};                                        \
-        v8i c8 = {0};                                                                      \
-        for (i = 0; len - i >= 8; i += 8) {                                                \
+        v8i c8 = {0}, top = {0};                                                           \
+        for (i = 0; len - i >= 8; i += 8) { /* every element finite (checked after) */    \
             v8f a = LOAD(p + i);                                                           \
-            v8i fin = abs_bits(a) < 0x7f800000;                                            \
-            v8d d = __builtin_convertvector(float_of(bits_of(a) & fin), v8d) - c;          \
-            d = d * __builtin_convertvector(fin & 1, v8d); /* (non-finite: 0, not -c) */   \
+            top = imax(top, abs_bits(a));                                                  \
+            v8d d = __builtin_convertvector(a, v8d) - c;                                   \
             v8d d2 = d * d;                                                                \
             s1 += d;                                                                       \
             s2 += d2;                                                                      \
             s3 += d2 * d;                                                                  \
             s4 += d2 * d2;                                                                 \
-            c8 -= fin;                                                                     \
+        }                                                                                  \
+        c8 += (int32_t)(i / 8);                                                            \
+        if (hmax(top) >= 0x7f800000u) { /* a NaN or an Inf: again, leaving them out */     \
+            s1 = s2 = s3 = s4 = (v8d){0};                                                  \
+            c8 = (v8i){0};                                                                 \
+            for (i = 0; len - i >= 8; i += 8) {                                            \
+                v8f a = LOAD(p + i);                                                       \
+                v8i fin = abs_bits(a) < 0x7f800000;                                        \
+                v8d d = __builtin_convertvector(float_of(bits_of(a) & fin), v8d) - c;      \
+                d = d * __builtin_convertvector(fin & 1, v8d); /* (non-finite: 0, not -c) */ \
+                v8d d2 = d * d;                                                            \
+                s1 += d;                                                                   \
+                s2 += d2;                                                                  \
+                s3 += d2 * d;                                                              \
+                s4 += d2 * d2;                                                             \
+                c8 -= fin;                                                                 \
+            }                                                                              \
         }                                                                                  \
         double r1 = 0, r2 = 0, r3 = 0, r4 = 0, count = 0;                                  \
         for (int j = 0; j < 8; j++) r1 += s1[j], r2 += s2[j], r3 += s3[j], r4 += s4[j], count += c8[j]; \
@@ -646,6 +657,10 @@ LS_MOMENT_CHUNK(uint16_t, load_bf16, scalar_bf16)
 
 LS_MOMENTS(ls_moments_f32, float)
 LS_MOMENTS(ls_moments_bf16, uint16_t)
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
 
 /* ---------------------------------------------------------------------------------------
  * The per-tensor FP8 what-if (lightning_scale.record.stats.fp8 defines it and is the
