@@ -21,6 +21,7 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef double v8d __attribute__((vector_size(64)));
 
 /* Variants per CPU (AVX-512, AVX2, SSE2), picked at load time; LS_NO_V4 for compilers without
  * x86-64-v4 (GCC < 11), LS_NO_CLONES without ifunc support (musl) */
@@ -87,6 +88,19 @@ static inline __attribute__((always_inline)) v8i bmax(v8i v) {
 }
 
 static inline __attribute__((always_inline)) uint32_t hmax(v8i v) { return (uint32_t)bmax(v)[0]; }
+
+/* the least of a and b as unsigned numbers, per lane; the least lane of v */
+static inline __attribute__((always_inline)) v8i umin(v8i a, v8i b) {
+    v8i r;
+    for (int j = 0; j < 8; j++) r[j] = (uint32_t)a[j] < (uint32_t)b[j] ? a[j] : b[j];
+    return r;
+}
+
+static inline __attribute__((always_inline)) uint32_t uhmin(v8i v) {
+    v = umin(v, SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3));
+    v = umin(v, SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5));
+    return (uint32_t)umin(v, SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6))[0];
+}
 
 /* one element of a row's tail (its length past the last full vector), in float64 */
 static inline void add_scalar(float v, double *total, double *squares) {
@@ -198,6 +212,7 @@ LS_KERNEL(ls_sums_max_bf16, uint16_t, load_bf16, scalar_bf16, 1)
     LS_CLONES void NAME(const T *x, int64_t rows, int64_t cols, int64_t stride, const int32_t *bounds, \
                         int32_t nbounds, int64_t *counts, double *out) {                    \
         double total = 0.0, squares = 0.0;                                                 \
+        v8d total8 = {0}, squares8 = {0};                                                  \
         int64_t nan = 0;                                                                   \
         int32_t top = 0, least = 0x7f800000; /* +inf */                                    \
         for (int k = 0; k < nbounds; k++) counts[k] = 0;                                   \
@@ -206,10 +221,10 @@ LS_KERNEL(ls_sums_max_bf16, uint16_t, load_bf16, scalar_bf16, 1)
             const T *p = x + r * stride;                                                   \
             int64_t i = 0;                                                                 \
             while (cols - i >= 8) {                                                        \
-                v8i m = {0}, lo = inf, nans = {0}, zeros = {0};                            \
+                v8i m = {0}, lo = (v8i){0} - 1, zeros = {0};                               \
                 int64_t start = i;                                                         \
                 int64_t end = cols - i >= CHUNK ? i + CHUNK : cols - (cols - i) % 8;        \
-                while (i < end) { /* moments: 8 elements a lane, then float64 */          \
+                while (i < end) { /* moments: 8 elements a lane, then float64 lanes */     \
                     v8f s = {0}, q = {0};                                                  \
                     int64_t part = end - i >= 64 ? i + 64 : end;                            \
                     for (; i < part; i += 8) {                                             \
@@ -217,24 +232,22 @@ LS_KERNEL(ls_sums_max_bf16, uint16_t, load_bf16, scalar_bf16, 1)
                         s += a;                                                            \
                         q += a * a;                                                        \
                         v8i b = abs_bits(a);                                               \
-                        v8i isnan = b > inf;                                               \
-                        v8i iszero = b == 0;                                               \
-                        nans -= isnan;                                                     \
-                        zeros -= iszero;                                                   \
+                        zeros -= b == 0;                                                   \
                         m = imax(m, b);                                                    \
-                        v8i out_ = iszero | isnan; /* out of the least nonzero */          \
-                        lo = imin(lo, (b & ~out_) | (inf & out_));                         \
+                        lo = umin(lo, b - 1); /* (0 wraps to the largest: not a nonzero) */ \
                     }                                                                      \
-                    total += hsum(s);                                                      \
-                    squares += hsum(q);                                                    \
+                    total8 += __builtin_convertvector(s, v8d);                             \
+                    squares8 += __builtin_convertvector(q, v8d);                           \
                 }                                                                          \
                 int64_t chunk_nan = 0, chunk_zeros = 0;                                    \
-                int32_t chunk_top = 0, chunk_least = 0x7f800000;                           \
-                for (int j = 0; j < 8; j++) {                                              \
-                    chunk_nan += nans[j];                                                  \
-                    chunk_zeros += zeros[j];                                               \
-                    chunk_top = m[j] > chunk_top ? m[j] : chunk_top;                       \
-                    chunk_least = lo[j] < chunk_least ? lo[j] : chunk_least;               \
+                int32_t chunk_top = (int32_t)hmax(m);                                      \
+                uint32_t below = uhmin(lo); /* least nonzero less 1; NaN's: above inf's */ \
+                int32_t chunk_least = below >= 0x7f800000u ? 0x7f800000 : (int32_t)below + 1; \
+                for (int j = 0; j < 8; j++) chunk_zeros += zeros[j];                       \
+                if (chunk_top > 0x7f800000) { /* NaNs (rare): counted apart */            \
+                    v8i nans = {0};                                                        \
+                    for (int64_t t = start; t < end; t += 8) nans -= abs_bits(LOAD(p + t)) > inf; \
+                    for (int j = 0; j < 8; j++) chunk_nan += nans[j];                      \
                 }                                                                          \
                 nan += chunk_nan;                                                          \
                 top = chunk_top > top ? chunk_top : top;                                   \
@@ -266,6 +279,7 @@ LS_KERNEL(ls_sums_max_bf16, uint16_t, load_bf16, scalar_bf16, 1)
                 for (int k = 0; k < nbounds; k++) counts[k] += b < bounds[k];              \
             }                                                                              \
         }                                                                                  \
+        for (int j = 0; j < 8; j++) total += total8[j], squares += squares8[j];             \
         out[0] = total;                                                                    \
         out[1] = squares;                                                                  \
         out[2] = from_bits((uint32_t)top);                                                 \
@@ -291,7 +305,6 @@ LS_ALL(ls_all_bf16, uint16_t, load_bf16, scalar_bf16)
 #pragma STDC FP_CONTRACT OFF
 #endif
 
-typedef double v8d __attribute__((vector_size(64)));
 
 static inline v8i bits_of(v8f v) {
     v8i u;
