@@ -296,10 +296,11 @@ LS_ALL(ls_all_bf16, uint16_t, load_bf16, scalar_bf16)
  * non-finite elements taken as 0. For MXFP8 E4M3, MXFP8 E5M2, MXFP4 (E8M0 scale from the
  * block's max |x|, torchao's FLOOR) and NVFP4 (16-element halves, E4M3 scale from max |x| / 6):
  * out[3 f] = sum of (q(x) - x)^2, out[3 f + 1] = sum of x^2, out[3 f + 2] = #{x != 0, q(x) = 0},
- * f in that order. Every float32 operation of the reference is done here in the same order
- * (no contraction into fused multiply-adds: see the pragma and the build flags), so q(x) is
- * the reference's, bit for bit; its errors are exact in float32 and squared and added in
- * float64 (the reference adds float32 squares: ~1e-7 relative apart).
+ * f in that order. Every float32 operation of the reference's casts is done here in the same
+ * order (none of them a product followed by a sum: no contraction can change them; the build
+ * flags turn it off elsewhere), so q(x) is the reference's, bit for bit; its errors are exact
+ * in float32, squared and added in float32 over 4 blocks (16 a lane, fused where the CPU has
+ * FMA) and in float64 across them (the reference adds float32 squares: ~1e-7 relative apart).
  */
 #ifdef __clang__
 #pragma STDC FP_CONTRACT OFF
@@ -518,7 +519,7 @@ static inline __attribute__((always_inline)) void fold_counts(block_acc *acc, in
                 if (g.n == GROUP) {                                                        \
                     cast_group(&g, &acc, dst);                                             \
                     dst = dst ? dst + 128 * GROUP : NULL;                                  \
-                    if (++since == (1 << 24)) { /* (before a lane's int32 count could wrap) */ \
+                    if (++since == (1 << 24)) { /* (16 a lane a group: before an int32 could wrap) */ \
                         fold_counts(&acc, flushed);                                        \
                         since = 0;                                                         \
                     }                                                                      \
