@@ -9,7 +9,10 @@ float64 by two passes (each mean first, then the squared deviations from it: no
 cancellation, and float32 data can neither overflow nor underflow there), absmax, and the
 zeros / min_nonzero / format counts from one sorted search and one histogram, as
 ``stats.format_counts_device`` buckets them. The fields mean what ``stats.record_of``'s
-do, with the same NaN/Inf conventions. Nothing here imports Lightning.
+do, with the same NaN/Inf conventions. The groups such a tensor's own read gives
+(``stats.torch_groups``: the block what-ifs, kurtosis) are taken from it when it is added
+(the host kernel's calls, a few microseconds each), and kept through ``flush``. Nothing here
+imports Lightning.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_scale.record import stats
-from lightning_scale.record.stats import formats
+from lightning_scale.record.stats import formats, torch_groups
 from lightning_scale.record.stats.fields import FORMAT_COUNTS_SPAN
 
 __all__ = ["MAX_ELEMENTS", "ShortRecords", "batchable", "records_of_many"]
@@ -31,6 +34,8 @@ __all__ = ["MAX_ELEMENTS", "ShortRecords", "batchable", "records_of_many"]
 MAX_ELEMENTS = 4096
 _GROUPS = frozenset(("moments", "range", "formats"))  # fp8 scales each tensor by itself: not batched
 _IX = stats.IX
+#: Groups batched (``_GROUPS``) or read from the tensor as it is added (``torch_groups``).
+_TAKEN = _GROUPS | torch_groups.TORCH_GROUPS
 
 
 def batchable(x: Tensor, groups: Collection[str]) -> bool:
@@ -40,7 +45,7 @@ def batchable(x: Tensor, groups: Collection[str]) -> bool:
         0 < x.numel() <= MAX_ELEMENTS
         and x.dtype != torch.float64
         and x.device.type == "cpu"
-        and _GROUPS.issuperset(groups)
+        and _TAKEN.issuperset(groups)
     )
 
 
@@ -48,11 +53,14 @@ class ShortRecords:
     """Entries (``stats.Entry`` lists) of short tensors, filled together by ``flush``.
 
     Args:
-        groups: the statistic groups to compute (a subset of moments, range, formats).
+        groups: the statistic groups to compute (a subset of moments, range, formats, blocks,
+            kurtosis: the last two from each tensor as it is added).
     """
 
     def __init__(self, groups: Collection[str]) -> None:
-        self.groups = frozenset(groups) | {"moments"}
+        self.groups = (frozenset(groups) & _GROUPS) | {"moments"}
+        self._own = frozenset(groups) & torch_groups.TORCH_GROUPS  # (read as each tensor is added)
+        self._own_columns = [_IX[name] for g in sorted(self._own) for name in stats.GROUPS[g]]
         self._copies: List[Tensor] = []
         self._entries: List[List[stats.Entry]] = []
 
@@ -62,6 +70,8 @@ class ShortRecords:
         # (clone: ~2 us; .to(copy=True) and a reshape: ~6 us, paid by dozens of tensors a step)
         self._copies.append(x.clone() if x.dtype == torch.float32 else x.to(torch.float32, copy=True))
         entry: List[stats.Entry] = [math.nan] * len(stats.FIELDS)
+        if self._own:  # (no mean known yet: the moments kernel takes each chunk's own)
+            torch_groups.fill(x, self._own, entry, host_reads=True)
         self._entries.append(entry)
         return entry
 
@@ -71,8 +81,12 @@ class ShortRecords:
             return
         values = torch.cat([c.reshape(-1) for c in self._copies]).numpy()
         rows = records_of_many(values, [c.numel() for c in self._copies], self.groups)
+        own = self._own_columns
         for entry, row in zip(self._entries, rows):
+            kept = [entry[c] for c in own]
             entry[:] = row
+            for c, value in zip(own, kept):
+                entry[c] = value
         self.clear()
 
     def clear(self) -> None:

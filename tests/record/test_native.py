@@ -183,6 +183,11 @@ def test_without_per_cpu_variants_where_the_toolchain_refuses_them(fresh, monkey
         ("{2, 1, 127, 6.0f}", "{2, 1, 127, 4.0f}"),  # MXFP4 saturating at 4
         ("out[3] = all.m3", "out[3] = 1.001 * all.m3"),  # the third central moment
         ("{{448.0f, 3, 121}", "{{448.0f, 3, 120}"),  # per-tensor E4M3 with one subnormal binade too many
+        # a group of blocks: two blocks' halves' maxima in each other's lanes, NVFP4's second half
+        # cast with the first's scale (one block alone, the other check, cannot see either)
+        ("SHUFFLE2(w0, w1, 0, 8, 2, 10, 4, 12, 6, 14)", "SHUFFLE2(w0, w1, 8, 0, 2, 10, 4, 12, 6, 14)"),
+        ("inv[3] = lane(s.inv[3], 2 * b + j / 2)", "inv[3] = lane(s.inv[3], 2 * b)"),
+        ("if (hmax(top) >= 0x7f800000u)", "if (hmax(top) > 0x7f800000u)"),  # moments: an Inf taken as finite
     ],
 )
 def test_a_kernel_that_fails_its_self_check_is_not_used(fresh, monkeypatch, right, wrong):

@@ -98,3 +98,37 @@ def test_a_failure_of_the_batched_statistics_is_kept_in_error_not_raised(monkeyp
     rec.flush()  # what Reporter.pool does before reading `error`
     assert isinstance(rec.error, RuntimeError) and "broken" in str(rec.error)
     assert rec.records(["x"]).shape == (1, 2, len(stats.FIELDS))  # no raise: the step goes on
+
+
+def test_short_tensors_with_the_block_and_kurtosis_groups_are_batched_and_equal_record_of() -> None:
+    """The block what-ifs and central moments come from each tensor as it is observed (before
+    the in-place op below), the batched groups from its copy: together the one-by-one record
+    (blocks within the kernel's float32 rounding, flushed counts exact; kurtosis to 1e-6)."""
+    groups = ("moments", "range", "formats", "blocks", "kurtosis")
+    g = torch.Generator().manual_seed(7)
+    xs = [
+        torch.distributions.StudentT(torch.tensor(3.0)).sample((4, 40)),
+        torch.randn(130, generator=g).bfloat16(),
+        (torch.randn(3, 7, generator=g) * 1e-3 + 2.0).half(),  # (blocks: the torch code)
+        torch.tensor(5.0),
+    ]
+    xs[0][1, 3] = math.nan
+    assert all(batchable(x, groups) for x in xs) and not batchable(xs[0], (*groups, "fp8"))
+    rec = Recorder(groups)
+    for i, x in enumerate(xs):
+        rec.observe(i, x)
+    wants = [stats.record_of(x, groups, host_reads=True) for x in xs]
+    for x in xs:
+        x.mul_(3.0)  # after the observation: not what was recorded
+    got = rec.records(list(range(len(xs))))[:, FORWARD]
+    blocks = stats.GROUPS["blocks"]
+    for row, want in zip(got.tolist(), wants):
+        for name in blocks:
+            w = float(want[stats.IX[name]])
+            assert row[stats.IX[name]] == (w if name.endswith("flushed") else pytest.approx(w, rel=1e-6)), name
+        for name in ("m3", "m4"):
+            w = float(want[stats.IX[name]])
+            assert row[stats.IX[name]] == pytest.approx(w, rel=1e-6, abs=1e-12) or math.isnan(w), name
+    kurt = stats.statistic(got, "kurtosis")
+    assert math.isnan(float(kurt[0]))  # (a NaN: NaN, as std)
+    assert float(kurt[1]) == pytest.approx(float(stats.statistic(stats.assemble([wants[1]]), "kurtosis")[0]), rel=1e-6)

@@ -74,7 +74,7 @@ SERIAL_THREADS = 2
 _ABI = 7
 #: The kernel's C source, compiled on first use.
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sums.c")
-#: (no fused multiply-adds: the block casts repeat the reference's float32 operations one by one)
+#: (no fused multiply-adds but where sums.c allows them: the casts repeat the reference's float32 operations)
 _FLAGS = ["-O3", "-ffp-contract=off", "-shared", "-fPIC"]
 
 _lock = threading.Lock()

@@ -22,6 +22,7 @@ def failure(kernels: Any) -> Optional[str]:
     try:
         _sums(kernels)
         _blocks(kernels)
+        _block_groups(kernels)
         _moments(kernels)
         _fp8(kernels)
         _channels(kernels)
@@ -86,6 +87,46 @@ def _blocks(kernels: Any) -> None:
         sq = (ref * ref).sum()
         if not (abs(got[7] - sq) <= 1e-6 * sq and got[8] == 2 and abs(got[6] - err) <= 1e-6 * err):
             raise _Failed(f"self-check failed for {dtype} (blocks): got {list(got)}")
+
+
+def _block_groups(kernels: Any) -> None:
+    """The block kernel on 6 blocks of scales 2^-3 to 2^5 (a group of 4, then 2: each block's
+    scales in their own vector lane, each NVFP4 half its own), small values that flush, against
+    an independent numpy quantiser (a grid step from the exponent, ``np.rint``'s ties to even):
+    the flushed counts exact, the sums within float32 rounding."""
+    i = np.arange(6 * 32, dtype=np.float64)
+    x = np.sin(i * 0.37) * np.exp2(np.repeat([-3.0, 5, 0, 2, -1, 4], 32)) * (1 + (i % 7) / 3)
+    x[[3, 40, 100]] = 1e-4, -2e-3, 3e-6
+    x = x.astype(np.float32)
+    got, want = kernels.call_blocks(torch.float32, x.ctypes.data, 1, x.size, x.size), _numpy_blocks(x)
+    for f in range(4):
+        ok = got[3 * f + 2] == want[3 * f + 2]
+        if not (ok and all(abs(got[3 * f + k] - want[3 * f + k]) <= 1e-6 * want[3 * f + k] for k in (0, 1))):
+            raise _Failed(f"self-check failed (blocks, format {f}): got {list(got)}, expected {list(want)}")
+
+
+def _grid(y: np.ndarray, m: int, lo: int) -> np.ndarray:
+    """``y`` rounded to nearest-even on the grid of ``m`` mantissa bits, least normal exponent ``lo``."""
+    a = np.abs(y)
+    step = np.exp2(np.maximum(np.floor(np.log2(np.where(a > 0, a, 1.0))), lo) - m)
+    return np.sign(y) * np.rint(a / step) * step
+
+
+def _numpy_blocks(x: np.ndarray) -> np.ndarray:
+    """The block kernel's 12 sums of float32 ``x`` (whole 32-blocks, normal values), in float64."""
+    rows = x.astype(np.float64).reshape(-1, 32)
+    casts = []
+    for emax, m, lo, top in ((8, 3, -6, 448.0), (15, 2, -14, 57344.0), (2, 1, 0, 6.0)):  # MX: E8M0 scales, FLOOR
+        scale = np.exp2(np.floor(np.log2(np.abs(rows).max(1, keepdims=True))) - emax)
+        casts.append(_grid(np.clip(rows / scale, -top, top), m, lo) * scale)
+    halves = rows.reshape(-1, 16)  # NVFP4: E4M3 scales of amax / 6, a float32 reciprocal
+    s = _grid(np.clip((np.abs(halves).max(1, keepdims=True) / 6).astype(np.float32), 2.0**-6, 448.0), 3, -6)
+    y = (halves * (np.float32(1) / s.astype(np.float32))).astype(np.float32)
+    casts.append((_grid(np.clip(y, -6, 6), 1, 0) * s).reshape(rows.shape))
+    sums = []
+    for q in casts:
+        sums += [((q - rows) ** 2).sum(), (rows**2).sum(), float(((rows != 0) & (q == 0)).sum())]
+    return np.array(sums)
 
 
 def _moments(kernels: Any) -> None:

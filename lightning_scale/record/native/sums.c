@@ -21,6 +21,7 @@ typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef double v8d __attribute__((vector_size(64)));
 
 /* Variants per CPU (AVX-512, AVX2, SSE2), picked at load time; LS_NO_V4 for compilers without
  * x86-64-v4 (GCC < 11), LS_NO_CLONES without ifunc support (musl) */
@@ -60,20 +61,45 @@ static inline v8i abs_bits(v8f v) {
 }
 
 /* max of bit patterns of non-negative floats: the same order as their values */
-static inline v8i imax(v8i a, v8i b) {
-    v8i m = a > b;
-    return (a & m) | (b & ~m);
+/* (lane loops: compilers make them one min or max instruction; a blend of masks is two) */
+static inline __attribute__((always_inline)) v8i imax(v8i a, v8i b) {
+    v8i r;
+    for (int j = 0; j < 8; j++) r[j] = a[j] > b[j] ? a[j] : b[j];
+    return r;
 }
 
-static inline v8i imin(v8i a, v8i b) {
-    v8i m = a < b;
-    return (a & m) | (b & ~m);
+static inline __attribute__((always_inline)) v8i imin(v8i a, v8i b) {
+    v8i r;
+    for (int j = 0; j < 8; j++) r[j] = a[j] < b[j] ? a[j] : b[j];
+    return r;
 }
 
-static inline uint32_t hmax(v8i v) {
-    int32_t m = v[0];
-    for (int i = 1; i < 8; i++) m = v[i] > m ? v[i] : m;
-    return m;
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SHUFFLE(v, ...) __builtin_shuffle(v, (v8i){__VA_ARGS__})
+#endif
+
+/* every lane: the largest lane of v (three swaps and maxima) */
+static inline __attribute__((always_inline)) v8i bmax(v8i v) {
+    v = imax(v, SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3));
+    v = imax(v, SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5));
+    return imax(v, SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6));
+}
+
+static inline __attribute__((always_inline)) uint32_t hmax(v8i v) { return (uint32_t)bmax(v)[0]; }
+
+/* the least of a and b as unsigned numbers, per lane; the least lane of v */
+static inline __attribute__((always_inline)) v8i umin(v8i a, v8i b) {
+    v8i r;
+    for (int j = 0; j < 8; j++) r[j] = (uint32_t)a[j] < (uint32_t)b[j] ? a[j] : b[j];
+    return r;
+}
+
+static inline __attribute__((always_inline)) uint32_t uhmin(v8i v) {
+    v = umin(v, SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3));
+    v = umin(v, SHUFFLE(v, 2, 3, 0, 1, 6, 7, 4, 5));
+    return (uint32_t)umin(v, SHUFFLE(v, 1, 0, 3, 2, 5, 4, 7, 6))[0];
 }
 
 /* one element of a row's tail (its length past the last full vector), in float64 */
@@ -186,6 +212,7 @@ LS_KERNEL(ls_sums_max_bf16, uint16_t, load_bf16, scalar_bf16, 1)
     LS_CLONES void NAME(const T *x, int64_t rows, int64_t cols, int64_t stride, const int32_t *bounds, \
                         int32_t nbounds, int64_t *counts, double *out) {                    \
         double total = 0.0, squares = 0.0;                                                 \
+        v8d total8 = {0}, squares8 = {0};                                                  \
         int64_t nan = 0;                                                                   \
         int32_t top = 0, least = 0x7f800000; /* +inf */                                    \
         for (int k = 0; k < nbounds; k++) counts[k] = 0;                                   \
@@ -194,10 +221,10 @@ LS_KERNEL(ls_sums_max_bf16, uint16_t, load_bf16, scalar_bf16, 1)
             const T *p = x + r * stride;                                                   \
             int64_t i = 0;                                                                 \
             while (cols - i >= 8) {                                                        \
-                v8i m = {0}, lo = inf, nans = {0}, zeros = {0};                            \
+                v8i m = {0}, lo = (v8i){0} - 1, zeros = {0};                               \
                 int64_t start = i;                                                         \
                 int64_t end = cols - i >= CHUNK ? i + CHUNK : cols - (cols - i) % 8;        \
-                while (i < end) { /* moments: 8 elements a lane, then float64 */          \
+                while (i < end) { /* moments: 8 elements a lane, then float64 lanes */     \
                     v8f s = {0}, q = {0};                                                  \
                     int64_t part = end - i >= 64 ? i + 64 : end;                            \
                     for (; i < part; i += 8) {                                             \
@@ -205,24 +232,22 @@ LS_KERNEL(ls_sums_max_bf16, uint16_t, load_bf16, scalar_bf16, 1)
                         s += a;                                                            \
                         q += a * a;                                                        \
                         v8i b = abs_bits(a);                                               \
-                        v8i isnan = b > inf;                                               \
-                        v8i iszero = b == 0;                                               \
-                        nans -= isnan;                                                     \
-                        zeros -= iszero;                                                   \
+                        zeros -= b == 0;                                                   \
                         m = imax(m, b);                                                    \
-                        v8i out_ = iszero | isnan; /* out of the least nonzero */          \
-                        lo = imin(lo, (b & ~out_) | (inf & out_));                         \
+                        lo = umin(lo, b - 1); /* (0 wraps to the largest: not a nonzero) */ \
                     }                                                                      \
-                    total += hsum(s);                                                      \
-                    squares += hsum(q);                                                    \
+                    total8 += __builtin_convertvector(s, v8d);                             \
+                    squares8 += __builtin_convertvector(q, v8d);                           \
                 }                                                                          \
                 int64_t chunk_nan = 0, chunk_zeros = 0;                                    \
-                int32_t chunk_top = 0, chunk_least = 0x7f800000;                           \
-                for (int j = 0; j < 8; j++) {                                              \
-                    chunk_nan += nans[j];                                                  \
-                    chunk_zeros += zeros[j];                                               \
-                    chunk_top = m[j] > chunk_top ? m[j] : chunk_top;                       \
-                    chunk_least = lo[j] < chunk_least ? lo[j] : chunk_least;               \
+                int32_t chunk_top = (int32_t)hmax(m);                                      \
+                uint32_t below = uhmin(lo); /* least nonzero less 1; NaN's: above inf's */ \
+                int32_t chunk_least = below >= 0x7f800000u ? 0x7f800000 : (int32_t)below + 1; \
+                for (int j = 0; j < 8; j++) chunk_zeros += zeros[j];                       \
+                if (chunk_top > 0x7f800000) { /* NaNs (rare): counted apart */            \
+                    v8i nans = {0};                                                        \
+                    for (int64_t t = start; t < end; t += 8) nans -= abs_bits(LOAD(p + t)) > inf; \
+                    for (int j = 0; j < 8; j++) chunk_nan += nans[j];                      \
                 }                                                                          \
                 nan += chunk_nan;                                                          \
                 top = chunk_top > top ? chunk_top : top;                                   \
@@ -254,6 +279,7 @@ LS_KERNEL(ls_sums_max_bf16, uint16_t, load_bf16, scalar_bf16, 1)
                 for (int k = 0; k < nbounds; k++) counts[k] += b < bounds[k];              \
             }                                                                              \
         }                                                                                  \
+        for (int j = 0; j < 8; j++) total += total8[j], squares += squares8[j];             \
         out[0] = total;                                                                    \
         out[1] = squares;                                                                  \
         out[2] = from_bits((uint32_t)top);                                                 \
@@ -270,16 +296,16 @@ LS_ALL(ls_all_bf16, uint16_t, load_bf16, scalar_bf16)
  * non-finite elements taken as 0. For MXFP8 E4M3, MXFP8 E5M2, MXFP4 (E8M0 scale from the
  * block's max |x|, torchao's FLOOR) and NVFP4 (16-element halves, E4M3 scale from max |x| / 6):
  * out[3 f] = sum of (q(x) - x)^2, out[3 f + 1] = sum of x^2, out[3 f + 2] = #{x != 0, q(x) = 0},
- * f in that order. Every float32 operation of the reference is done here in the same order
- * (no contraction into fused multiply-adds: see the pragma and the build flags), so q(x) is
- * the reference's, bit for bit; its errors are exact in float32 and squared and added in
- * float64 (the reference adds float32 squares: ~1e-7 relative apart).
+ * f in that order. Every float32 operation of the reference's casts is done here in the same
+ * order (none of them a product followed by a sum: no contraction can change them; the build
+ * flags turn it off elsewhere), so q(x) is the reference's, bit for bit; its errors are exact
+ * in float32, squared and added in float32 over 4 blocks (16 a lane, fused where the CPU has
+ * FMA) and in float64 across them (the reference adds float32 squares: ~1e-7 relative apart).
  */
 #ifdef __clang__
 #pragma STDC FP_CONTRACT OFF
 #endif
 
-typedef double v8d __attribute__((vector_size(64)));
 
 static inline v8i bits_of(v8f v) {
     v8i u;
@@ -303,126 +329,168 @@ static inline v8f round_grid(v8f a, int m, int lo) {
     return (a + c) - c;
 }
 
-static inline float round_grid1(float a, int m, int lo) {
-    int32_t e = (int32_t)(to_bits(a) >> 23);
-    e = e > lo ? e : lo;
-    float t = a * from_bits((uint32_t)(254 - e + m) << 23);
-    t = (t + 8388608.0f) - 8388608.0f;
-    return t * from_bits((uint32_t)(e - m) << 23);
-}
+/* (From here to the end of the moments kernels GCC may fuse a product and a sum into one
+ * rounding where the CPU has FMA: the block errors q rp - |x| unit are exact either way, the
+ * sums of squares and powers take one rounding less; no cast has a product followed by a sum.) */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+#endif
+
+/* Blocks are taken GROUP at a time (4 blocks of 32, 128 elements): a first look at each block
+ * keeps its magnitudes (bits of |x|, non-finite as 0) and the lane maxima of its two halves; the
+ * 8 halves' maxima are then reduced together (lanes = halves) and every block's scales worked
+ * out in vector lanes (two divisions per group, none per element); last, each format casts the
+ * group's elements. The squares of the errors (d - |x|) unit, unit the power of two that brings
+ * the group's max |x| near 1 (exact), are added in float32 over the group (16 a lane) and in
+ * float64 once per group, times unit^-2 (the reference adds float32 squares of a whole chunk
+ * scaled by its max: squares below 2^-126 of the max's are lost by both). */
+#define GROUP 4
+
+typedef struct {
+    v8i a[GROUP][4];     /* |x| bits, non-finite elements as 0 */
+    v8i sign[GROUP][4];  /* x's sign bits (for `dst`) */
+    v8i half[2 * GROUP]; /* lane maxima of each block's two halves of 16, block b's at 2b, 2b + 1 */
+    int n;
+} block_group;
 
 typedef struct {
     v8d sq, err[4];
-    v8i flushed[4];
+    v8i nonzero, kept[4];
 } block_acc;
 
-/* one format on `k` vectors of one block, by magnitudes `a` (bits of |x|, finite; the cast is
- * odd, so q(x) - x = sign(x) (q(|x|) - |x|)): |y| = |x| * inv, |q| = round(min(|y|, top)),
- * |d| = |q| * scale, stored with x's sign at `dst` unless it is NULL. x is flushed where it is
- * nonzero and d is zero, and d = 0 wherever x = 0: the flushed count is #{x != 0} (`nonzero`,
- * the block's, added by the caller) less #{d != 0}, here taken away. The error d - |x| is exact
- * in float32; times `unit` (the power of two that brings the block's max |x| near 1: exact) it
- * is squared and added in float32 into `es` (within 2^-23 relative, as the reference's squares). */
-static inline void cast_vectors(const v8f *v, const v8i *a, int k, float inv, float scale, float top, int m, int lo,
-                                float unit, v8f *es, v8i *flushed, float *dst) {
-    const v8i cap = bits_of((v8f){0} + top), one = (v8i){0} + 1;
-    for (int j = 0; j < k; j++) {
-        v8f y = float_of(a[j]) * inv;
-        v8f d = round_grid(float_of(imin(bits_of(y), cap)), m, lo) * scale; /* (non-negative: as their bits) */
-        if (dst) {
-            v8f signed_d = float_of(bits_of(d) | (bits_of(v[j]) & (int32_t)0x80000000));
-            memcpy(dst + 8 * j, &signed_d, sizeof signed_d);
-        }
-        v8f e = (d - float_of(a[j])) * unit;
-        *es += e * e;
-        *flushed -= imin(bits_of(d), one);
+/* a block's 4 vectors into the group (the values loaded, as float32) */
+static inline __attribute__((always_inline)) void take_block(block_group *g, const v8f *v) {
+    for (int j = 0; j < 4; j++) {
+        v8i b = abs_bits(v[j]), finite = b < 0x7f800000;
+        g->a[g->n][j] = b & finite;
+        g->sign[g->n][j] = bits_of(v[j]) & finite & (int32_t)0x80000000; /* (non-finite: +0, as the reference) */
     }
+    g->half[2 * g->n] = imax(g->a[g->n][0], g->a[g->n][1]);
+    g->half[2 * g->n + 1] = imax(g->a[g->n][2], g->a[g->n][3]);
+    g->n++;
 }
 
-/* cast_vectors for MX's power-of-two scales, on a block's 4 vectors: the error in the scaled
- * units, e = q r - y with y = |x| inv and r = scale inv (1, or 1/2 for the E8M0 scale 2^-127
- * that torchao applies as a division by 2^-126), is (d - |x|) inv exactly (powers of two; |x|
- * inv is exact unless below 2^-126, where the error squared is lost in float32 as the
- * reference's is); its squares are added in float32 over the block (within 2^-23 relative,
- * as the reference's) and once per block in float64, times (1 / inv)^2. */
-static inline void cast_mx(const v8f *v, const v8i *a, float inv, float scale, float top, int m, int lo, v8d *err,
-                           v8i *flushed, float *dst) {
-    const v8i cap = bits_of((v8f){0} + top), one = (v8i){0} + 1;
-    const float r = scale * inv;
-    v8f es = {0};
-    for (int j = 0; j < 4; j++) {
-        v8f y = float_of(a[j]) * inv;
-        v8f q = round_grid(float_of(imin(bits_of(y), cap)), m, lo);
-        if (dst) {
-            v8f signed_d = float_of(bits_of(q * scale) | (bits_of(v[j]) & (int32_t)0x80000000));
-            memcpy(dst + 8 * j, &signed_d, sizeof signed_d);
-        }
-        v8f e = q * r - y;
-        es += e * e;
-        *flushed -= imin(bits_of(q), one);
-    }
-    double u = 1.0 / (double)inv;
-    *err += __builtin_convertvector(es, v8d) * (u * u);
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
+/* two vectors' 4-lane halves' maxima: x's at 0-3, y's at 4-7 */
+static inline __attribute__((always_inline)) v8i pair_maxima(v8i x, v8i y) {
+    return imax(SHUFFLE2(x, y, 0, 1, 2, 3, 8, 9, 10, 11), SHUFFLE2(x, y, 4, 5, 6, 7, 12, 13, 14, 15));
+}
+
+/* of two such, each 4 lanes' pairs' maxima: x's halves at 0-1 and 4-5, y's at 2-3 and 6-7 */
+static inline __attribute__((always_inline)) v8i quad_maxima(v8i x, v8i y) {
+    return imax(SHUFFLE2(x, y, 0, 1, 8, 9, 4, 5, 12, 13), SHUFFLE2(x, y, 2, 3, 10, 11, 6, 7, 14, 15));
+}
+
+/* the max of each of 8 vectors, lane i holding h[i]'s (the three steps leave the lanes in the
+ * order 0 4 2 6 1 5 3 7 of their inputs: the vectors are taken in that order) */
+static inline __attribute__((always_inline)) v8i lane_maxima(const v8i *h) {
+    v8i w0 = quad_maxima(pair_maxima(h[0], h[4]), pair_maxima(h[2], h[6]));
+    v8i w1 = quad_maxima(pair_maxima(h[1], h[5]), pair_maxima(h[3], h[7]));
+    return imax(SHUFFLE2(w0, w1, 0, 8, 2, 10, 4, 12, 6, 14), SHUFFLE2(w0, w1, 1, 9, 3, 11, 5, 13, 7, 15));
 }
 
 /* MX, E8M0 scale: emax, element mantissa bits, least normal exponent + 127, largest value */
 static const struct { int emax, m, lo; float top; } MX[3] = {{8, 3, 121, 448.0f}, {15, 2, 113, 57344.0f}, {2, 1, 127, 6.0f}};
 
-/* one block of 32: `dst`, unless NULL, receives the 4 formats' dequantized blocks */
-static inline void cast_block(v8f *v, block_acc *acc, float *dst) {
-    v8i b[4];
-    for (int j = 0; j < 4; j++) {
-        b[j] = abs_bits(v[j]);
-        v8i finite = b[j] < 0x7f800000;
-        v[j] = float_of(bits_of(v[j]) & finite);
-        b[j] &= finite;
-    }
-    uint32_t half0 = hmax(imax(b[0], b[1])), half1 = hmax(imax(b[2], b[3]));
-    uint32_t amax = half0 > half1 ? half0 : half1;
-    if (amax == 0) { /* all zeros: no error, nothing flushed */
-        if (dst) memset(dst, 0, 4 * 32 * sizeof *dst);
-        return;
-    }
-    /* squares in float32 of |x| times `unit`, 2^(127 - the max's exponent): near 1 at most, exact,
-     * times unit^-2 in float64 (squares below 2^-126 of the max's are lost, as the reference's) */
-    int32_t ex = (int32_t)(amax >> 23);
-    ex = ex < 1 ? 1 : ex > 253 ? 253 : ex;
-    const float unit = from_bits((uint32_t)(254 - ex) << 23);
-    const double unit2 = (double)from_bits((uint32_t)ex << 23) * (double)from_bits((uint32_t)ex << 23);
-    v8f sq = {0};
-    for (int j = 0; j < 4; j++) {
-        v8f w = float_of(b[j]) * unit;
-        sq += w * w;
-    }
-    acc->sq += __builtin_convertvector(sq, v8d) * unit2;
-    const v8i one = (v8i){0} + 1;
-    v8i nonzero = (imin(b[0], one) + imin(b[1], one)) + (imin(b[2], one) + imin(b[3], one));
-    for (int f = 0; f < 4; f++) acc->flushed[f] += nonzero;
+/* Per format (MXFP8 E4M3, E5M2, MXFP4, NVFP4) and lane (MX: block b at 2b and 2b + 1, NVFP4: the
+ * halves), what its elements are multiplied by (inv), their dequantizing scale, and scale * unit. */
+typedef struct {
+    float inv[4][8], scale[4][8], rp[4][8];
+} group_scales;
+
+static inline __attribute__((always_inline)) void put(float *to, v8f v) { memcpy(to, &v, sizeof v); }
+
+/* the scales from the lane maxima of the halves `h`: MX's E8M0 scale 2^(floor(log2 amax) - emax),
+ * clamped to [2^-127, 2^127] (2^-127: torchao divides by 2^-126 and multiplies by 2^-127), its
+ * inverse exact; NVFP4's e4m3(clamp(amax / 6, 2^-6, 448)) and its float32 reciprocal, as torchao */
+static inline __attribute__((always_inline)) void work_out_scales(v8i h, v8f unit, group_scales *s) {
+    v8i amax = imax(h, SHUFFLE2(h, h, 1, 0, 3, 2, 5, 4, 7, 6));
     for (int f = 0; f < 3; f++) {
-        int32_t t = (int32_t)(amax >> 23) - 127 - MX[f].emax;
-        int32_t biased = (t < -127 ? -127 : t > 128 ? 128 : t) + 127;
-        int32_t divisor = biased > 1 ? biased : 1; /* (0 divides by 2^-126 and multiplies by 2^-127) */
-        float scale = biased == 0 ? from_bits(0x00400000u) : from_bits((uint32_t)biased << 23);
-        cast_mx(v, b, from_bits((uint32_t)(254 - divisor) << 23), scale, MX[f].top, MX[f].m, MX[f].lo, &acc->err[f],
-                &acc->flushed[f], dst ? dst + 32 * f : NULL);
+        v8i t = (amax >> 23) - (127 + MX[f].emax);
+        v8i biased = imin(imax(t, (v8i){0} - 127), (v8i){0} + 128) + 127;
+        v8i divisor = imax(biased, (v8i){0} + 1);
+        v8f scale = float_of((biased << 23) | ((biased == 0) & 0x00400000));
+        put(s->inv[f], float_of((254 - divisor) << 23));
+        put(s->scale[f], scale);
+        put(s->rp[f], scale * unit);
     }
-    uint32_t halves[2] = {half0, half1};
-    v8f es = {0};
-    for (int h = 0; h < 2; h++) {
-        float s = from_bits(halves[h]) / 6.0f;
-        s = s < 0.015625f ? 0.015625f : s > 448.0f ? 448.0f : s;
-        s = round_grid1(s, 3, 121); /* the E4M3 scale */
-        cast_vectors(v + 2 * h, b + 2 * h, 2, 1.0f / s, s, 6.0f, 1, 127, unit, &es, &acc->flushed[3],
-                     dst ? dst + 96 + 16 * h : NULL);
-    }
-    acc->err[3] += __builtin_convertvector(es, v8d) * unit2;
+    v8f nv = float_of(h) / 6.0f;
+    nv = float_of(imin(imax(bits_of(nv), bits_of((v8f){0} + 0.015625f)), bits_of((v8f){0} + 448.0f)));
+    nv = round_grid(nv, 3, 121); /* the E4M3 scale */
+    put(s->inv[3], 1.0f / nv);
+    put(s->scale[3], nv);
+    put(s->rp[3], nv * unit);
 }
 
-static inline void fold_flushed(block_acc *acc, int64_t *flushed) {
-    for (int f = 0; f < 4; f++) {
-        for (int j = 0; j < 8; j++) flushed[f] += acc->flushed[f][j];
-        acc->flushed[f] = (v8i){0};
+static inline __attribute__((always_inline)) v8f lane(const float *v, int i) { return (v8f){0} + v[i]; }
+
+/* one format on a vector of magnitudes `af` whose (unit-scaled) magnitudes are `au`: |q| =
+ * round(min(|x| inv, top)), e = |q| rp - |x| unit (exact); `dst`, unless NULL, gets |q| scale
+ * with x's sign */
+static inline __attribute__((always_inline)) void cast_vector(v8f af, v8f au, v8i sign, v8f inv, v8f scale, v8f rp, v8i cap, int m, int lo,
+                               v8f *es, v8i *kept, float *dst) {
+    v8f q = round_grid(float_of(imin(bits_of(af * inv), cap)), m, lo);
+    v8f e = q * rp - au;
+    *es += e * e;
+    *kept += imin(bits_of(q), (v8i){0} + 1);
+    if (dst) {
+        v8f d = float_of(bits_of(q * scale) | sign);
+        memcpy(dst, &d, sizeof d);
     }
+}
+
+/* the group's blocks cast; `dst`, unless NULL: their 4 dequantized blocks each ((4, 32) floats) */
+static inline __attribute__((always_inline)) void cast_group(block_group *g, block_acc *acc, float *dst) {
+    for (int b = g->n; b < GROUP; b++) g->half[2 * b] = g->half[2 * b + 1] = (v8i){0};
+    v8i h = lane_maxima(g->half);
+    int32_t ex = (int32_t)(hmax(h) >> 23);
+    ex = ex < 1 ? 1 : ex > 253 ? 253 : ex;
+    const v8f unit = float_of((v8i){0} + ((254 - ex) << 23));
+    const double u2 = (double)from_bits((uint32_t)ex << 23) * (double)from_bits((uint32_t)ex << 23);
+    group_scales s;
+    work_out_scales(h, unit, &s);
+    v8i caps[4];
+    for (int f = 0; f < 3; f++) caps[f] = bits_of((v8f){0} + MX[f].top);
+    caps[3] = bits_of((v8f){0} + 6.0f);
+    v8f sq = {0}, es[4] = {{0}, {0}, {0}, {0}};
+    v8i kept[4] = {{0}, {0}, {0}, {0}}, nonzero = {0};
+    const v8i one = (v8i){0} + 1;
+    for (int b = 0; b < g->n; b++) {
+        v8f inv[4], scale[4], rp[4];
+        for (int f = 0; f < 3; f++) inv[f] = lane(s.inv[f], 2 * b), scale[f] = lane(s.scale[f], 2 * b), rp[f] = lane(s.rp[f], 2 * b);
+        for (int j = 0; j < 4; j++) {
+            if (j % 2 == 0) /* NVFP4: each half its own scale */
+                inv[3] = lane(s.inv[3], 2 * b + j / 2), scale[3] = lane(s.scale[3], 2 * b + j / 2), rp[3] = lane(s.rp[3], 2 * b + j / 2);
+            v8i a = g->a[b][j];
+            v8f af = float_of(a), au = af * unit;
+            sq += au * au;
+            nonzero += imin(a, one);
+            float *to = dst ? dst + 128 * b + 8 * j : NULL; /* (NVFP4's halves side by side) */
+            v8i sign = g->sign[b][j];
+            /* (written out: a loop over the formats kept its sums in memory) */
+            cast_vector(af, au, sign, inv[0], scale[0], rp[0], caps[0], MX[0].m, MX[0].lo, &es[0], &kept[0], to);
+            cast_vector(af, au, sign, inv[1], scale[1], rp[1], caps[1], MX[1].m, MX[1].lo, &es[1], &kept[1], to ? to + 32 : NULL);
+            cast_vector(af, au, sign, inv[2], scale[2], rp[2], caps[2], MX[2].m, MX[2].lo, &es[2], &kept[2], to ? to + 64 : NULL);
+            cast_vector(af, au, sign, inv[3], scale[3], rp[3], caps[3], 1, 127, &es[3], &kept[3], to ? to + 96 : NULL);
+        }
+    }
+    acc->sq += __builtin_convertvector(sq, v8d) * u2;
+    for (int f = 0; f < 4; f++) acc->err[f] += __builtin_convertvector(es[f], v8d) * u2, acc->kept[f] += kept[f];
+    acc->nonzero += nonzero;
+    g->n = 0;
+}
+
+static inline __attribute__((always_inline)) void fold_counts(block_acc *acc, int64_t *flushed) {
+    for (int j = 0; j < 8; j++)
+        for (int f = 0; f < 4; f++) flushed[f] += acc->nonzero[j] - acc->kept[f][j];
+    acc->nonzero = (v8i){0};
+    for (int f = 0; f < 4; f++) acc->kept[f] = (v8i){0};
 }
 
 /* `dst`, unless NULL: every block's 4 dequantized blocks, (rows, ceil(cols / 32), 4, 32) floats
@@ -432,30 +500,34 @@ static inline void fold_flushed(block_acc *acc, int64_t *flushed) {
     static inline __attribute__((always_inline)) void NAME##_body(const T *x, int64_t rows, int64_t cols, \
                                                                   int64_t stride, double *out, float *dst) { \
         block_acc acc;                                                                     \
+        block_group g;                                                                     \
         memset(&acc, 0, sizeof acc);                                                       \
+        g.n = 0;                                                                           \
         int64_t flushed[4] = {0, 0, 0, 0}, since = 0;                                      \
         for (int64_t r = 0; r < rows; r++) {                                               \
             const T *p = x + r * stride;                                                   \
-            int64_t i = 0;                                                                 \
             v8f v[4];                                                                      \
-            for (; cols - i >= 32; i += 32) {                                              \
-                for (int j = 0; j < 4; j++) v[j] = LOAD(p + i + 8 * j);                    \
-                cast_block(v, &acc, dst);                                                  \
-                dst = dst ? dst + 128 : NULL;                                              \
-                if (++since == (1 << 24)) { /* (before a lane's int32 count could wrap) */ \
-                    fold_flushed(&acc, flushed);                                           \
-                    since = 0;                                                             \
+            for (int64_t i = 0; i < cols; i += 32) {                                       \
+                if (cols - i >= 32) {                                                      \
+                    for (int j = 0; j < 4; j++) v[j] = LOAD(p + i + 8 * j);                \
+                } else { /* the last block, zero-padded */                                 \
+                    float pad[32] = {0};                                                   \
+                    for (int64_t t = i; t < cols; t++) pad[t - i] = SCALAR(p[t]);          \
+                    for (int j = 0; j < 4; j++) v[j] = load_f32(pad + 8 * j);              \
+                }                                                                          \
+                take_block(&g, v);                                                         \
+                if (g.n == GROUP) {                                                        \
+                    cast_group(&g, &acc, dst);                                             \
+                    dst = dst ? dst + 128 * GROUP : NULL;                                  \
+                    if (++since == (1 << 24)) { /* (16 a lane a group: before an int32 could wrap) */ \
+                        fold_counts(&acc, flushed);                                        \
+                        since = 0;                                                         \
+                    }                                                                      \
                 }                                                                          \
             }                                                                              \
-            if (i < cols) { /* the last block, zero-padded */                              \
-                float pad[32] = {0};                                                       \
-                for (int64_t t = i; t < cols; t++) pad[t - i] = SCALAR(p[t]);              \
-                for (int j = 0; j < 4; j++) v[j] = load_f32(pad + 8 * j);                  \
-                cast_block(v, &acc, dst);                                                  \
-                dst = dst ? dst + 128 : NULL;                                              \
-            }                                                                              \
         }                                                                                  \
-        fold_flushed(&acc, flushed);                                                       \
+        if (g.n) cast_group(&g, &acc, dst);                                                \
+        fold_counts(&acc, flushed);                                                        \
         double sq = 0.0;                                                                   \
         for (int j = 0; j < 8; j++) sq += acc.sq[j];                                       \
         for (int f = 0; f < 4; f++) {                                                     \
@@ -508,7 +580,7 @@ static inline void merge_moments(moments *a, const moments *b) {
 
 /* one chunk of `len` elements at p (len a multiple of 8 unless it is a row's tail) */
 #define LS_MOMENT_CHUNK(T, LOAD, SCALAR)                                                     \
-    static inline moments chunk_moments_##T(const T *p, int64_t len, double centre) {       \
+    static inline __attribute__((always_inline)) moments chunk_moments_##T(const T *p, int64_t len, double centre) { \
         double c = centre;                                                                 \
         moments m = {0, 0, 0, 0, 0};                                                       \
         int64_t i = 0;                                                                     \
@@ -531,18 +603,33 @@ static inline void merge_moments(moments *a, const moments *b) {
             c = total / count; /* (rounded: the sums about it are moved to the exact mean) */ \
         }                                                                                  \
         v8d s1 = {0}, s2 = {0}, s3 = {0}, s4 = {0};                                        \
-        v8i c8 = {0};                                                                      \
-        for (i = 0; len - i >= 8; i += 8) {                                                \
+        v8i c8 = {0}, top = {0};                                                           \
+        for (i = 0; len - i >= 8; i += 8) { /* every element finite (checked after) */    \
             v8f a = LOAD(p + i);                                                           \
-            v8i fin = abs_bits(a) < 0x7f800000;                                            \
-            v8d d = __builtin_convertvector(float_of(bits_of(a) & fin), v8d) - c;          \
-            d = d * __builtin_convertvector(fin & 1, v8d); /* (non-finite: 0, not -c) */   \
+            top = imax(top, abs_bits(a));                                                  \
+            v8d d = __builtin_convertvector(a, v8d) - c;                                   \
             v8d d2 = d * d;                                                                \
             s1 += d;                                                                       \
             s2 += d2;                                                                      \
             s3 += d2 * d;                                                                  \
             s4 += d2 * d2;                                                                 \
-            c8 -= fin;                                                                     \
+        }                                                                                  \
+        c8 += (int32_t)(i / 8);                                                            \
+        if (hmax(top) >= 0x7f800000u) { /* a NaN or an Inf: again, leaving them out */     \
+            s1 = s2 = s3 = s4 = (v8d){0};                                                  \
+            c8 = (v8i){0};                                                                 \
+            for (i = 0; len - i >= 8; i += 8) {                                            \
+                v8f a = LOAD(p + i);                                                       \
+                v8i fin = abs_bits(a) < 0x7f800000;                                        \
+                v8d d = __builtin_convertvector(float_of(bits_of(a) & fin), v8d) - c;      \
+                d = d * __builtin_convertvector(fin & 1, v8d); /* (non-finite: 0, not -c) */ \
+                v8d d2 = d * d;                                                            \
+                s1 += d;                                                                   \
+                s2 += d2;                                                                  \
+                s3 += d2 * d;                                                              \
+                s4 += d2 * d2;                                                             \
+                c8 -= fin;                                                                 \
+            }                                                                              \
         }                                                                                  \
         double r1 = 0, r2 = 0, r3 = 0, r4 = 0, count = 0;                                  \
         for (int j = 0; j < 8; j++) r1 += s1[j], r2 += s2[j], r3 += s3[j], r4 += s4[j], count += c8[j]; \
@@ -584,6 +671,10 @@ LS_MOMENT_CHUNK(uint16_t, load_bf16, scalar_bf16)
 
 LS_MOMENTS(ls_moments_f32, float)
 LS_MOMENTS(ls_moments_bf16, uint16_t)
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
 
 /* ---------------------------------------------------------------------------------------
  * The per-tensor FP8 what-if (lightning_scale.record.stats.fp8 defines it and is the
