@@ -24,7 +24,7 @@ import pstats
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -87,8 +87,8 @@ def phases(steps: Dict[str, Callable[[Dict[str, float]], None]], rounds: int) ->
     }
 
 
-def functions(step: Callable[[Dict[str, float]], None], steps: int) -> Dict[str, float]:
-    """Cumulative seconds per watched function over ``steps`` profiled steps, and the total."""
+def functions(step: Callable[[Dict[str, float]], None], steps: int) -> Dict[str, Tuple[float, int]]:
+    """(cumulative seconds, calls) per watched function over ``steps`` profiled steps, and the total."""
     profile = cProfile.Profile(time.process_time)
     started = time.process_time()
     profile.enable()
@@ -96,11 +96,12 @@ def functions(step: Callable[[Dict[str, float]], None], steps: int) -> Dict[str,
         step({})
     profile.disable()
     total = time.process_time() - started
-    out = {"total": total}
+    out = {"total": (total, 0)}
     for (file, _, name), row in pstats.Stats(profile).stats.items():  # type: ignore[attr-defined]
         for fragment, watched in WATCHED:
             if name == watched and file.endswith(fragment):
-                out[f"{fragment}:{name}"] = out.get(f"{fragment}:{name}", 0.0) + row[3]
+                seconds, calls = out.get(f"{fragment}:{name}", (0.0, 0))
+                out[f"{fragment}:{name}"] = (seconds + row[3], calls + row[1])
     return out
 
 
@@ -124,10 +125,10 @@ def main(argv: List[str]) -> int:
         print(f"  {phase:10s} plain {1e3 * plain[phase]:7.2f}  tracked {1e3 * tracked[phase]:7.2f}")
     print(f"  step       plain {1e3 * sum(plain.values()):7.2f}  tracked {1e3 * sum(tracked.values()):7.2f}")
     profiled = functions(steps["tracked"], max(3, args.rounds // 2))
-    total = profiled.pop("total")
+    total = profiled.pop("total")[0]
     print(f"cProfile, {max(3, args.rounds // 2)} tracked steps, {1e3 * total:.1f} CPU ms in all:")
-    for name, seconds in sorted(profiled.items(), key=lambda kv: -kv[1]):
-        print(f"  {name:32s} {1e3 * seconds:8.1f} ms  {100 * seconds / total:5.1f}%")
+    for name, (seconds, calls) in sorted(profiled.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {name:32s} {1e3 * seconds:8.1f} ms  {100 * seconds / total:5.1f}%  {calls} calls")
     return 0
 
 
