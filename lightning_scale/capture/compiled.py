@@ -10,7 +10,9 @@ backend on it:
   partial sums of its rows, the optional groups' fields and, with ``channels``, its channel
   row, packed); the packed vectors of all nodes are concatenated into one extra graph
   output, taken off before dynamo sees it, and finished into records and channel rows
-  (``PackedLayout``, a few vectorised ops for the whole graph) after it ran;
+  (``PackedLayout``, a few vectorised ops for the whole graph) after it ran; for a tensor
+  on the CPU, one opaque op instead (``host_op.host_packed_record``: the host kernel's one
+  read, the same layout with the whole tensor as one row; ``LIGHTNING_SCALE_COMPILED_STATS``);
 * each recorded node that requires a gradient goes through ``Probe``, an identity whose
   backward returns the gradient unchanged and, as the gradient of a probe tensor passed
   in as one extra input (one per such node, fresh on every call), the gradient's packed
