@@ -33,7 +33,7 @@ def _gen(seed: int) -> torch.Generator:
 
 def cases() -> Dict[str, Tensor]:
     """Short tensors (torch code) and long ones (the native kernel above 4096 elements), |mean|
-    1e4 times the spread, NaN and ±Inf, a strided view, float64, bfloat16 and float16."""
+    1e4 times the spread, NaN and ±Inf, strided and expanded views, float64, bfloat16 and float16."""
     bad = torch.randn(300, generator=_gen(14))
     bad[5], bad[260], bad[299] = math.nan, math.inf, -math.inf
     inf = torch.randn(64, 96, generator=_gen(15))
@@ -44,6 +44,8 @@ def cases() -> Dict[str, Tensor]:
         "mean_1e4_std": (torch.randn(64, 80, generator=_gen(12), dtype=torch.float64) + 1e4).float(),
         "mean_1e3_std_short": 1 + 1e-3 * torch.randn(6, 100, generator=_gen(13)),
         "strided": torch.randn(96, 64, 2, generator=_gen(16))[..., 0].t(),
+        "expanded": (torch.randn(64, 1, generator=_gen(24)) * 3).expand(64, 96),  # (stride 0)
+        "expanded_constant": torch.full((1,), 0.5).expand(64, 96),  # (the gradient of a mean)
         "float64": torch.randn(24, 64, generator=_gen(17), dtype=torch.float64).t(),
         "bfloat16": (torch.randn(80, 70, generator=_gen(18)) * 3 + 1).bfloat16(),
         "float16": (torch.randn(40, 130, generator=_gen(19)) * 2).half(),
@@ -63,7 +65,8 @@ def test_one_row_vectors_finish_into_the_host_paths_records(groups: Tuple[str, .
     layout = PackedLayout([x.numel() for x in xs.values()], groups, CPU, whole=[True] * len(xs))
     rows = layout.records(torch.cat(packed))
     for row, (case, x) in zip(rows, xs.items()):
-        want = stats.assemble([stats.record_of(x, groups, host_reads=True)])[0]
+        dense = x.contiguous() if 0 in x.stride() else x  # (the op copies an expanded tensor)
+        want = stats.assemble([stats.record_of(dense, groups, host_reads=True)])[0]
         torch.testing.assert_close(row, want, rtol=0, atol=0, equal_nan=True, msg=case)
         n, mean, m2, _, _ = reference_moments(x)
         assert row[IX["count"]] == x.numel() and row[IX["nan"]] == int(x.isnan().sum()), case

@@ -89,6 +89,8 @@ def _packed(x: Tensor, groups: str) -> Tensor:
     """The op's implementation: the host path's record (``fast_host_record`` where it takes
     ``x``, else ``record_of``), rearranged."""
     chosen, columns, fast = _plan(groups)
+    if any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
+        x = x.contiguous()  # (expanded, as the gradient of a sum: one copy; the host path recurses on it)
     row = fast(x) if fast is not None and x.numel() > DOT_MAX else None
     if row is None:
         row = record_of(x, chosen, host_reads=True)
