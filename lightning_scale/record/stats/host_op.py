@@ -27,10 +27,9 @@ from typing import Callable, Collection, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from lightning_scale.record.stats.channels import CHANNEL_WIDTH, channel_row
-from lightning_scale.record.stats.fields import IX, Col
 from lightning_scale.record.stats import fast_host_record, record_of
-from lightning_scale.record.stats.fields import Entry
+from lightning_scale.record.stats.channels import CHANNEL_WIDTH, channel_row
+from lightning_scale.record.stats.fields import IX, Col, Entry
 from lightning_scale.record.stats.host import DOT_MAX
 from lightning_scale.record.stats.traceable import ROW_FIELDS, extra_fields
 
@@ -64,7 +63,7 @@ def whole_packed_size(groups: Collection[str]) -> int:
 
 def host_packed_record(x: Tensor, groups: Collection[str] = ("moments", "range")) -> Tensor:
     """``x``'s statistics as one float64 vector of ``whole_packed_size(groups)`` elements (see
-    the module docstring), on ``x``'s device, by one call of the custom op.
+    the module docstring), on ``x``'s device, by one call of the op.
 
     Args:
         x: a floating-point tensor with at least one element, in host memory; any strides.
