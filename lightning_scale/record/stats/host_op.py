@@ -24,6 +24,7 @@ import functools
 import os
 from typing import Callable, Collection, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -88,7 +89,7 @@ def _packed(x: Tensor, groups: str) -> Tensor:
     """The op's implementation: the host path's record (``fast_host_record`` where it takes
     ``x``, else ``record_of``), rearranged."""
     chosen, columns, fast = _plan(groups)
-    if any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
+    if 0 in x.stride() and any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
         x = x.contiguous()  # (expanded, as the gradient of a sum: one copy; the host path recurses on it)
     row = fast(x) if fast is not None and x.numel() > DOT_MAX else None
     if row is None:
@@ -96,7 +97,7 @@ def _packed(x: Tensor, groups: str) -> Tensor:
     nan, inf = float(row[Col.NAN]), float(row[Col.INF])
     values = [float(row[Col.MEAN]), 1.0, 0.0, float(row[Col.M2]), nan, nan + inf, float(row[Col.ABSMAX])]
     values += [float(row[c]) for c in columns]
-    packed = torch.tensor(values, dtype=torch.float64)
+    packed = torch.from_numpy(np.array(values, dtype=np.float64))  # (a third of torch.tensor's time)
     if "channels" in chosen:
         packed = torch.cat([packed, channel_row(x).to(torch.float64)])
     return packed
