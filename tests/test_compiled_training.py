@@ -158,8 +158,8 @@ def test_a_tracked_version_that_differs_trains_untracked_with_one_warning(
     1e-3) is caught by the fidelity probe; the fit trains as without the callback."""
     plain, _ = fit(tmp_path / "plain", "whole", None, backend="aot_eager")  # (no C++ compile: fast)
 
-    def shifted(ctx: Any, x: Tensor, probe: Tensor, groups: Tuple[str, ...], copy: bool) -> Tensor:
-        ctx.groups = groups
+    def shifted(ctx: Any, x: Tensor, probe: Tensor, groups: Tuple[str, ...], copy: bool, host: bool) -> Tensor:
+        ctx.groups, ctx.host = groups, host
         return x + 1e-3
 
     monkeypatch.setattr(compiled.Probe, "forward", staticmethod(shifted))

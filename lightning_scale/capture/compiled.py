@@ -10,7 +10,9 @@ backend on it:
   partial sums of its rows, the optional groups' fields and, with ``channels``, its channel
   row, packed); the packed vectors of all nodes are concatenated into one extra graph
   output, taken off before dynamo sees it, and finished into records and channel rows
-  (``PackedLayout``, a few vectorised ops for the whole graph) after it ran;
+  (``PackedLayout``, a few vectorised ops for the whole graph) after it ran; for a tensor
+  on the CPU, one opaque op instead (``host_op.host_packed_record``: the host kernel's one
+  read, the same layout with the whole tensor as one row; ``LIGHTNING_SCALE_COMPILED_STATS``);
 * each recorded node that requires a gradient goes through ``Probe``, an identity whose
   backward returns the gradient unchanged and, as the gradient of a probe tensor passed
   in as one extra input (one per such node, fresh on every call), the gradient's packed
@@ -42,6 +44,7 @@ from lightning_scale.capture.compiled_labels import CompiledLabels
 from lightning_scale.capture.forward_swap import ForwardSwap
 from lightning_scale.record import recorder as recording
 from lightning_scale.record.recorder import BACKWARD, FORWARD
+from lightning_scale.record.stats.host_op import host_packed_record, uses_host_op
 from lightning_scale.record.stats.traceable import PackedLayout, packed_record, packed_size
 
 __all__ = ["CompiledRoute", "InstrumentingBackend", "Probe", "UserCompile", "compiled_modules", "probe", "user_compile"]
@@ -77,37 +80,44 @@ def user_compile(module: nn.Module) -> Optional[UserCompile]:
 
 class Probe(torch.autograd.Function):
     """Identity on ``x``; backward: ``x``'s gradient unchanged, and its packed statistics
-    (``packed_record``) as the gradient of ``probe`` (float64, ``packed_size`` elements).
-    ``copy`` returns a copy of ``x``
+    (``packed_record``; with ``host``, ``host_packed_record``'s one-row form) as the gradient
+    of ``probe`` (float64, ``packed_size`` elements). ``copy`` returns a copy of ``x``
     (for a graph output: an output that aliases an intermediate is rebuilt outside the
     compiled graph, and its gradient would bypass this backward)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, probe: Tensor, groups: Tuple[str, ...], copy: bool) -> Tensor:
-        ctx.groups = groups
+    def forward(ctx: Any, x: Tensor, probe: Tensor, groups: Tuple[str, ...], copy: bool, host: bool) -> Tensor:
+        ctx.groups, ctx.host = groups, host
         ctx.set_materialize_grads(False)  # (an unused output: no gradient, no record)
         return x.clone() if copy else x
 
     @staticmethod
     def backward(ctx: Any, grad: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         if grad is None:
-            return None, None, None, None
-        return grad, packed_record(grad, ctx.groups), None, None
+            return None, None, None, None, None
+        return grad, _statistics(ctx.host)(grad, ctx.groups), None, None, None
 
 
-def probe(x: Tensor, probe: Tensor, groups: Tuple[str, ...], copy: bool) -> Tensor:
+def probe(x: Tensor, probe: Tensor, groups: Tuple[str, ...], copy: bool, host: bool = False) -> Tensor:
     """``Probe.apply`` as a graph node's target (fx writes code that imports it by name)."""
-    return Probe.apply(x, probe, groups, copy)
+    return Probe.apply(x, probe, groups, copy, host)
+
+
+def _statistics(host: bool) -> Callable[..., Tensor]:
+    """The packed statistics of a node: the host op's one row, or the traceable ops' rows."""
+    return host_packed_record if host else packed_record
 
 
 @dataclass
 class _Instrumented:
-    """A rewritten graph, its recorded nodes (in row order) and their element counts, the
-    nodes with a probe input (indices, in input order), and its outputs' container."""
+    """A rewritten graph, its recorded nodes (in row order), their element counts and
+    whether each is recorded by the host op (one row), the nodes with a probe input
+    (indices, in input order), and its outputs' container."""
 
     gm: fx.GraphModule
     names: List[str]
     numels: List[int]
+    whole: List[bool]
     probed: List[int]
     output_type: Optional[type]  # tuple or list; None: a single output
 
@@ -151,18 +161,21 @@ def instrument_graph(
     at = [n if n in returned else by_name.get((stand_ins or {}).get(n.name, ""), n) for n in nodes]
     values = [_example(a, inputs) for a in at]
     probed = [i for i, v in enumerate(values) if v.requires_grad]
+    whole = [uses_host_op(v.device) for v in values]  # (decided once, from the example value's device)
     probes, last = {}, placeholders[-1]
     for i in probed:
         with graph.inserting_after(last):
             probes[i] = last = graph.placeholder(f"statistics_probe_{i}")
-    packed = [_instrument_node(graph, a, last, probes.get(i), a in returned, groups) for i, a in enumerate(at)]
+    packed = [
+        _instrument_node(graph, a, last, probes.get(i), (a in returned, whole[i]), groups) for i, a in enumerate(at)
+    ]
     with graph.inserting_before(output):
         joined = graph.call_function(torch.cat, (packed,))
     output.args = ((*output.args[0], joined),)
     graph.lint()
     kind = type(result) if isinstance(result, (tuple, list)) else None
     numels = [v.numel() for v in values]
-    return _Instrumented(fx.GraphModule(gm, graph), [n.name for n in nodes], numels, probed, kind)
+    return _Instrumented(fx.GraphModule(gm, graph), [n.name for n in nodes], numels, whole, probed, kind)
 
 
 def _instrument_node(
@@ -170,16 +183,18 @@ def _instrument_node(
     node: fx.Node,
     last: fx.Node,
     probe_input: Optional[fx.Node],
-    returned: bool,
+    how: Tuple[bool, bool],
     groups: Tuple[str, ...],
 ) -> fx.Node:
-    """Insert ``node``'s packed statistics (returned) and, with a probe input, its ``Probe``."""
+    """Insert ``node``'s packed statistics (returned) and, with a probe input, its ``Probe``;
+    ``how``: (whether the graph returns ``node``, whether the host op records it)."""
+    returned, host = how
     anchor = last if node.op == "placeholder" else node
     with graph.inserting_after(anchor):
-        packed = graph.call_function(packed_record, (node,), {"groups": groups})
+        packed = graph.call_function(_statistics(host), (node,), {"groups": groups})
     if probe_input is not None:
         with graph.inserting_after(packed):
-            through = graph.call_function(probe, (node, probe_input, groups, returned))
+            through = graph.call_function(probe, (node, probe_input, groups, returned, host))
         node.replace_all_uses_with(through, delete_user_cb=lambda user: user not in (packed, through))
     return packed
 
@@ -237,8 +252,8 @@ class _Packing:
 
     def __init__(self, rewritten: _Instrumented, groups: Tuple[str, ...], device: torch.device) -> None:
         self.rewritten, self.groups, self.device = rewritten, groups, device
-        self.layout = PackedLayout(rewritten.numels, groups, device)
-        self._sizes = [packed_size(rewritten.numels[i], groups) for i in rewritten.probed]
+        self.layout = PackedLayout(rewritten.numels, groups, device, rewritten.whole)
+        self._sizes = [packed_size(rewritten.numels[i], groups, rewritten.whole[i]) for i in rewritten.probed]
         self._layouts: Dict[Tuple[int, ...], Tuple[PackedLayout, Tensor]] = {}
 
     def probes(self) -> List[Tensor]:
@@ -255,7 +270,8 @@ class _Packing:
             return None
         if reached not in self._layouts:
             nodes = [self.rewritten.probed[i] for i in reached]
-            layout = PackedLayout([self.rewritten.numels[i] for i in nodes], self.groups, self.device)
+            numels, whole = [self.rewritten.numels[i] for i in nodes], [self.rewritten.whole[i] for i in nodes]
+            layout = PackedLayout(numels, self.groups, self.device, whole)
             self._layouts[reached] = layout, torch.tensor(nodes, dtype=torch.long).to(self.device, non_blocking=True)
         layout, nodes = self._layouts[reached]
         packed = torch.cat([probes[i].grad for i in reached])

@@ -20,6 +20,7 @@ from lightning_scale.capture.compiled import CompiledRoute, user_compile
 from lightning_scale.record import stats
 from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder, recording
 from lightning_scale.record.stats.channels import CHANNEL_CAP, channel_row, channel_statistics
+from lightning_scale.record.stats.host_op import ENV
 from lightning_scale.record.stats.traceable import traceable_record
 from lightning_scale.tools.models import Block, GPTConfig
 
@@ -145,6 +146,14 @@ class Run:
         self.graphs: List[int] = []
 
 
+@pytest.fixture(params=["auto", "ops"])
+def statistics_ops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both forms of the route's statistics on the CPU: the host op (``auto``) and the
+    traceable ops (``ops``, what compiles into an accelerator's kernels)."""
+    monkeypatch.setenv(ENV, request.param)
+    return str(request.param)
+
+
 def loss_of(out: Tensor) -> Tensor:
     return out.square().mean()
 
@@ -161,10 +170,17 @@ def run_step(run: Run, forward: Callable[[Tensor], Tensor], tracked: bool) -> Tu
     return out.detach(), grads
 
 
-@pytest.fixture(scope="module")
-def block_run() -> Iterator[Run]:
+@pytest.fixture(scope="module", params=["auto", "ops"])
+def block_run(request: pytest.FixtureRequest) -> Iterator[Run]:
     """Two SGD steps; each runs the user's compiled block, then the instrumented one from
-    the same parameters, and steps with the instrumented gradients."""
+    the same parameters, and steps with the instrumented gradients; with the host op
+    (``auto``) and with the traceable ops (``ops``)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ENV, request.param)
+        yield from _block_run()
+
+
+def _block_run() -> Iterator[Run]:
     torch._dynamo.reset()
     run = Run()
     opt = torch.optim.SGD(run.holder.parameters(), lr=0.5)
@@ -260,7 +276,7 @@ class Shifted(nn.Module):
         return self.lin(x) * 1e-3 + 1.0
 
 
-def test_compiled_std_is_accurate_when_mean_dominates() -> None:
+def test_compiled_std_is_accurate_when_mean_dominates(statistics_ops: str) -> None:
     """tests/record/test_stats.py's standard (rel 1e-4 at |mean| / std ~ 1000), on the rows
     Inductor computes; a one-pass float32 formula misses it by far."""
     torch._dynamo.reset()
@@ -300,7 +316,7 @@ class Gained(nn.Module):
         return self.lin(x) * self.gain
 
 
-def test_channel_rows_on_the_compiled_route_equal_the_eager_routes() -> None:
+def test_channel_rows_on_the_compiled_route_equal_the_eager_routes(statistics_ops: str) -> None:
     """The ``channels`` group compiled into the graph: every node's channel row, forward and
     backward, is bit for bit the one the eager (dynamo) route takes on the host path from the
     same computation, and the module output's is the host path's row of the very tensors

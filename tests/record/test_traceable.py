@@ -159,13 +159,20 @@ class Holder(torch.nn.Module):
         return self.model(x)
 
 
-def test_compiled_route_records_every_group_of_the_tensors_it_computes() -> None:
+@pytest.mark.parametrize("ops", ["auto", "ops"])
+def test_compiled_route_records_every_group_of_the_tensors_it_computes(
+    ops: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A compiled submodule on the compiled route with every group on: each row against the
     float64 references of the very tensors the compiled step computed (its output and that
     output's gradient, a parameter and its gradient). The user's backend here is AOTAutograd
     without Inductor (the route compiles with the user's backend; Inductor's C++ compile of
-    every group on every node takes minutes here, and its rows are checked above)."""
+    every group on every node takes minutes here, and its rows are checked above). On the
+    CPU the route records with the host op (``auto``); ``ops`` forces the traceable ops."""
     from lightning_scale.capture.compiled import CompiledRoute
+    from lightning_scale.record.stats.host_op import ENV
+
+    monkeypatch.setenv(ENV, ops)
     from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder, recording
 
     torch._dynamo.reset()

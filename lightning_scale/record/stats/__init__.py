@@ -7,7 +7,8 @@ path for tensors in host memory, ``device`` the one that reads nothing back, ``f
 code after the host kernel and torch's device kernels, ``torch_groups``; inside the fused
 Triton kernel's read otherwise), ``channels`` the channel rows kept beside the records (their
 own group, pooled as their own segment), ``traceable`` and ``traceable_channels`` the record
-and the channel row as graph ops (for the compiled route), ``layout`` how a tensor is read in
+and the channel row as graph ops (for the compiled route), ``host_op`` the host path as one
+graph op (the compiled route's statistics on the CPU), ``layout`` how a tensor is read in
 place (dense views, strided grids) and in bounded pieces (a large tensor's temporaries stay
 within ``layout.scratch_bytes``).
 

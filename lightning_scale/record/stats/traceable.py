@@ -123,10 +123,16 @@ def row_lengths(n: int) -> Tuple[int, int, int]:
     return length, n // length, n % length
 
 
-def packed_size(n: int, groups: Collection[str]) -> int:
-    """Elements of ``packed_record`` of a tensor of ``n`` elements."""
-    _, rows, tail = row_lengths(n)
+def packed_size(n: int, groups: Collection[str], whole: bool = False) -> int:
+    """Elements of ``packed_record`` of a tensor of ``n`` elements (``whole``: of the one-row
+    form, ``host_op.host_packed_record``)."""
+    _, rows, tail = _row_shape(n, whole)
     return (rows + (tail > 0)) * _K + len(extra_fields(groups)) + _channel_width(groups)
+
+
+def _row_shape(n: int, whole: bool) -> Tuple[int, int, int]:
+    """``row_lengths(n)``, or the whole tensor as one row."""
+    return (n, 1, 0) if whole else row_lengths(n)
 
 
 def _channel_width(groups: Collection[str]) -> int:
@@ -189,14 +195,25 @@ class PackedLayout:
         numels: each tensor's element count, in packing order.
         groups: the groups ``packed_record`` was given.
         device: where the packed vectors lie.
+        whole: per tensor, whether its vector is the one-row form (``host_op.host_packed_record``:
+            the whole tensor as one row); default: none is.
     """
 
-    def __init__(self, numels: Sequence[int], groups: Collection[str], device: torch.device) -> None:
+    def __init__(
+        self,
+        numels: Sequence[int],
+        groups: Collection[str],
+        device: torch.device,
+        whole: Optional[Sequence[bool]] = None,
+    ) -> None:
         self.numels = tuple(int(n) for n in numels)
+        ones = tuple(bool(w) for w in whole) if whole is not None else (False,) * len(self.numels)
+        if len(ones) != len(self.numels):
+            raise ValueError(f"`whole` must have one flag per tensor ({len(self.numels)}), got {len(ones)}")
         self.extras = extra_fields(groups)
         self.with_range = "range" in groups
-        self.sizes = tuple(packed_size(n, groups) for n in self.numels)
-        shape = [row_lengths(n) for n in self.numels]  # (built on the host with numpy: one upload each, no sync)
+        self.sizes = tuple(packed_size(n, groups, w) for n, w in zip(self.numels, ones))
+        shape = [_row_shape(n, w) for n, w in zip(self.numels, ones)]  # (numpy on the host: one upload each)
         rows = np.array([r + (t > 0) for _, r, t in shape], dtype=np.int64)
         first = np.cumsum(rows) - rows
         length = np.repeat(np.array([k for k, _, _ in shape], dtype=np.float64), rows)

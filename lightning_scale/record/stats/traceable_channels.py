@@ -46,4 +46,3 @@ def traceable_channel_row(x: Tensor) -> Tensor:
     slots = torch.nn.functional.pad(maxima.double(), (0, -c % CHANNEL_CAP)).view(-1, CHANNEL_CAP).amax(0)
     count = torch.full((1,), c, dtype=torch.float64, device=x.device)
     return torch.cat([count, slots])
-

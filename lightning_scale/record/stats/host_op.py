@@ -1,0 +1,132 @@
+"""The host path as one opaque graph op: a tensor's packed statistics for compiled graphs on the CPU.
+
+``host_packed_record(x, groups)`` gives the same packed vector layout as
+``traceable.packed_record`` with the whole tensor as ONE row (``whole_packed_size``
+elements): the row's ``ROW_FIELDS`` are the tensor's mean as the scaled shift, scale 1, the
+sum of deviations 0, m2 as the sum of squares, its NaN and non-finite counts and max |x|;
+then the fields of the other groups (``extra_fields``), then, with ``channels``, its channel
+row. The numbers come from the host path (``record_of(x, groups, host_reads=True)``: the
+native kernel's one read at memory speed where it takes ``x``, torch code for any other
+stride or dtype) and ``channels.channel_row``. ``PackedLayout(..., whole=...)`` finishes
+both forms into records with the same code.
+
+It is a ``torch.library`` op (``lightning_scale::host_packed_record``, registered once
+per process on import, with a fake that gives its size), so a compiler keeps it as one call:
+no statistic kernels to generate and compile, and a read at the host kernel's speed. The
+compiled route (``capture.compiled``) inserts it for tensors on the CPU and the traceable ops
+elsewhere (they compile into the accelerator's kernels); ``LIGHTNING_SCALE_COMPILED_STATS``
+chooses (``uses_host_op``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable, Collection, List, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_scale.record.stats import fast_host_record, record_of
+from lightning_scale.record.stats.channels import CHANNEL_WIDTH, channel_row
+from lightning_scale.record.stats.fields import IX, Col, Entry
+from lightning_scale.record.stats.host import DOT_MAX
+from lightning_scale.record.stats.traceable import ROW_FIELDS, extra_fields
+
+__all__ = ["CHOICES", "ENV", "host_packed_record", "uses_host_op", "whole_packed_size"]
+
+#: The environment variable that chooses the compiled route's statistics ops.
+ENV = "LIGHTNING_SCALE_COMPILED_STATS"
+#: ``auto``: the host op for CPU tensors, traceable ops elsewhere; ``host``: the host op for
+#: CPU tensors (as auto); ``ops``: traceable ops on every device (how the tests run them on the CPU).
+CHOICES = ("auto", "host", "ops")
+_NAMESPACE, _OP = "lightning_scale", "host_packed_record"
+
+
+def uses_host_op(device: torch.device) -> bool:
+    """Whether the compiled route records a tensor on ``device`` with ``host_packed_record``
+    (read when a graph is instrumented).
+
+    Raises:
+        ValueError: ``LIGHTNING_SCALE_COMPILED_STATS`` is set to anything but ``CHOICES``.
+    """
+    value = os.environ.get(ENV, "").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"`{ENV}` must be one of {', '.join(CHOICES)}, got {value!r}")
+    return value != "ops" and device.type == "cpu"
+
+
+def whole_packed_size(groups: Collection[str]) -> int:
+    """Elements of ``host_packed_record`` of any tensor: one row, the other fields, the channel row."""
+    return len(ROW_FIELDS) + len(extra_fields(groups)) + (CHANNEL_WIDTH if "channels" in groups else 0)
+
+
+def host_packed_record(x: Tensor, groups: Collection[str] = ("moments", "range")) -> Tensor:
+    """``x``'s statistics as one float64 vector of ``whole_packed_size(groups)`` elements (see
+    the module docstring), on ``x``'s device, by one call of the op.
+
+    Args:
+        x: a floating-point tensor with at least one element, in host memory; any strides.
+        groups: which of ``GROUPS`` to compute ("moments" always is).
+
+    Example:
+        >>> packed = host_packed_record(torch.tensor([1.0, 2.0, 3.0]), ("moments", "range"))
+        >>> packed.tolist()  # mean, scale 1, sum of deviations 0, m2, NaN, non-finite, max |x|
+        [2.0, 1.0, 0.0, 2.0, 0.0, 0.0, 3.0]
+    """
+    return getattr(getattr(torch.ops, _NAMESPACE), _OP)(x.detach(), ",".join(groups))
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(groups: str) -> Tuple[Tuple[str, ...], Tuple[int, ...], Optional[Callable[[Tensor], Optional[List[Entry]]]]]:
+    """(the groups, the record columns packed after the row, the host path's short record)."""
+    chosen = tuple(groups.split(","))
+    return chosen, tuple(IX[name] for name in extra_fields(chosen)), fast_host_record(chosen)
+
+
+def _packed(x: Tensor, groups: str) -> Tensor:
+    """The op's implementation: the host path's record (``fast_host_record`` where it takes
+    ``x``, else ``record_of``), rearranged."""
+    chosen, columns, fast = _plan(groups)
+    if 0 in x.stride() and any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
+        x = x.contiguous()  # (expanded, as the gradient of a sum: one copy; the host path recurses on it)
+    row = fast(x) if fast is not None and x.numel() > DOT_MAX else None
+    if row is None:
+        row = record_of(x, chosen, host_reads=True)
+    nan, inf = float(row[Col.NAN]), float(row[Col.INF])
+    values = [float(row[Col.MEAN]), 1.0, 0.0, float(row[Col.M2]), nan, nan + inf, float(row[Col.ABSMAX])]
+    values += [float(row[c]) for c in columns]
+    packed = torch.from_numpy(np.array(values, dtype=np.float64))  # (a third of torch.tensor's time)
+    if "channels" in chosen:
+        packed = torch.cat([packed, channel_row(x).to(torch.float64)])
+    return packed
+
+
+def _fake(x: Tensor, groups: str) -> Tensor:
+    return x.new_empty(whole_packed_size(tuple(groups.split(","))), dtype=torch.float64)
+
+
+def _registered() -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"{_NAMESPACE}::{_OP}", "CPU")
+    except RuntimeError:  # (no such operator yet)
+        return False
+
+
+def _register() -> Optional[torch.library.Library]:
+    """Defines the op once per process with a CPU kernel (a plain ``Library`` kernel: less
+    than a third of ``custom_op``'s Python dispatch overhead, paid per recorded tensor and
+    direction) and a fake that gives its size; None where it is defined already."""
+    if _registered():
+        return None
+    library = torch.library.Library(_NAMESPACE, "FRAGMENT")
+    library.define(f"{_OP}(Tensor x, str groups) -> Tensor")
+    library.impl(_OP, _packed, "CPU")
+    torch.library.register_fake(f"{_NAMESPACE}::{_OP}", _fake, lib=library)
+    return library
+
+
+# (kept for the life of the process: a Library unregisters its ops when collected; a reload
+# of this module finds the one it made before)
+_LIBRARY = globals().get("_LIBRARY") or _register()
