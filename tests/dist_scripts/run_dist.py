@@ -1,7 +1,8 @@
 """Train a tiny MLP on CPU processes (gloo) and save what the distributed tests check.
 
 Usage: ``python run_dist.py OUT WORLD RUN...``, each RUN ``STRATEGY:CALLBACK:CAPTURE``, fitted in
-turn in the same processes (one launch for several fits), each to ``OUT/STRATEGY_CALLBACK_WORLD_CAPTURE``.
+turn in the same processes (one launch for several fits), each to ``OUT/STRATEGY_CALLBACK_WORLD_CAPTURE``;
+or ``python run_dist.py OUT STRATEGY CALLBACK [WORLD [CAPTURE]]``, one fit to OUT (WORLD 2, CAPTURE fx).
 STRATEGY is one of ``ddp``, ``ddp_spawn``, ``fsdp2``, ``fsdp2_compiled`` (FSDP2, each block then
 compiled: ``torch.compile(block)`` after ``fully_shard(block)``; the backend is the environment's
 ``RUN_DIST_BACKEND``, ``inductor`` by default), CALLBACK ``on``, ``off`` or ``fail`` (on, and every
@@ -232,5 +233,16 @@ def main(out: Path, world: int, runs: "list[str]") -> None:
         torch.distributed.destroy_process_group()
 
 
+def main_one(out: Path, strategy: str, mode: str, world: int = 2, capture: str = "fx") -> None:
+    """``python run_dist.py OUT STRATEGY CALLBACK [WORLD [CAPTURE]]``: one fit, written to OUT."""
+    holder: "list[pl.Trainer]" = []
+    fit(out, strategy, mode, world, capture, (holder, count_collectives(holder)))
+    if torch.distributed.is_initialized():  # else gloo's teardown waits ~10 s at exit
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
+    if sys.argv[2].isdigit():
+        main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
+    else:
+        main_one(Path(sys.argv[1]), sys.argv[2], sys.argv[3], *(f(a) for f, a in zip((int, str), sys.argv[4:])))

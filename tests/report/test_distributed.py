@@ -66,7 +66,14 @@ def _start(out: Path, keys: List[Key], port: int) -> "subprocess.Popen[str]":
     )
 
 
-def _wait(proc: "subprocess.Popen[str]", timeout: float) -> Tuple[str, int]:
+def _wait(proc: "subprocess.Popen[str]", timeout: float) -> str:
+    """The console output of a run that must succeed."""
+    out, code = _wait_status(proc, timeout)
+    assert code == 0, out[-3000:]
+    return out
+
+
+def _wait_status(proc: "subprocess.Popen[str]", timeout: float) -> Tuple[str, int]:
     """(the launch's console output, its exit status)."""
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -100,10 +107,10 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[Key
         i = next(i for i, keys in enumerate(LAUNCHES) if key in keys)
         if i not in procs:  # the last launch
             for earlier in list(procs):
-                done.setdefault(earlier, _wait(procs[earlier], timeout=300))
+                done.setdefault(earlier, _wait_status(procs[earlier], timeout=300))
             start([i])
         if i not in done:
-            done[i] = _wait(procs[i], timeout=300)
+            done[i] = _wait_status(procs[i], timeout=300)
         output, code = done[i]
         folder = "_".join(map(str, key))
         return base / folder, _sections(output).get(folder, output) if len(LAUNCHES[i]) > 1 else output, code
