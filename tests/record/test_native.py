@@ -233,8 +233,14 @@ def _one_variant(folder) -> str:
 def test_two_processes_building_at_once_both_load(tmp_path):
     env = {**os.environ, "LIGHTNING_SCALE_CACHE": str(tmp_path / "cache")}
     env.pop(native.ENV, None)
+    # (the package's modules without its ``__init__``, which imports Lightning: the processes
+    # start in the time torch takes to import, and build at once)
     code = textwrap.dedent(
-        """
+        f"""
+        import sys, types
+        package = types.ModuleType("lightning_scale")
+        package.__path__ = [{os.path.dirname(os.path.dirname(native.__path__[0]))!r}]
+        sys.modules["lightning_scale"] = package
         from lightning_scale.record import native
         assert native.load() is not None, native.status()
         print(native.load().path)
