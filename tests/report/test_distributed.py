@@ -33,7 +33,7 @@ ACTIVATIONS = ["model.layers.0.fc/linear", "model.layers.0.act/relu", "model.lay
 PARAMETERS = [f"model.layers.{i}.fc.{p}" for i in (0, 1) for p in ("weight", "bias")]
 #: (strategy, callback, world, capture) of every training run, by launch: the fits of a launch
 #: run in turn in the same processes (``run_dist.py``), each run without the callback before those
-#: with it (a fresh process for the reference), the injected failure last. ``ddp_spawn`` spawns its
+#: with it (the references run in processes where no callback has been), the injected failure last. ``ddp_spawn`` spawns its
 #: own processes for each fit; ``strict_ranks`` ends its processes, so it has its own launch.
 Key = Tuple[str, str, int, str]
 LAUNCHES: List[List[Key]] = [
