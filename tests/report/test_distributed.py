@@ -33,8 +33,9 @@ ACTIVATIONS = ["model.layers.0.fc/linear", "model.layers.0.act/relu", "model.lay
 PARAMETERS = [f"model.layers.{i}.fc.{p}" for i in (0, 1) for p in ("weight", "bias")]
 #: (strategy, callback, world, capture) of every training run, by launch: the fits of a launch
 #: run in turn in the same processes (``run_dist.py``), each run without the callback before those
-#: with it (the references run in processes where no callback has been), the injected failure last. ``ddp_spawn`` spawns its
-#: own processes for each fit; ``strict_ranks`` ends its processes, so it has its own launch.
+#: with it (the references run in processes where no callback has been), the injected failure
+#: last. ``ddp_spawn`` spawns its own processes for each fit; ``strict_ranks`` ends its processes,
+#: so it has its own launch.
 Key = Tuple[str, str, int, str]
 LAUNCHES: List[List[Key]] = [
     [("ddp", "off", 2, "fx"), ("fsdp2", "off", 2, "fx"), ("ddp", "branch_off", 2, "fx")]
