@@ -1,19 +1,24 @@
 """Train a tiny MLP on CPU processes (gloo) and save what the distributed tests check.
 
-Usage: ``python run_dist.py OUT STRATEGY CALLBACK [WORLD [CAPTURE]]`` with STRATEGY one of
-``ddp``, ``ddp_spawn``, ``fsdp2``, ``fsdp2_compiled`` (FSDP2, each block then compiled:
-``torch.compile(block)`` after ``fully_shard(block)``; the backend is the environment's
+Usage: ``python run_dist.py OUT WORLD RUN...``, each RUN ``STRATEGY:CALLBACK:CAPTURE``, fitted in
+turn in the same processes (one launch for several fits), each to ``OUT/STRATEGY_CALLBACK_WORLD_CAPTURE``;
+or ``python run_dist.py OUT STRATEGY CALLBACK [WORLD [CAPTURE]]``, one fit to OUT (WORLD 2, CAPTURE fx).
+STRATEGY is one of ``ddp``, ``ddp_spawn``, ``fsdp2``, ``fsdp2_compiled`` (FSDP2, each block then
+compiled: ``torch.compile(block)`` after ``fully_shard(block)``; the backend is the environment's
 ``RUN_DIST_BACKEND``, ``inductor`` by default), CALLBACK ``on``, ``off`` or ``fail`` (on, and every
-statistic raises on rank 1 only), or ``branch``, ``branch_off``, ``branch_strict`` (rank 1's
-forward has an extra ``tanh``, so the ranks capture different graphs; tracked steps 0 and 1;
-the callback on, off, on with ``strict_ranks=True``), WORLD the number of processes (2) and CAPTURE the
-callback's ``capture`` (``fx``). Lightning's ``ddp`` launcher re-runs this script for the
-other ranks.
+statistic raises on rank 1 only, for that fit), or ``branch``, ``branch_off``, ``branch_strict``
+(rank 1's forward has an extra ``tanh``, so the ranks capture different graphs; tracked steps 0
+and 1; the callback on, off, on with ``strict_ranks=True``), WORLD the number of processes and
+CAPTURE the callback's ``capture``. Lightning's ``ddp`` launcher re-runs this script for the
+other ranks; ``ddp_spawn`` spawns them for each fit (not to be mixed with the others in one
+launch). Rank 0 prints ``=== run FOLDER ===`` before each fit (the test splits the console
+output there; the ranks meet in a barrier after each fit, so a fit's lines precede the next
+marker).
 
-Writes to OUT: ``init.pt`` (initial parameters), ``batch_rank<r>.pt`` (each rank's first
-batch), ``params.pt`` (full parameters after training), ``logs/`` (TensorBoard, rank 0),
+Writes to each run's folder: ``init.pt`` (initial parameters), ``batch_rank<r>.pt`` (each rank's
+first batch), ``params.pt`` (full parameters after training), ``logs/`` (TensorBoard, rank 0),
 ``collectives_rank<r>.json`` (every ``torch.distributed`` collective called from the
-package's code: name, reduce op, bytes of its tensors, global step).
+package's code during that fit: name, reduce op, bytes of its tensors, global step).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, List
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator, List
 
 import lightning.pytorch as pl
 import torch
@@ -102,16 +108,23 @@ def full_state(module: nn.Module) -> dict:
     return out
 
 
-def _fail_on_rank_1() -> None:
+@contextmanager
+def _failing_on_rank_1() -> Iterator[None]:
+    """Within the block, every statistic raises on rank 1 (restored after)."""
+    from lightning_scale.record import short_records
+    from lightning_scale.record import stats
+
+    def record_of(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected failure on rank 1")
+
+    saved = stats.record_of, short_records.records_of_many
     if int(os.environ.get("LOCAL_RANK", "0")) == 1:
-        from lightning_scale.record import short_records
-        from lightning_scale.record import stats
-
-        def record_of(*args: object, **kwargs: object) -> None:
-            raise RuntimeError("injected failure on rank 1")
-
         stats.record_of = record_of  # type: ignore[assignment]
         short_records.records_of_many = record_of  # type: ignore[assignment]  # short tensors, computed together
+    try:
+        yield
+    finally:
+        stats.record_of, short_records.records_of_many = saved
 
 
 _PACKAGE = str(Path(__file__).resolve().parents[2] / "lightning_scale")
@@ -153,13 +166,13 @@ def count_collectives(trainer: "list[pl.Trainer]") -> List[Any]:
     return calls
 
 
-def main(out: Path, strategy_name: str, mode: str, world: int = 2, capture: str = "fx") -> None:
+def fit(out: Path, strategy_name: str, mode: str, world: int, capture: str, calls: "tuple[list, list]") -> None:
+    """One fit, written to ``out``; ``calls``: (the trainer holder, the collectives list) of
+    ``count_collectives``."""
+    holder, collectives = calls
+    collectives.clear()
     callback = mode in ("on", "fail", "branch", "branch_strict")
     branch = mode.startswith("branch") and int(os.environ.get("LOCAL_RANK", "0")) == 1
-    if mode == "fail":
-        _fail_on_rank_1()
-    holder: "list[pl.Trainer]" = []
-    calls = count_collectives(holder)
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(8 * world, 8), torch.randn(8 * world, 4))
     fsdp = strategy_name.startswith("fsdp2")
@@ -194,15 +207,42 @@ def main(out: Path, strategy_name: str, mode: str, world: int = 2, capture: str 
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    holder.append(trainer)
-    trainer.fit(module, DataLoader(data, batch_size=4, shuffle=False))
-    (out / f"collectives_rank{trainer.global_rank}.json").write_text(json.dumps(calls))
+    holder[:] = [trainer]
+    with _failing_on_rank_1() if mode == "fail" else nullcontext():
+        trainer.fit(module, DataLoader(data, batch_size=4, shuffle=False))
+    (out / f"collectives_rank{trainer.global_rank}.json").write_text(json.dumps(collectives))
     state = full_state(module.model)
     if trainer.is_global_zero:
         torch.save(state, out / "params.pt")
+
+
+def main(out: Path, world: int, runs: "list[str]") -> None:
+    """Each run ``STRATEGY:CALLBACK:CAPTURE`` in turn, in these processes."""
+    holder: "list[pl.Trainer]" = []
+    calls = (holder, count_collectives(holder))
+    for run in runs:
+        strategy, mode, capture = run.split(":")
+        folder = out / f"{strategy}_{mode}_{world}_{capture}"
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"=== run {folder.name} ===", flush=True)
+        fit(folder, strategy, mode, world, capture, calls)
+        if torch.distributed.is_initialized():  # a fit's console lines before the next marker
+            torch.distributed.barrier()
+    if torch.distributed.is_initialized():  # else gloo's teardown waits ~10 s at exit
+        torch.distributed.destroy_process_group()
+
+
+def main_one(out: Path, strategy: str, mode: str, world: int = 2, capture: str = "fx") -> None:
+    """``python run_dist.py OUT STRATEGY CALLBACK [WORLD [CAPTURE]]``: one fit, written to OUT."""
+    holder: "list[pl.Trainer]" = []
+    fit(out, strategy, mode, world, capture, (holder, count_collectives(holder)))
     if torch.distributed.is_initialized():  # else gloo's teardown waits ~10 s at exit
         torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3], *(f(a) for f, a in zip((int, str), sys.argv[4:])))
+    if sys.argv[2].isdigit():
+        main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
+    else:
+        main_one(Path(sys.argv[1]), sys.argv[2], sys.argv[3], *(f(a) for f, a in zip((int, str), sys.argv[4:])))

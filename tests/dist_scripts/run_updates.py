@@ -1,17 +1,20 @@
 """Train a tiny MLP on 2 CPU processes (gloo) with update ratios and anomaly detection on,
 and save a float64 reference of every optimizer step's full parameters and gradients.
 
-Usage: ``python run_updates.py OUT STRATEGY [fail]`` with STRATEGY ``ddp`` or ``fsdp2``;
-``fail``: rank 1's update rows fail at step 7 (an injected error). Rank 1
+Usage: ``python run_updates.py OUT RUN...``, each RUN ``STRATEGY`` or ``STRATEGY:fail``, fitted
+in turn in the same two processes, each to ``OUT/RUN`` (``:`` as ``_``), with STRATEGY ``ddp`` or
+``fsdp2``; ``fail``: rank 1's update rows fail at step 7 (an injected error). Rank 0 prints
+``=== run RUN ===`` before each fit; the ranks meet in a barrier after it. Rank 1
 alone reports a loss spike at step 5 (its loss value only: ``+ 1e3 * loss.detach()`` leaves
 the gradient as it is). Tracked: step 1 (schedule) and, through the anomaly, 7 and 8.
 
-Writes to OUT: ``reference.pt`` (rank 0: per optimizer step, full parameters before and
+Writes to each run's folder: ``reference.pt`` (rank 0: per optimizer step, full parameters before and
 after, full gradients) and ``logs/`` (TensorBoard, rank 0).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
@@ -115,10 +118,22 @@ def main(out: Path, strategy_name: str) -> None:
     trainer.fit(Module(strategy_name == "fsdp2"), DataLoader(data, batch_size=4, shuffle=False))
     if trainer.is_global_zero:
         torch.save(reference.steps, out / "reference.pt")
+
+
+def runs(out: Path, names: List[str]) -> None:
+    for name in names:
+        strategy, _, fail = name.partition(":")
+        folder = out / name.replace(":", "_")
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"=== run {folder.name} ===", flush=True)
+        FAIL["armed"], FAIL["now"] = fail == "fail", False
+        main(folder, strategy)
+        if torch.distributed.is_initialized():  # a fit's console lines before the next marker
+            torch.distributed.barrier()
     if torch.distributed.is_initialized():  # else gloo's teardown waits ~10 s at exit
         torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    FAIL["armed"] = sys.argv[3:] == ["fail"]
-    main(Path(sys.argv[1]), sys.argv[2])
+    runs(Path(sys.argv[1]), sys.argv[2:])

@@ -191,22 +191,56 @@ def test_without_per_cpu_variants_where_the_toolchain_refuses_them(fresh, monkey
     ],
 )
 def test_a_kernel_that_fails_its_self_check_is_not_used(fresh, monkeypatch, right, wrong):
+    """Each mutation sits in code every per-CPU variant compiles: the kernel is built as the one
+    variant this machine runs (``_one_variant``: a fifth of the build's time), which the self-check
+    then sees (with ``wrong == right`` the same build loads and passes it)."""
     source = fresh / "wrong.c"
     with open(native.SOURCE) as f:
         text = f.read()
     assert right in text
     source.write_text(text.replace(right, wrong))
     monkeypatch.setattr(native, "SOURCE", str(source))
+    monkeypatch.setenv("CC", str(_one_variant(fresh)))
     assert native.load() is None
     assert "self-check failed" in native.status()
+
+
+def _cpu_level() -> str:
+    """The ``target_clones`` variant this x86-64 CPU runs (as GCC's resolver picks it)."""
+    with open("/proc/cpuinfo") as f:
+        flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    v3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+    v4 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+    return "x86-64-v4" if v3 | v4 <= flags else "x86-64-v3" if v3 <= flags else "x86-64"
+
+
+def _one_variant(folder) -> str:
+    """A compiler wrapper that builds only ``sums.c``'s per-CPU variant this machine runs: it
+    refuses the builds with variants, so ``native`` falls back to ``-DLS_NO_CLONES``, compiled
+    for this CPU's level."""
+    wrapper = folder / "cc-one-variant"
+    real = " ".join(native.compiler())
+    level = f"-march={_cpu_level()}" if sys.platform == "linux" and os.uname().machine == "x86_64" else ""
+    wrapper.write_text(
+        f'#!/bin/sh\ncase "$*" in *-DLS_NO_CLONES*) exec {real} {level} "$@";; esac\n'
+        'echo "variants: not here" >&2\nexit 1\n'
+    )
+    wrapper.chmod(0o755)
+    return wrapper
 
 
 @needs_compiler
 def test_two_processes_building_at_once_both_load(tmp_path):
     env = {**os.environ, "LIGHTNING_SCALE_CACHE": str(tmp_path / "cache")}
     env.pop(native.ENV, None)
+    # (the package's modules without its ``__init__``, which imports Lightning: the processes
+    # start in the time torch takes to import, and build at once)
     code = textwrap.dedent(
-        """
+        f"""
+        import sys, types
+        package = types.ModuleType("lightning_scale")
+        package.__path__ = [{os.path.dirname(os.path.dirname(native.__path__[0]))!r}]
+        sys.modules["lightning_scale"] = package
         from lightning_scale.record import native
         assert native.load() is not None, native.status()
         print(native.load().path)

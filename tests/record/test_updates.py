@@ -121,6 +121,7 @@ def test_tracker_without_parameters_and_after_clear() -> None:
 # ---- real Trainer runs -----------------------------------------------------------------
 
 import os  # noqa: E402
+import re  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
@@ -292,44 +293,58 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_two_ranks(tmp_path: Path, *args: str) -> str:
+def _run_two_ranks(out: Path, *runs: str) -> Dict[str, str]:
+    """Fit ``runs`` in turn in one launch of two processes (``run_updates.py``); each run's
+    console output (rank 0's and rank 1's lines of that fit)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    cmd = [sys.executable, str(ROOT / "tests" / "dist_scripts" / "run_updates.py"), str(tmp_path), *args]
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, str(ROOT / "tests" / "dist_scripts" / "run_updates.py"), str(out), *runs]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
-        out, _ = proc.communicate(timeout=240)
+        output, _ = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"training script timed out:\n{out[-3000:]}")
-    assert proc.returncode == 0, out[-3000:]
-    return out
+        output, _ = proc.communicate()
+        pytest.fail(f"training script timed out:\n{output[-3000:]}")
+    assert proc.returncode == 0, output[-3000:]
+    parts = re.split(r"^=== run (\S+) ===$", output, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Tuple[Path, Dict[str, str]]:
+    """(the runs' folder, each run's output): DDP, FSDP2, and DDP with rank 1's update rows
+    failing at step 7, fitted in turn in the same two processes (one launch)."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    return out, _run_two_ranks(out, "ddp", "fsdp2", "ddp:fail")
 
 
 RANK_NAMES = [f"model.{n}" for n in ("0.weight", "0.bias", "2.weight", "2.bias")]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_two_ranks_pool_ratios_exactly_and_agree_on_anomalies(tmp_path: Path, strategy: str) -> None:
-    _run_two_ranks(tmp_path, strategy)
+def test_two_ranks_pool_ratios_exactly_and_agree_on_anomalies(
+    two_ranks: Tuple[Path, Dict[str, str]], strategy: str
+) -> None:
+    run = two_ranks[0] / strategy
+    assert "failed on rank(s)" not in two_ranks[1][strategy]
     reference = Reference()
-    reference.steps = torch.load(tmp_path / "reference.pt")
+    reference.steps = torch.load(run / "reference.pt")
     # step 1 by schedule; rank 1's spike at step 5 tracks 7 and 8 on both ranks (else the
     # tracked step's collective would hang)
-    _check(_logged(tmp_path / "logs" / "version_0"), reference, [1, 7, 8], RANK_NAMES)
+    _check(_logged(run / "logs" / "version_0"), reference, [1, 7, 8], RANK_NAMES)
 
 
-def test_update_rows_failing_on_one_rank_drop_that_step_on_both(tmp_path: Path) -> None:
+def test_update_rows_failing_on_one_rank_drop_that_step_on_both(two_ranks: Tuple[Path, Dict[str, str]]) -> None:
     """Rank 1's update rows fail at step 7: both ranks still send the same payload (no hang),
     both drop step 7 alike, steps 1 and 8 are logged exactly, training goes on."""
-    out = _run_two_ranks(tmp_path, "ddp", "fail")
+    run, out = two_ranks[0] / "ddp_fail", two_ranks[1]["ddp_fail"]
     assert "failed on rank(s) [1] at step 7; nothing logged for it" in out, out[-3000:]
     reference = Reference()
-    reference.steps = torch.load(tmp_path / "reference.pt")
-    logged = _logged(tmp_path / "logs" / "version_0")
+    reference.steps = torch.load(run / "reference.pt")
+    logged = _logged(run / "logs" / "version_0")
     _check(logged, reference, [1, 8], RANK_NAMES)
     assert 7 not in logged["scale/fwd/model.0/linear"] and {1, 8} <= set(logged["scale/fwd/model.0/linear"])
     assert len(reference.steps) == 10  # the fit ran to the end

@@ -31,85 +31,112 @@ REL = 1e-5  # TensorBoard stores scalars as float32
 STRATEGIES = ["ddp", "ddp_spawn", "fsdp2"]
 ACTIVATIONS = ["model.layers.0.fc/linear", "model.layers.0.act/relu", "model.layers.1.fc/linear"]
 PARAMETERS = [f"model.layers.{i}.fc.{p}" for i in (0, 1) for p in ("weight", "bias")]
-#: (strategy, callback, world, capture) of every training run; the first ones start together.
-FIRST = [(s, cb, 2, "fx") for s in STRATEGIES for cb in ("on", "off")] + [
-    ("ddp", "fail", 2, "fx"),
-    ("ddp", "on", 2, "dynamo"),
+#: (strategy, callback, world, capture) of every training run, by launch: the fits of a launch
+#: run in turn in the same processes (``run_dist.py``), each run without the callback before those
+#: with it (the references run in processes where no callback has been), the injected failure
+#: last. ``ddp_spawn`` spawns its own processes for each fit; ``strict_ranks`` ends its processes,
+#: so it has its own launch.
+Key = Tuple[str, str, int, str]
+LAUNCHES: List[List[Key]] = [
+    [("ddp", "off", 2, "fx"), ("fsdp2", "off", 2, "fx"), ("ddp", "branch_off", 2, "fx")]
+    + [("ddp", "on", 2, "fx"), ("fsdp2", "on", 2, "fx"), ("ddp", "branch", 2, "fx")]
+    + [("ddp", "on", 2, "dynamo"), ("ddp", "fail", 2, "fx")],
+    [("ddp_spawn", "off", 2, "fx"), ("ddp_spawn", "on", 2, "fx")],
+    [("ddp", "branch_strict", 2, "fx")],
+    [("ddp", "on", 4, "fx"), ("fsdp2", "on", 4, "dynamo")],
+    [("ddp", "on", 8, "fx")],  # bytes per rank only; started once the others are done (memory)
 ]
-LATER = [("ddp", "on", 4, "fx"), ("fsdp2", "on", 4, "dynamo")]
-LAST = [("ddp", "on", 8, "fx")]  # bytes per rank only
 POOLED = [(s, 2, "fx") for s in STRATEGIES] + [("ddp", 2, "dynamo"), ("ddp", 4, "fx"), ("fsdp2", 4, "dynamo")]
 
-Key = Tuple[str, str, int, str]
 Run = Tuple[Path, Path]  # output folders of a run and of the run without the callback
 
 
 # ---- running the training script --------------------------------------------------------
 
 
-def _start(out: Path, key: Key, port: int) -> "subprocess.Popen[str]":
-    out.mkdir(parents=True)
+def _start(out: Path, keys: List[Key], port: int) -> "subprocess.Popen[str]":
+    """One launch of ``run_dist.py`` fitting ``keys`` (one world size) in turn."""
+    out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # distinct ports for runs started together
-    strategy, callback, world, capture = key
-    cmd = [sys.executable, str(SCRIPT), str(out), strategy, callback, str(world), capture]
+    env["PYTHONUNBUFFERED"] = "1"  # each rank's lines in the pipe as they are written: a fit's before the next marker
+    runs = [f"{strategy}:{callback}:{capture}" for strategy, callback, _, capture in keys]
+    cmd = [sys.executable, str(SCRIPT), str(out), str(keys[0][2]), *runs]
     return subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
 
 
 def _wait(proc: "subprocess.Popen[str]", timeout: float) -> str:
+    """The console output of a run that must succeed."""
+    out, code = _wait_status(proc, timeout)
+    assert code == 0, out[-3000:]
+    return out
+
+
+def _wait_status(proc: "subprocess.Popen[str]", timeout: float) -> Tuple[str, int]:
+    """(the launch's console output, its exit status)."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher's own group: the other ranks go too
         out, _ = proc.communicate()
         pytest.fail(f"training script timed out:\n{out[-3000:]}")
-    assert proc.returncode == 0, out[-3000:]
-    return out
+    return out, proc.returncode
+
+
+def _sections(output: str) -> Dict[str, str]:
+    """A launch's console output split at rank 0's ``=== run FOLDER ===`` markers."""
+    parts = re.split(r"^=== run (\S+) ===$", output, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Run]]:
-    """Trains the 2-rank runs with and without the callback, all at once (much of a run is
-    process start-up and Lightning's launch delay); the 4-rank runs start when one is first
-    asked for, the 8-rank run after them (memory). Waits for the one asked."""
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[Key], Tuple[Path, str, int]]]:
+    """key -> (the run's output folder, its console output, its launch's exit status). The
+    launches but the last start together (much of a run is process start-up and Lightning's
+    launch delay); the 8-rank one when first asked for, after the others. Waits for the one asked."""
     base = tmp_path_factory.mktemp("runs")
-    procs: Dict[Key, "subprocess.Popen[str]"] = {}
-    finished: Dict[Key, Path] = {}
+    procs: Dict[int, "subprocess.Popen[str]"] = {}
+    done: Dict[int, Tuple[str, int]] = {}
 
-    def folder(key: Key) -> Path:
-        return base / "_".join(map(str, key))
+    def start(indices: List[int]) -> None:
+        for i, port in zip(indices, _free_ports(len(indices))):
+            procs[i] = _start(base, LAUNCHES[i], port)
 
-    def start(keys: List[Key]) -> None:
-        for key, port in zip(keys, _free_ports(len(keys))):
-            procs[key] = _start(folder(key), key, port)
+    def get(key: Key) -> Tuple[Path, str, int]:
+        i = next(i for i, keys in enumerate(LAUNCHES) if key in keys)
+        if i not in procs:  # the last launch
+            for earlier in list(procs):
+                done.setdefault(earlier, _wait_status(procs[earlier], timeout=300))
+            start([i])
+        if i not in done:
+            done[i] = _wait_status(procs[i], timeout=300)
+        output, code = done[i]
+        folder = "_".join(map(str, key))
+        return base / folder, _sections(output).get(folder, output) if len(LAUNCHES[i]) > 1 else output, code
 
-    def finish(key: Key) -> Path:
-        if key not in finished:
-            if key not in procs:
-                for group in (LATER, LAST):
-                    if key in group:
-                        for earlier in FIRST + (LATER if group is LAST else []):
-                            if earlier in procs:
-                                finish(earlier)
-                        start([k for k in group if k not in procs])
-            output = _wait(procs[key], timeout=300)
-            (folder(key) / "output.txt").write_text(output)
-            finished[key] = folder(key)
-        return finished[key]
-
-    start(FIRST)
-
-    def get(strategy: str, mode: str = "on", world: int = 2, capture: str = "fx") -> Run:
-        """(this run's output folder, the 2-rank run without the callback)."""
-        return finish((strategy, mode, world, capture)), finish((strategy if world == 2 else "ddp", "off", 2, "fx"))
-
+    start(list(range(len(LAUNCHES) - 1)))
     yield get
     for proc in procs.values():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def trained(launched: Callable[[Key], Tuple[Path, str, int]]) -> Callable[..., Run]:
+    def finish(key: Key) -> Path:
+        out, output, code = launched(key)
+        assert code == 0, output[-3000:]
+        (out / "output.txt").write_text(output)
+        return out
+
+    def get(strategy: str, mode: str = "on", world: int = 2, capture: str = "fx") -> Run:
+        """(this run's output folder, the 2-rank run without the callback)."""
+        return finish((strategy, mode, world, capture)), finish((strategy if world == 2 else "ddp", "off", 2, "fx"))
+
+    return get
 
 
 def _scalars(out: Path) -> Dict[str, float]:
@@ -294,23 +321,11 @@ BRANCH = ["branch", "branch_off", "branch_strict"]
 
 
 @pytest.fixture(scope="module")
-def branched(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Tuple[Path, str, int]]:
+def branched(launched: Callable[[Key], Tuple[Path, str, int]]) -> Dict[str, Tuple[Path, str, int]]:
     """mode -> (output folder, output, exit code) of the 2-rank DDP runs where rank 1's
     forward has an extra tanh (``run_dist.py``): with the callback, without it, and with
-    ``strict_ranks=True``; started together."""
-    base = tmp_path_factory.mktemp("branch")
-    keys = [("ddp", mode, 2, "fx") for mode in BRANCH]
-    procs = {key[1]: _start(base / key[1], key, port) for key, port in zip(keys, _free_ports(len(keys)))}
-    done: Dict[str, Tuple[Path, str, int]] = {}
-    for mode, proc in procs.items():
-        try:
-            output, _ = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            pytest.fail(f"the {mode} run timed out")
-        done[mode] = (base / mode, output, proc.returncode)
-    return done
+    ``strict_ranks=True``."""
+    return {mode: launched(("ddp", mode, 2, "fx")) for mode in BRANCH}
 
 
 def _scalars_by_step(out: Path) -> Dict[str, Dict[int, float]]:

@@ -18,7 +18,7 @@ from lightning_scale.record import stats, updates
 from lightning_scale.record.recorder import BACKWARD, FORWARD
 from lightning_scale.report import pool
 from lightning_scale.report.update_pool import merge_updates
-from tests.gloo import load_script, run_ranks
+from tests.gloo import Ranks, load_script, start_ranks
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "dist_scripts"
 
@@ -33,14 +33,21 @@ def _pool_script() -> Any:
     return load_script(POOL_SCRIPT)
 
 
-def _run_pool(out: Path, world: int) -> List[Dict[str, Any]]:
+def _start_pool(out: Path, world: int) -> Ranks:
     # (large buffers come from mmap: the peak RSS sees them)
-    return run_ranks(POOL_SCRIPT, out, world, [str(NODES)], {"MALLOC_MMAP_THRESHOLD_": "131072"}, timeout=240)
+    return start_ranks(POOL_SCRIPT, out, world, [str(NODES)], {"MALLOC_MMAP_THRESHOLD_": "131072"}, timeout=240)
 
 
 @pytest.fixture(scope="module")
 def pools(tmp_path_factory: pytest.TempPathFactory) -> Dict[int, List[Dict[str, Any]]]:
-    return {world: _run_pool(tmp_path_factory.mktemp(f"pool{world}"), world) for world in (2, 8)}
+    """Each rank's saved results at 2 and 8 ranks: the two worlds run at once (independent
+    process groups on their own ports; much of a rank's time is start-up)."""
+    started = {world: _start_pool(tmp_path_factory.mktemp(f"pool{world}"), world) for world in (2, 8)}
+    try:
+        return {world: ranks.wait() for world, ranks in started.items()}
+    finally:
+        for ranks in started.values():
+            ranks.stop()
 
 
 def _expected_pool(world: int, ranks: List[Dict[str, Any]]) -> Tuple[Tensor, Tensor, Dict[str, Tensor]]:
