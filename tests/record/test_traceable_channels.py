@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_scale.record import stats
 from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder, observe, recording
 from lightning_scale.record.stats.channels import CHANNEL_CAP, CHANNEL_WIDTH, channel_row, channel_statistics
 from lightning_scale.record.stats.traceable import PackedLayout, packed_record, packed_size, traceable_record
