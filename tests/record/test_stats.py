@@ -334,6 +334,18 @@ def test_host_format_counts_equal_the_device_path(n: int, kind: str) -> None:
     assert float(host[stats.FIELDS.index("absmax")]) == float(x.abs().max())
 
 
+@pytest.mark.parametrize("shape", [(64, 96), (3, 1000), (5, 7)])
+def test_expanded_host_tensors_such_as_the_gradient_of_a_sum(shape) -> None:
+    """A stride-0 tensor (``x.sum()``'s gradient is ``ones.expand(...)``) is read as its
+    values: it recursed without end on the host path's sum of squares."""
+    row = torch.randn(shape[-1], generator=torch.Generator().manual_seed(3))
+    for x in (torch.full((1,), 3.0).expand(*shape), row.expand(*shape)):
+        got, v = record(x, True), x.double()
+        assert float(got[0]) == v.numel()
+        assert float(got[1]) == pytest.approx(float(v.mean()), rel=1e-6, abs=1e-7)  # (abs: of the std, ~1)
+        assert float(stats.statistic(got, "std")) == pytest.approx(float(v.std()), rel=1e-6, abs=1e-7)
+
+
 @pytest.mark.parametrize("view", ["transposed", "permuted", "slice_of_fused", "tiny_values"])
 def test_strided_host_tensors_are_read_in_place_without_change(view: str) -> None:
     g = torch.Generator().manual_seed(5)

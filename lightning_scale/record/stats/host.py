@@ -246,7 +246,7 @@ def _sum_of_squares(y: Tensor) -> float:
     elif n < _ROW:
         return float(torch.linalg.vector_norm(y)) ** 2
     else:
-        flat = y.reshape(-1)
+        flat = y.reshape(-1).contiguous()  # (an expanded tensor flattens to a stride-0 view: copied)
         m = n // _ROW * _ROW
         tail = float(torch.linalg.vector_norm(flat[m:])) ** 2 if m < n else 0.0
         return _sum_of_squares(flat[:m]) + tail
