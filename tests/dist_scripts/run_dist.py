@@ -216,21 +216,34 @@ def fit(out: Path, strategy_name: str, mode: str, world: int, capture: str, call
         torch.save(state, out / "params.pt")
 
 
-def main(out: Path, world: int, runs: "list[str]") -> None:
-    """Each run ``STRATEGY:CALLBACK:CAPTURE`` in turn, in these processes."""
+def fits_in_turn(out: Path, runs: "list[str]", folder_of: Callable[..., str], fit_one: Callable[..., None]) -> None:
+    """Each run (``A:B:C``, its fields split at ``:``) in turn, in these processes:
+    ``fit_one(OUT/folder_of(*fields), *fields, calls)``, after rank 0's ``=== run FOLDER ===``
+    marker (the tests split rank 0's console output there) and before a barrier (a fit's console
+    lines before the next marker); then the process group is torn down."""
     holder: "list[pl.Trainer]" = []
     calls = (holder, count_collectives(holder))
     for run in runs:
-        strategy, mode, capture = run.split(":")
-        folder = out / f"{strategy}_{mode}_{world}_{capture}"
+        fields = run.split(":")
+        folder = out / folder_of(*fields)
         folder.mkdir(parents=True, exist_ok=True)
         if os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"=== run {folder.name} ===", flush=True)
-        fit(folder, strategy, mode, world, capture, calls)
-        if torch.distributed.is_initialized():  # a fit's console lines before the next marker
+        fit_one(folder, *fields, calls)
+        if torch.distributed.is_initialized():
             torch.distributed.barrier()
     if torch.distributed.is_initialized():  # else gloo's teardown waits ~10 s at exit
         torch.distributed.destroy_process_group()
+
+
+def main(out: Path, world: int, runs: "list[str]") -> None:
+    """Each run ``STRATEGY:CALLBACK:CAPTURE`` in turn, in these processes."""
+    fits_in_turn(
+        out,
+        runs,
+        lambda strategy, mode, capture: f"{strategy}_{mode}_{world}_{capture}",
+        lambda folder, strategy, mode, capture, calls: fit(folder, strategy, mode, world, capture, calls),
+    )
 
 
 def main_one(out: Path, strategy: str, mode: str, world: int = 2, capture: str = "fx") -> None:

@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_dist import count_collectives, full_state  # noqa: E402
+from run_dist import fits_in_turn, full_state  # noqa: E402
 
 from lightning_scale import ScaleMonitor  # noqa: E402
 
@@ -228,17 +228,12 @@ def fit(out: Path, model: str, mode: str, dp: int, tp: int, local: bool, calls: 
 
 def main(out: Path, dp: int, tp: int, runs: "list[str]") -> None:
     """Each run ``MODEL:CALLBACK:LOCAL`` in turn, in these processes, to ``OUT/MODEL_CALLBACK``."""
-    holder: "list[pl.Trainer]" = []
-    calls = (holder, count_collectives(holder))
-    for run in runs:
-        model, mode, local = run.split(":")
-        folder = out / f"{model}_{mode}"
-        folder.mkdir(parents=True, exist_ok=True)
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # (the test splits rank 0's console output here)
-            print(f"=== run {model} {mode} ===", flush=True)
-        fit(folder, model, mode, dp, tp, bool(int(local)), calls)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    fits_in_turn(
+        out,
+        runs,
+        lambda model, mode, local: f"{model}_{mode}",
+        lambda folder, model, mode, local, calls: fit(folder, model, mode, dp, tp, bool(int(local)), calls),
+    )
 
 
 if __name__ == "__main__":

@@ -80,8 +80,8 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., 
                 os.killpg(proc.pid, signal.SIGKILL)
                 pytest.fail(f"the dp={dp} launch timed out: {proc.communicate()[0][-3000:]}")
             assert proc.returncode == 0, outputs[dp][-3000:]
-        fits = re.split(r"^=== run (\w+ \w+) ===$", outputs[dp], flags=re.M)
-        console = dict(zip(fits[1::2], fits[2::2]))[f"{model} {mode}"]
+        fits = re.split(r"^=== run (\S+) ===$", outputs[dp], flags=re.M)
+        console = dict(zip(fits[1::2], fits[2::2]))[f"{model}_{mode}"]
         return base / f"dp{dp}" / f"{model}_{mode}", console
 
     yield get
