@@ -253,3 +253,47 @@ def test_bf16_mixed_is_tracked_and_bf16_true_trains_untracked_unchanged(tmp_path
         else:
             assert next(tracked.parameters()).dtype == torch.bfloat16
             assert len(refusals) == 1 and not got
+
+
+def test_a_statistics_op_failing_after_the_probe_ends_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: the host op raises on step 2's tracked step, after the fidelity probe
+    passed. It raises inside the compiled graph, so it must not raise at all: the step's
+    statistics are dropped with a warning, the fit finishes, training is unchanged."""
+    from lightning_scale.record.stats import host_op
+
+    plain, _ = fit(tmp_path / "plain", "whole", None, backend="aot_eager")
+    real, broken = host_op._plan, []
+
+    def plan(groups: str) -> Any:
+        if broken:
+            raise RuntimeError("injected fault in the statistics op")
+        return real(groups)
+
+    class BreakAtStep2(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 2:
+                broken.append(True)
+
+    monkeypatch.setattr(host_op, "_plan", plan)
+    watched = monitor()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = CompiledGPT("whole", "aot_eager")
+        x, y = synthetic_tokens(16, 8, VOCAB)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=4,
+            logger=TensorBoardLogger(str(tmp_path / "tracked"), name="", version=""),
+            callbacks=[BreakAtStep2(), watched],
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=4))
+    assert trainer.global_step == 4
+    for (name, p), q in zip(plain.named_parameters(), module.parameters()):
+        assert torch.equal(p, q), name
+    failed = [str(w.message) for w in caught if "injected fault in the statistics op" in str(w.message)]
+    assert len(failed) == 1 and "at step 2" in failed[0], failed
+    got = logged(tmp_path / "tracked")
+    assert got["scale/fwd/model.blocks.0.mlp.fc1/linear"].keys() == {0}  # step 0 logged, step 2 dropped

@@ -44,6 +44,7 @@ from lightning_scale.capture.compiled_labels import CompiledLabels
 from lightning_scale.capture.forward_swap import ForwardSwap
 from lightning_scale.record import recorder as recording
 from lightning_scale.record.recorder import BACKWARD, FORWARD
+from lightning_scale.record.stats import host_op
 from lightning_scale.record.stats.host_op import host_packed_record, uses_host_op
 from lightning_scale.record.stats.traceable import PackedLayout, packed_record, packed_size
 
@@ -274,6 +275,9 @@ class _Packing:
             layout = PackedLayout(numels, self.groups, self.device, whole)
             self._layouts[reached] = layout, torch.tensor(nodes, dtype=torch.long).to(self.device, non_blocking=True)
         layout, nodes = self._layouts[reached]
+        error = host_op.take_error()
+        if error is not None:  # (the recorder keeps it as the step's error when it reads these rows)
+            raise RuntimeError(f"statistics op failed in backward ({type(error).__name__}: {error})")
         packed = torch.cat([probes[i].grad for i in reached])
         rows = layout.channel_rows(packed) if channels else layout.records(packed)
         if rows is None:
@@ -388,8 +392,11 @@ class CompiledRoute:
         """A run of an instrumented graph: its records and channel rows (``packed``, finished)
         go to the active recorder, if any, and its probes' gradients' when the recorder is read."""
         rec = recording.active()
+        error = host_op.take_error()
         if rec is None:
             return
+        if error is not None and rec.error is None:  # (the step logs nothing and says why)
+            rec.error = RuntimeError(f"statistics op failed ({type(error).__name__}: {error})")
         names, rows = packing.rewritten.names, packing.layout.records(packed)
         table = self.labels.table(graph, self.labels.scope(graph, args, depth=2))
         kept = [i for i, name in enumerate(names) if name in table]

@@ -21,6 +21,7 @@ chooses (``uses_host_op``).
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Callable, Collection, List, Optional, Tuple
 
@@ -85,12 +86,35 @@ def _plan(groups: str) -> Tuple[Tuple[str, ...], Tuple[int, ...], Optional[Calla
     return chosen, tuple(IX[name] for name in extra_fields(chosen)), fast_host_record(chosen)
 
 
+#: The first error the op caught since ``take_error`` last read it: the op never raises (an
+#: exception inside a compiled graph would end the user's step), its owner reports it.
+_errors: List[BaseException] = []
+
+
+def take_error() -> Optional[BaseException]:
+    """The first error the op caught since the last call (None: none), forgotten here."""
+    error = _errors[0] if _errors else None
+    _errors.clear()
+    return error
+
+
 def _packed(x: Tensor, groups: str) -> Tensor:
-    """The op's implementation: the host path's record (``fast_host_record`` where it takes
-    ``x``, else ``record_of``), rearranged."""
+    """The op's implementation: ``_record`` of ``x``, or NaN where it failed (the error is
+    kept for ``take_error``)."""
+    try:
+        return _record(x, groups)
+    except Exception as err:  # noqa: BLE001 - never raise into the user's compiled graph
+        if not _errors:
+            _errors.append(err)
+        return torch.full((whole_packed_size(groups.split(",")),), math.nan, dtype=torch.float64)
+
+
+def _record(x: Tensor, groups: str) -> Tensor:
+    """The host path's record (``fast_host_record`` where it takes ``x``, else ``record_of``),
+    rearranged."""
     chosen, columns, fast = _plan(groups)
     if 0 in x.stride() and any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
-        x = x.contiguous()  # (expanded, as the gradient of a sum: one copy; the host path recurses on it)
+        x = x.contiguous()  # (expanded, as the gradient of a sum: one copy, read as the test's reference reads it)
     row = fast(x) if fast is not None and x.numel() > DOT_MAX else None
     if row is None:
         row = record_of(x, chosen, host_reads=True)
