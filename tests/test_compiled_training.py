@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import lightning.pytorch as pl
 import pytest
@@ -39,10 +39,12 @@ class CompiledGPT(pl.LightningModule):
     ``in_place`` (``model.compile()``), ``blocks`` (each block ``torch.compile(block)``), or
     ``None`` (not compiled)."""
 
-    def __init__(self, pattern: Optional[str], backend: str = "inductor", layers: int = 2) -> None:
+    def __init__(
+        self, pattern: Optional[str], backend: str = "inductor", layers: int = 2, dropout: float = 0.0
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
-        gpt: Any = GPT(GPTConfig(vocab=VOCAB, seq=8, layers=layers, dim=32, heads=2))
+        gpt: Any = GPT(GPTConfig(vocab=VOCAB, seq=8, layers=layers, dim=32, heads=2, dropout=dropout))
         if pattern == "whole":
             gpt = torch.compile(gpt, backend=backend)
         elif pattern == "in_place":
@@ -70,9 +72,10 @@ def fit(
     backend: str = "inductor",
     layers: int = 2,
     precision: str = "32-true",
+    dropout: float = 0.0,
 ) -> Tuple[CompiledGPT, GraphCount]:
     x, y = synthetic_tokens(16, 8, VOCAB)
-    module, count = CompiledGPT(pattern, backend, layers), GraphCount()
+    module, count = CompiledGPT(pattern, backend, layers, dropout), GraphCount()
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=4,
@@ -253,6 +256,40 @@ def test_bf16_mixed_is_tracked_and_bf16_true_trains_untracked_unchanged(tmp_path
         else:
             assert next(tracked.parameters()).dtype == torch.bfloat16
             assert len(refusals) == 1 and not got
+
+
+@pytest.fixture
+def deterministic() -> Iterator[None]:
+    """``torch.use_deterministic_algorithms(True)`` for one test, then as it was."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def test_a_compiled_gpt_with_dropout_is_tracked_and_trains_unchanged(tmp_path: Path, deterministic: None) -> None:
+    """Dropout inside the compiled graph (Inductor draws its own random numbers, from seeds
+    taken off the global generator once per call): the tracked version draws the same masks
+    and leaves the generator where the user's version leaves it, and the fidelity probe puts
+    back what it drew, so the fit is bit-identical to the fit without the callback.
+
+    Deterministic algorithms are on because the user's compiled model is not reproducible on
+    its own otherwise: Inductor's CPU embedding backward adds into the weight's gradient with
+    atomic adds from several threads, so two fits without the callback can already differ in
+    the last bits (seen on a Hugging Face GPT-2, with and without dropout; docs/limitations.md)."""
+    plain, _ = fit(tmp_path / "plain", "whole", None, layers=1, dropout=0.1)
+    tracked, _ = fit(tmp_path / "tracked", "whole", monitor(), layers=1, dropout=0.1)
+    for (name, p), q in zip(plain.named_parameters(), tracked.parameters()):
+        assert torch.equal(p, q), name
+    got = logged(tmp_path / "tracked")
+    assert got["scale/fwd/model.blocks.0.mlp.drop/dropout"].keys() == {0, 2}, sorted(got)
+    assert "scale/bwd/model.blocks.0.attn" in got
+    # the dropout is live in the compiled graph: two training-mode forwards differ
+    x, _ = synthetic_tokens(4, 8, VOCAB)
+    with torch.no_grad():
+        assert not torch.equal(tracked.model(x), tracked.model(x))
 
 
 def test_a_statistics_op_failing_after_the_probe_ends_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
