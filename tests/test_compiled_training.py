@@ -34,6 +34,15 @@ pytestmark = [
 VOCAB = 32
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> None:
+    """Each test compiles the GPT's forward afresh: dynamo keeps at most ``recompile_limit``
+    (8) compiled versions of one code object, and this file's fits together make more; past
+    the limit dynamo runs the forward uncompiled, the user's and the tracked version alike,
+    and a later test would test nothing of the compiled route."""
+    torch._dynamo.reset()
+
+
 class CompiledGPT(pl.LightningModule):
     """A tiny GPT compiled as ``pattern`` says: ``whole`` (``torch.compile(model)``),
     ``in_place`` (``model.compile()``), ``blocks`` (each block ``torch.compile(block)``), or
@@ -299,19 +308,19 @@ def test_a_statistics_op_failing_after_the_probe_ends_nothing(tmp_path: Path, mo
     from lightning_scale.record.stats import host_op
 
     plain, _ = fit(tmp_path / "plain", "whole", None, backend="aot_eager")
-    real, broken = host_op._plan, []
+    real, broken = host_op._record, []
 
-    def plan(groups: str) -> Any:
+    def record(x: Tensor, groups: str) -> Tensor:
         if broken:
             raise RuntimeError("injected fault in the statistics op")
-        return real(groups)
+        return real(x, groups)
 
     class BreakAtStep2(pl.Callback):
         def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
             if trainer.global_step == 2:
                 broken.append(True)
 
-    monkeypatch.setattr(host_op, "_plan", plan)
+    monkeypatch.setattr(host_op, "_record", record)
     watched = monitor()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -256,6 +256,25 @@ class _Packing:
         self.layout = PackedLayout(rewritten.numels, groups, device, rewritten.whole)
         self._sizes = [packed_size(rewritten.numels[i], groups, rewritten.whole[i]) for i in rewritten.probed]
         self._layouts: Dict[Tuple[int, ...], Tuple[PackedLayout, Tensor]] = {}
+        self._selections: Dict[int, Tuple[Dict[str, str], List[str], Tensor]] = {}
+
+    def selection(self, graph: Any, table: Dict[str, str]) -> Tuple[List[str], Tensor]:
+        """The labels of the rows that ``table`` (node -> label, the same object for the same
+        graph and scope) keeps, and those rows' indices (on the device): worked out on the
+        first call with ``table``, then reused."""
+        known = self._selections.get(id(table))
+        if known is not None and known[0] is table:
+            return known[1], known[2]
+        names = self.rewritten.names
+        kept = [i for i, name in enumerate(names) if name in table]
+        keys = [table[names[i]] for i in kept]
+        row = {name: i for i, name in enumerate(names)}
+        copies = [(n, row[s]) for n, s in graph.copies.items() if n in table and s in row and s in table]
+        kept += [i for _, i in copies]  # (a node that returned a recorded tensor itself: its row again)
+        keys += [table[n] for n, _ in copies]
+        index = torch.tensor(kept, dtype=torch.long).to(self.device, non_blocking=True)
+        self._selections[id(table)] = (table, keys, index)
+        return keys, index
 
     def probes(self) -> List[Tensor]:
         """One zero probe per node with a gradient (requiring grad where grad mode is on)."""
@@ -397,15 +416,9 @@ class CompiledRoute:
             return
         if error is not None and rec.error is None:  # (the step logs nothing and says why)
             rec.error = RuntimeError(f"statistics op failed ({type(error).__name__}: {error})")
-        names, rows = packing.rewritten.names, packing.layout.records(packed)
+        rows = packing.layout.records(packed)
         table = self.labels.table(graph, self.labels.scope(graph, args, depth=2))
-        kept = [i for i, name in enumerate(names) if name in table]
-        keys = [table[names[i]] for i in kept]
-        row = {name: i for i, name in enumerate(names)}
-        copies = [(n, row[s]) for n, s in graph.copies.items() if n in table and s in row and s in table]
-        kept += [i for _, i in copies]  # (a node that returned a recorded tensor itself: its row again)
-        keys += [table[n] for n, _ in copies]
-        index = torch.tensor(kept, dtype=torch.long).to(rows.device, non_blocking=True)
+        keys, index = packing.selection(graph, table)
         rec.add_rows(keys, FORWARD, rows.index_select(0, index))
         channels = packing.layout.channel_rows(packed) if rec.channels is not None else None
         slots = [rec.slot(key) for key in keys] if channels is not None else []

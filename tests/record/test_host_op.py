@@ -40,6 +40,10 @@ def cases() -> Dict[str, Tensor]:
     inf[3, 2] = -math.inf
     return {
         "short": torch.randn(100, generator=_gen(10)),
+        # short tensors the kernel's one-pass sums cannot give (the torch path takes over)
+        "single": torch.tensor([3.0]),
+        "constant_short": torch.ones(128),  # (a LayerNorm weight at initialisation)
+        "tiny_short": torch.randn(64, generator=_gen(25)) * 1e-35,  # (squares below float32's normals)
         "long": torch.randn(16, 8, 40, generator=_gen(11)) * 3,
         "mean_1e4_std": (torch.randn(64, 80, generator=_gen(12), dtype=torch.float64) + 1e4).float(),
         "mean_1e3_std_short": 1 + 1e-3 * torch.randn(6, 100, generator=_gen(13)),
@@ -57,16 +61,20 @@ def cases() -> Dict[str, Tensor]:
 @pytest.mark.parametrize("groups", [("moments",), ("moments", "range"), ALL_GROUPS])
 def test_one_row_vectors_finish_into_the_host_paths_records(groups: Tuple[str, ...]) -> None:
     """All cases at once through ``PackedLayout(whole=...)``: each tensor's record is
-    ``record_of(x, groups, host_reads=True)`` bit for bit (the mean and m2 pass through the
-    merge unchanged), its channel row ``channel_row(x)``, and moments within 1e-6 of fsum."""
+    the host path's record bit for bit (``fast_host_record`` where it takes the tensor, else
+    ``record_of(x, groups, host_reads=True)``; the mean and m2 pass through the merge
+    unchanged), its channel row ``channel_row(x)``, and moments within 1e-6 of fsum."""
     xs = cases()
+    fast = stats.fast_host_record(groups)
     packed = [host_packed_record(x, groups) for x in xs.values()]
     assert {p.numel() for p in packed} == {whole_packed_size(groups)}
     layout = PackedLayout([x.numel() for x in xs.values()], groups, CPU, whole=[True] * len(xs))
     rows = layout.records(torch.cat(packed))
     for row, (case, x) in zip(rows, xs.items()):
         dense = x.contiguous() if 0 in x.stride() else x  # (the op copies an expanded tensor)
-        want = stats.assemble([stats.record_of(dense, groups, host_reads=True)])[0]
+        # (the op's source: the native kernel's record where it takes the tensor, at any size)
+        short = fast(dense) if fast is not None else None
+        want = stats.assemble([short if short is not None else stats.record_of(dense, groups, host_reads=True)])[0]
         torch.testing.assert_close(row, want, rtol=0, atol=0, equal_nan=True, msg=case)
         n, mean, m2, _, _ = reference_moments(x)
         assert row[IX["count"]] == x.numel() and row[IX["nan"]] == int(x.isnan().sum()), case

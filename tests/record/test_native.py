@@ -88,12 +88,18 @@ def test_sums_match_float64(kernels, serial, dtype, layout, n):
         assert got[2] == (top if with_max else -1.0)
 
 
+class _Subclass(torch.Tensor):
+    """A tensor subclass (as DTensor is one): its data may not be what ``data_ptr`` holds."""
+
+
 def test_it_declines_what_it_cannot_read(kernels, monkeypatch):
     assert native.sums(torch.randn(100, 10)[:, ::2]) is None  # no contiguous rows
     assert native.sums(torch.randn(1000, dtype=torch.float64)) is None
     assert native.sums(torch.randn(1000).half()) is None
     assert native.sums(torch.randn(1000)) is not None
-    assert native.sums(torch.nn.Parameter(torch.randn(1000))) is None  # a subclass: left to torch
+    # a parameter is read as the plain tensor it holds (a compiled graph hands the op the parameters)
+    assert native.sums(torch.nn.Parameter(torch.randn(1000))) is not None
+    assert native.sums(torch.randn(1000).as_subclass(_Subclass)) is None  # a subclass: left to torch
     assert native.sums(torch._neg_view(torch.randn(1000))) is None  # its memory holds -x
     # torch splits a large tensor over its threads: above SERIAL_THREADS threads it is left to torch
     monkeypatch.setattr(native, "SERIAL_THREADS", 0)

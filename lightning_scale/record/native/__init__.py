@@ -230,11 +230,16 @@ def _layout(x: Tensor, fn: Any) -> Optional[Tuple[int, int, int]]:
     return _in_place(x)
 
 
+#: Tensor types whose data the kernels read directly: plain tensors, and parameters (a
+#: compiled graph hands its statistics op the parameters themselves).
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
 def _in_place(x: Tensor) -> Optional[Tuple[int, int, int]]:
     """(rows, cols, row stride) to read ``x`` with in some order, or None: another device, a
     tensor subclass (DTensor), a sparse layout or a negated view, a layout that is not rows
     of contiguous elements."""
-    if type(x) is not Tensor or not x.is_cpu or x.layout is not torch.strided or x.is_neg():
+    if type(x) not in _PLAIN or not x.is_cpu or x.layout is not torch.strided or x.is_neg():
         return None
     n = x.numel()
     return (1, n, n) if x.is_contiguous() else _rows(x)

@@ -32,7 +32,8 @@ from lightning_scale.record.stats.formats import NATIVE_BOUNDS, format_fields_of
 
 def fast_host_record(groups: Collection[str]) -> Optional[Callable[[Tensor], Optional[List[Entry]]]]:
     """For groups within moments, range and formats: a function giving
-    ``record_of(x, groups, True)`` of a tensor above 4096 elements from one read of the
+    ``record_of(x, groups, True)`` of a tensor (the recorder's use: above 4096 elements; the
+    compiled route's host op: any size, within ~1e-7 of ``record_of``'s short path) from one read of the
     native kernel (``lightning_scale.record.native``), with fewer steps than ``record_of`` takes
     (a tracked step calls it for every recorded tensor), or None where that does not apply
     (the kernel declines the tensor; without formats, also where its values are not
@@ -187,6 +188,20 @@ def _one_pass_m2(total: float, sumsq: float, n: int, tiny: float) -> Optional[fl
         return None
     m2 = sumsq - total * (total / n)
     return m2 if sumsq >= n * tiny and _CONDITION * m2 >= sumsq else None
+
+
+def one_read_moments(x: Tensor, with_max: bool) -> Optional[Tuple[float, float, float]]:
+    """(mean, m2, max |x|; -1 without ``with_max``) of ``x`` from one read of the native
+    kernel, where its sums can be trusted; None where they cannot (the kernel declines ``x``,
+    or its values are non-finite, tiny or mean-dominated: ``record_of``'s other passes).
+    The compiled route's host op calls it for every recorded tensor: the fewest steps."""
+    got = native.sums(x, with_max)
+    if got is None:
+        return None
+    total, sumsq, top = got
+    n = x.numel()
+    m2 = _one_pass_m2(total, sumsq, n, _TINY[torch.float32])  # (the kernel squares in float32)
+    return None if m2 is None else (total / n, m2, top)
 
 
 def _native_moments(x: Tensor, out: List[Entry], with_max: bool) -> Tuple[bool, Optional[float]]:

@@ -5,9 +5,11 @@
 elements): the row's ``ROW_FIELDS`` are the tensor's mean as the scaled shift, scale 1, the
 sum of deviations 0, m2 as the sum of squares, its NaN and non-finite counts and max |x|;
 then the fields of the other groups (``extra_fields``), then, with ``channels``, its channel
-row. The numbers come from the host path (``record_of(x, groups, host_reads=True)``: the
-native kernel's one read at memory speed where it takes ``x``, torch code for any other
-stride or dtype) and ``channels.channel_row``. ``PackedLayout(..., whole=...)`` finishes
+row. The numbers come from the host path: the native kernel's one read where it takes ``x``
+(``fast_host_record``, at any size: the recorder batches short tensors, a graph op cannot,
+and torch's exact short path costs ~20 us a tensor, the kernel ~3), else
+``record_of(x, groups, host_reads=True)`` (torch code for any other stride, dtype or group),
+and ``channels.channel_row``. ``PackedLayout(..., whole=...)`` finishes
 both forms into records with the same code.
 
 It is a ``torch.library`` op (``lightning_scale::host_packed_record``, registered once
@@ -32,7 +34,7 @@ from torch import Tensor
 from lightning_scale.record.stats import fast_host_record, record_of
 from lightning_scale.record.stats.channels import CHANNEL_WIDTH, channel_row
 from lightning_scale.record.stats.fields import IX, Col, Entry
-from lightning_scale.record.stats.host import DOT_MAX
+from lightning_scale.record.stats.host import one_read_moments
 from lightning_scale.record.stats.traceable import ROW_FIELDS, extra_fields
 
 __all__ = ["CHOICES", "ENV", "host_packed_record", "uses_host_op", "whole_packed_size"]
@@ -86,6 +88,14 @@ def _plan(groups: str) -> Tuple[Tuple[str, ...], Tuple[int, ...], Optional[Calla
     return chosen, tuple(IX[name] for name in extra_fields(chosen)), fast_host_record(chosen)
 
 
+@functools.lru_cache(maxsize=None)
+def _moments_only(groups: str) -> Optional[bool]:
+    """For groups within moments and range (the default ones): whether max |x| is packed;
+    None for any other group (the op then takes ``_plan``'s general path)."""
+    chosen = set(groups.split(","))
+    return "range" in chosen if chosen <= {"moments", "range"} else None
+
+
 #: The first error the op caught since ``take_error`` last read it: the op never raises (an
 #: exception inside a compiled graph would end the user's step), its owner reports it.
 _errors: List[BaseException] = []
@@ -110,12 +120,20 @@ def _packed(x: Tensor, groups: str) -> Tensor:
 
 
 def _record(x: Tensor, groups: str) -> Tensor:
-    """The host path's record (``fast_host_record`` where it takes ``x``, else ``record_of``),
-    rearranged."""
-    chosen, columns, fast = _plan(groups)
+    """The host path's record, rearranged: for moments and range, ``one_read_moments`` where
+    it gives them (``fast_host_record``'s numbers, without building a record); else
+    ``fast_host_record`` where it takes ``x``, else ``record_of``."""
     if 0 in x.stride() and any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
         x = x.contiguous()  # (expanded, as the gradient of a sum: one copy, read as the test's reference reads it)
-    row = fast(x) if fast is not None and x.numel() > DOT_MAX else None
+    chosen, columns, fast = _plan(groups)
+    with_max = _moments_only(groups)
+    if with_max is not None:  # the common case in the fewest steps: the same numbers as ``fast`` gives
+        got = one_read_moments(x, with_max)
+        if got is not None:
+            mean, m2, top = got
+            return torch.from_numpy(np.array([mean, 1.0, 0.0, m2, 0.0, 0.0, top if with_max else math.nan]))
+        fast = None  # (its sums would be these again: straight to ``record_of``'s other passes)
+    row = fast(x) if fast is not None else None
     if row is None:
         row = record_of(x, chosen, host_reads=True)
     nan, inf = float(row[Col.NAN]), float(row[Col.INF])
