@@ -295,7 +295,9 @@ class PackedLayout:
         mean, m2, nans, bad, top = v[:, 0], v[:, 3], v[:, 4], v[:, 5], v[:, 6]
         out = np.full((len(self.numels), len(FIELDS)), math.nan)
         with np.errstate(invalid="ignore"):
-            m2 = np.where(np.isfinite(mean), np.maximum(m2, 0.0), math.nan)  # (as the merge: NaN about an infinite mean)
+            m2 = np.where(
+                np.isfinite(mean), np.maximum(m2, 0.0), math.nan
+            )  # (as the merge: NaN about an infinite mean)
             absmax = np.where(nans > 0, math.nan, top) if self.with_range else np.full_like(nans, math.nan)
             out[:, _BASE] = np.stack([self._count_np, mean, m2, absmax, nans, bad - nans], 1)
         if self.extras:
