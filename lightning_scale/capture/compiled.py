@@ -41,7 +41,7 @@ from torch import Tensor, fx, nn
 
 from lightning_scale.capture import frames
 from lightning_scale.capture.compiled_labels import CompiledLabels
-from lightning_scale.capture.forward_swap import ForwardSwap
+from lightning_scale.capture.forward_swap import CompiledCallSwap, ForwardSwap
 from lightning_scale.record import recorder as recording
 from lightning_scale.record.recorder import BACKWARD, FORWARD
 from lightning_scale.record.stats import host_op
@@ -397,7 +397,7 @@ class CompiledRoute:
     @contextlib.contextmanager
     def swapped(self) -> Iterator[None]:
         """Each compiled module runs its instrumented version in this block."""
-        with ForwardSwap() as swap, _CompiledCallSwap() as in_place:
+        with ForwardSwap() as swap, CompiledCallSwap() as in_place:
             for _, m in self.targets:
                 if isinstance(m, _Optimized):
                     swap.replace(m, self.forward_for(m))
@@ -434,26 +434,3 @@ class CompiledRoute:
         """``compiled=<paths>`` and the tracked version's compile time so far."""
         paths = ", ".join(p or "<root>" for p, _ in self.targets)
         return f"compiled modules: {paths} (tracked version compiled in {self.compile_seconds:.1f} s so far)"
-
-
-class _CompiledCallSwap:
-    """Swaps what ``module.compile()`` installed (the compiled ``_call_impl`` that
-    ``nn.Module.__call__`` runs) for a while, and puts the user's back: the same entry
-    of ``module.__dict__``, as ``ForwardSwap`` does for ``forward``."""
-
-    _KEY = "_compiled_call_impl"
-
-    def __init__(self) -> None:
-        self._saved: List[Tuple[nn.Module, Any]] = []
-
-    def replace(self, module: nn.Module, call: Callable[..., Any]) -> None:
-        self._saved.append((module, module.__dict__[self._KEY]))
-        module.__dict__[self._KEY] = call
-
-    def __enter__(self) -> "_CompiledCallSwap":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for module, call in reversed(self._saved):
-            module.__dict__[self._KEY] = call
-        self._saved.clear()

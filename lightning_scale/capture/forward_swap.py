@@ -1,4 +1,5 @@
-"""ForwardSwap: replace modules' ``forward`` for a while, and put back exactly what was there.
+"""ForwardSwap: replace modules' ``forward`` for a while, and put back exactly what was there
+(``CompiledCallSwap``: the same for the compiled call ``module.compile()`` installs).
 
 A module's ``forward`` is either its class's method or an instance attribute someone set
 (``torch.compile``'s ``OptimizedModule``, a user's wrapper, another swap). ``restore``
@@ -14,7 +15,7 @@ from typing import Any, Callable, List, Optional, Tuple, Type
 
 from torch import nn
 
-__all__ = ["ForwardSwap"]
+__all__ = ["CompiledCallSwap", "ForwardSwap"]
 
 _MISSING = object()  # no instance ``forward``: the class's shows through
 
@@ -66,3 +67,26 @@ class ForwardSwap:
         self, kind: Optional[Type[BaseException]], error: Optional[BaseException], trace: Optional[TracebackType]
     ) -> None:
         self.restore()
+
+
+class CompiledCallSwap:
+    """Swaps what ``module.compile()`` installed (the compiled ``_call_impl`` that
+    ``nn.Module.__call__`` runs) for a while, and puts the user's back: the same entry
+    of ``module.__dict__``, as ``ForwardSwap`` does for ``forward``."""
+
+    _KEY = "_compiled_call_impl"
+
+    def __init__(self) -> None:
+        self._saved: List[Tuple[nn.Module, Any]] = []
+
+    def replace(self, module: nn.Module, call: Callable[..., Any]) -> None:
+        self._saved.append((module, module.__dict__[self._KEY]))
+        module.__dict__[self._KEY] = call
+
+    def __enter__(self) -> "CompiledCallSwap":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for module, call in reversed(self._saved):
+            module.__dict__[self._KEY] = call
+        self._saved.clear()

@@ -222,11 +222,9 @@ class PackedLayout:
         length[(first + rows - 1)[tailed]] = [t for _, _, t in shape if t]
         up = functools.partial(_upload, device=device)
         self._rows, self._first, self._length = up(rows), up(first), up(length)
-        self._count_np = np.array(self.numels, dtype=np.float64)
-        self._count = up(self._count_np)
+        self._count = up(np.array(self.numels, dtype=np.float64))
         self._segment = up(np.repeat(np.arange(len(self.numels)), rows))
-        self._columns_np = np.array([IX[name] for name in self.extras], dtype=np.int64)
-        self._columns = up(self._columns_np)
+        self._columns = up(np.array([IX[name] for name in self.extras], dtype=np.int64))
         self.channel_width = _channel_width(groups)
         at = self._positions(rows)
         self._rows_at, self._extras_at, self._channels_at = (None if i is None else up(i) for i in at)
@@ -253,8 +251,6 @@ class PackedLayout:
         """
         if packed.shape != (sum(self.sizes),):
             raise ValueError(f"`packed` must have shape [{sum(self.sizes)}], got {list(packed.shape)}")
-        if self._all_whole and packed.device.type == "cpu":
-            return self._whole_records(packed)
         rows = packed if self._rows_at is None else packed[self._rows_at]
         out = torch.full((len(self.numels), len(FIELDS)), math.nan, dtype=torch.float64, device=packed.device)
         out[:, _BASE] = self._merged(rows.reshape(-1, _K))
@@ -271,6 +267,8 @@ class PackedLayout:
 
     def _merged(self, rows: Tensor) -> Tensor:
         """``[tensors, 6]``: count, mean, m2, absmax (NaN without ``range``), nan, inf."""
+        if self._all_whole:
+            return self._whole(rows)
         cs, s, s1, s2, nan, bad, top = rows.unbind(1)
         r = s1 / self._length  # (the row's mean of d)
         mean_i = (cs + r) / s  # (exact scaling)
@@ -286,23 +284,15 @@ class PackedLayout:
             absmax = torch.full_like(nans, math.nan)
         return torch.stack([self._count, mean, m2, absmax, nans, sums[:, 2] - nans], 1)
 
-    def _whole_records(self, packed: Tensor) -> Tensor:
-        """``records`` where every vector is the host op's one row (mean, scale 1, sum of
-        deviations 0, m2, ...) in host memory: the merge would leave a finite mean and its m2
-        as they are, so they are taken as they are, in numpy (a few microseconds, where the
-        merge's torch ops take ~0.2 ms a graph)."""
-        v = packed.detach().numpy().reshape(len(self.numels), -1)
-        mean, m2, nans, bad, top = v[:, 0], v[:, 3], v[:, 4], v[:, 5], v[:, 6]
-        out = np.full((len(self.numels), len(FIELDS)), math.nan)
-        with np.errstate(invalid="ignore"):
-            m2 = np.where(
-                np.isfinite(mean), np.maximum(m2, 0.0), math.nan
-            )  # (as the merge: NaN about an infinite mean)
-            absmax = np.where(nans > 0, math.nan, top) if self.with_range else np.full_like(nans, math.nan)
-            out[:, _BASE] = np.stack([self._count_np, mean, m2, absmax, nans, bad - nans], 1)
-        if self.extras:
-            out[:, self._columns_np] = v[:, _K : _K + len(self.extras)]
-        return torch.from_numpy(out)
+    def _whole(self, rows: Tensor) -> Tensor:
+        """``_merged`` where every vector is the host op's one row (mean, scale 1, sum of
+        deviations 0, m2, ...): the merge would leave a finite mean and its m2 as they are, so
+        they are taken as they are, without the segment sums (torch ops, no read to the host:
+        the rows stay where the graph left them until the step's one copy)."""
+        mean, _, _, m2, nans, bad, top = rows.unbind(1)
+        m2 = torch.where(torch.isfinite(mean), m2.clamp(min=0), math.nan)  # (as the merge: NaN about an infinite mean)
+        absmax = torch.where(nans > 0, math.nan, top) if self.with_range else torch.full_like(nans, math.nan)
+        return torch.stack([self._count, mean, m2, absmax, nans, bad - nans], 1)
 
     def _sum(self, values: Tensor) -> Tensor:
         """Each tensor's sum of ``values`` over its rows (dim 0), in row order."""
