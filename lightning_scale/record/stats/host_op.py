@@ -81,19 +81,17 @@ def host_packed_record(x: Tensor, groups: Collection[str] = ("moments", "range")
     return getattr(getattr(torch.ops, _NAMESPACE), _OP)(x.detach(), ",".join(groups))
 
 
+_Short = Optional[Callable[[Tensor], Optional[List[Entry]]]]
+
+
 @functools.lru_cache(maxsize=None)
-def _plan(groups: str) -> Tuple[Tuple[str, ...], Tuple[int, ...], Optional[Callable[[Tensor], Optional[List[Entry]]]]]:
-    """(the groups, the record columns packed after the row, the host path's short record)."""
+def _plan(groups: str) -> Tuple[Tuple[str, ...], Tuple[int, ...], _Short, Optional[bool]]:
+    """(the groups, the record columns packed after the row, the host path's short record,
+    and for groups within moments and range, the default ones, whether max |x| is packed:
+    None for any other group, which takes the general path)."""
     chosen = tuple(groups.split(","))
-    return chosen, tuple(IX[name] for name in extra_fields(chosen)), fast_host_record(chosen)
-
-
-@functools.lru_cache(maxsize=None)
-def _moments_only(groups: str) -> Optional[bool]:
-    """For groups within moments and range (the default ones): whether max |x| is packed;
-    None for any other group (the op then takes ``_plan``'s general path)."""
-    chosen = set(groups.split(","))
-    return "range" in chosen if chosen <= {"moments", "range"} else None
+    with_max = "range" in chosen if set(chosen) <= {"moments", "range"} else None
+    return chosen, tuple(IX[name] for name in extra_fields(chosen)), fast_host_record(chosen), with_max
 
 
 #: The first error the op caught since ``take_error`` last read it: the op never raises (an
@@ -125,8 +123,7 @@ def _record(x: Tensor, groups: str) -> Tensor:
     ``fast_host_record`` where it takes ``x``, else ``record_of``."""
     if 0 in x.stride() and any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
         x = x.contiguous()  # (expanded, as the gradient of a sum: one copy, read as the test's reference reads it)
-    chosen, columns, fast = _plan(groups)
-    with_max = _moments_only(groups)
+    chosen, columns, fast, with_max = _plan(groups)
     if with_max is not None:  # the common case in the fewest steps: the same numbers as ``fast`` gives
         got = one_read_moments(x, with_max)
         if got is not None:
