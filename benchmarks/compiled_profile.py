@@ -7,7 +7,7 @@ Two views, in one process:
   rounds: the tracked step's extra time, phase by phase;
 * **functions**: cProfile over tracked steps, the cumulative time of the route's Python after
   the graph (``called``, ``PackedLayout.records``, ``gradient_rows``, the labels table), of the
-  host op (``host_packed_record``'s implementation, forward and backward) and of the compiled
+  host op (``host_record``'s implementation, forward and backward) and of the compiled
   graphs' calls, as shares of the profiled steps (cProfile slows Python calls, not kernels:
   the Python shares read high).
 

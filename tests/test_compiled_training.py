@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tests.compiling import GraphCount
 from lightning_scale import ScaleMonitor
-from lightning_scale.capture import compiled
+from lightning_scale.capture import compiled, instrument
 from lightning_scale.tools.models import GPT, GPTConfig, synthetic_tokens
 
 pytestmark = [
@@ -181,7 +181,7 @@ def test_a_tracked_version_that_differs_trains_untracked_with_one_warning(
         ctx.groups, ctx.host = groups, host
         return x + 1e-3
 
-    monkeypatch.setattr(compiled.Probe, "forward", staticmethod(shifted))
+    monkeypatch.setattr(instrument.Probe, "forward", staticmethod(shifted))
     watched = monitor()
     with pytest.warns(UserWarning) as record:
         tracked, _ = fit(tmp_path / "tracked", "whole", watched, backend="aot_eager")
@@ -308,9 +308,9 @@ def test_a_statistics_op_failing_after_the_probe_ends_nothing(tmp_path: Path, mo
     from lightning_scale.record.stats import host_op
 
     plain, _ = fit(tmp_path / "plain", "whole", None, backend="aot_eager")
-    real, broken = host_op._record, []
+    real, broken = host_op._values, []
 
-    def record(x: Tensor, groups: str) -> Tensor:
+    def record(x: Tensor, groups: str) -> Any:
         if broken:
             raise RuntimeError("injected fault in the statistics op")
         return real(x, groups)
@@ -320,7 +320,7 @@ def test_a_statistics_op_failing_after_the_probe_ends_nothing(tmp_path: Path, mo
             if trainer.global_step == 2:
                 broken.append(True)
 
-    monkeypatch.setattr(host_op, "_record", record)
+    monkeypatch.setattr(host_op, "_values", record)
     watched = monitor()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -10,13 +10,14 @@ backend on it:
   partial sums of its rows, the optional groups' fields and, with ``channels``, its channel
   row, packed); the packed vectors of all nodes are concatenated into one extra graph
   output, taken off before dynamo sees it, and finished into records and channel rows
-  (``PackedLayout``, a few vectorised ops for the whole graph) after it ran; for a tensor
-  on the CPU, one opaque op instead (``host_op.host_packed_record``: the host kernel's one
-  read, the same layout with the whole tensor as one row; ``LIGHTNING_SCALE_COMPILED_STATS``);
+  (``PackedLayout``, a few vectorised ops for the whole graph) after it ran; in a graph whose
+  tensors are all on the CPU, one opaque op instead (``host_op.host_record``: the host
+  kernel's one read, the record itself; ``LIGHTNING_SCALE_COMPILED_STATS``);
 * each recorded node that requires a gradient goes through ``Probe``, an identity whose
   backward returns the gradient unchanged and, as the gradient of a probe tensor passed
   in as one extra input (one per such node, fresh on every call), the gradient's packed
-  statistics.
+  statistics; with the host op, the graph's parameters are recorded by one call and go
+  through one ``ProbeInputs`` together (the rewrite: ``instrument.instrument_graph``).
 
 So the statistics compile, and fuse where the compiler can, with the model's own kernels;
 nothing runs in Python per node. The gradients and outputs the model computes are the
@@ -42,13 +43,14 @@ from torch import Tensor, fx, nn
 from lightning_scale.capture import frames
 from lightning_scale.capture.compiled_labels import CompiledLabels
 from lightning_scale.capture.forward_swap import CompiledCallSwap, ForwardSwap
+from lightning_scale.capture.instrument import Instrumented, instrument_graph
 from lightning_scale.record import recorder as recording
 from lightning_scale.record.recorder import BACKWARD, FORWARD
 from lightning_scale.record.stats import host_op
-from lightning_scale.record.stats.host_op import host_packed_record, uses_host_op
-from lightning_scale.record.stats.traceable import PackedLayout, packed_record, packed_size
+from lightning_scale.record.stats.host_op import RecordLayout, record_size
+from lightning_scale.record.stats.traceable import PackedLayout, packed_size
 
-__all__ = ["CompiledRoute", "InstrumentingBackend", "Probe", "UserCompile", "compiled_modules", "probe", "user_compile"]
+__all__ = ["CompiledRoute", "InstrumentingBackend", "UserCompile", "compiled_modules", "user_compile"]
 
 _Optimized = torch._dynamo.eval_frame.OptimizedModule
 
@@ -79,125 +81,9 @@ def user_compile(module: nn.Module) -> Optional[UserCompile]:
     return UserCompile(backend, getattr(backend, "dynamic", None), bool(getattr(context, "fullgraph", False)))
 
 
-class Probe(torch.autograd.Function):
-    """Identity on ``x``; backward: ``x``'s gradient unchanged, and its packed statistics
-    (``packed_record``; with ``host``, ``host_packed_record``'s one-row form) as the gradient
-    of ``probe`` (float64, ``packed_size`` elements). ``copy`` returns a copy of ``x``
-    (for a graph output: an output that aliases an intermediate is rebuilt outside the
-    compiled graph, and its gradient would bypass this backward)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, probe: Tensor, groups: Tuple[str, ...], copy: bool, host: bool) -> Tensor:
-        ctx.groups, ctx.host = groups, host
-        ctx.set_materialize_grads(False)  # (an unused output: no gradient, no record)
-        return x.clone() if copy else x
-
-    @staticmethod
-    def backward(ctx: Any, grad: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
-        if grad is None:
-            return None, None, None, None, None
-        return grad, _statistics(ctx.host)(grad, ctx.groups), None, None, None
-
-
-def probe(x: Tensor, probe: Tensor, groups: Tuple[str, ...], copy: bool, host: bool = False) -> Tensor:
-    """``Probe.apply`` as a graph node's target (fx writes code that imports it by name)."""
-    return Probe.apply(x, probe, groups, copy, host)
-
-
-def _statistics(host: bool) -> Callable[..., Tensor]:
-    """The packed statistics of a node: the host op's one row, or the traceable ops' rows."""
-    return host_packed_record if host else packed_record
-
-
-@dataclass
-class _Instrumented:
-    """A rewritten graph, its recorded nodes (in row order), their element counts and
-    whether each is recorded by the host op (one row), the nodes with a probe input
-    (indices, in input order), and its outputs' container."""
-
-    gm: fx.GraphModule
-    names: List[str]
-    numels: List[int]
-    whole: List[bool]
-    probed: List[int]
-    output_type: Optional[type]  # tuple or list; None: a single output
-
-
-def _floating(value: Any) -> bool:
-    return (
-        isinstance(value, Tensor)
-        and value.is_floating_point()
-        and all(isinstance(s, int) and s > 0 for s in value.shape)  # (static, nonempty)
-    )
-
-
-def _example(node: fx.Node, inputs: Dict[str, Any]) -> Any:
-    return inputs.get(node.name, node.meta.get("example_value"))
-
-
-def instrument_graph(
-    gm: fx.GraphModule,
-    names: Sequence[str],
-    example_inputs: Sequence[Any],
-    groups: Tuple[str, ...],
-    stand_ins: Optional[Dict[str, str]] = None,
-) -> Optional[_Instrumented]:
-    """A copy of ``gm`` with the packed statistics of each node of ``names`` (floating,
-    nonempty), concatenated into one extra output, and ``Probe`` on each node with a
-    gradient, its probe an extra input. A node of ``stand_ins`` (node -> the input it
-    returns itself) is recorded at that input."""
-    graph = fx.Graph()
-    copied: Dict[fx.Node, fx.Node] = {}
-    result = graph.graph_copy(gm.graph, copied)
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    inputs = {n.name: v for n, v in zip(placeholders, example_inputs)}
-    wanted = set(names)
-    nodes = [n for n in graph.nodes if n.name in wanted and _floating(_example(n, inputs))]
-    if not nodes:
-        return None
-    returned = set(result) if isinstance(result, (tuple, list)) else {result}
-    outputs = tuple(result) if isinstance(result, (tuple, list)) else (result,)
-    output = graph.output(outputs)  # (first: a probe replaces the node in it too)
-    by_name = {n.name: n for n in placeholders}
-    at = [n if n in returned else by_name.get((stand_ins or {}).get(n.name, ""), n) for n in nodes]
-    values = [_example(a, inputs) for a in at]
-    probed = [i for i, v in enumerate(values) if v.requires_grad]
-    whole = [uses_host_op(v.device) for v in values]  # (decided once, from the example value's device)
-    probes, last = {}, placeholders[-1]
-    for i in probed:
-        with graph.inserting_after(last):
-            probes[i] = last = graph.placeholder(f"statistics_probe_{i}")
-    packed = [
-        _instrument_node(graph, a, last, probes.get(i), (a in returned, whole[i]), groups) for i, a in enumerate(at)
-    ]
-    with graph.inserting_before(output):
-        joined = graph.call_function(torch.cat, (packed,))
-    output.args = ((*output.args[0], joined),)
-    graph.lint()
-    kind = type(result) if isinstance(result, (tuple, list)) else None
-    numels = [v.numel() for v in values]
-    return _Instrumented(fx.GraphModule(gm, graph), [n.name for n in nodes], numels, whole, probed, kind)
-
-
-def _instrument_node(
-    graph: fx.Graph,
-    node: fx.Node,
-    last: fx.Node,
-    probe_input: Optional[fx.Node],
-    how: Tuple[bool, bool],
-    groups: Tuple[str, ...],
-) -> fx.Node:
-    """Insert ``node``'s packed statistics (returned) and, with a probe input, its ``Probe``;
-    ``how``: (whether the graph returns ``node``, whether the host op records it)."""
-    returned, host = how
-    anchor = last if node.op == "placeholder" else node
-    with graph.inserting_after(anchor):
-        packed = graph.call_function(_statistics(host), (node,), {"groups": groups})
-    if probe_input is not None:
-        with graph.inserting_after(packed):
-            through = graph.call_function(probe, (node, probe_input, groups, returned, host))
-        node.replace_all_uses_with(through, delete_user_cb=lambda user: user not in (packed, through))
-    return packed
+def _layout(numels: Sequence[int], groups: Tuple[str, ...], device: torch.device, host: bool) -> Any:
+    """How the concatenated vectors of tensors of ``numels`` elements finish into records."""
+    return RecordLayout(numels, groups) if host else PackedLayout(numels, groups, device)
 
 
 class InstrumentingBackend:
@@ -251,11 +137,13 @@ class _Packing:
     """The packed statistics of an instrumented graph: fresh probe inputs for a call, and
     the layouts that finish the forward output and the probes' gradients into records."""
 
-    def __init__(self, rewritten: _Instrumented, groups: Tuple[str, ...], device: torch.device) -> None:
+    def __init__(self, rewritten: Instrumented, groups: Tuple[str, ...], device: torch.device) -> None:
         self.rewritten, self.groups, self.device = rewritten, groups, device
-        self.layout = PackedLayout(rewritten.numels, groups, device, rewritten.whole)
-        self._sizes = [packed_size(rewritten.numels[i], groups, rewritten.whole[i]) for i in rewritten.probed]
-        self._layouts: Dict[Tuple[int, ...], Tuple[PackedLayout, Tensor]] = {}
+        self.layout = _layout(rewritten.numels, groups, device, rewritten.host)
+        width = record_size(groups)
+        numels = [[rewritten.numels[i] for i in nodes] for nodes in rewritten.probed]
+        self._sizes = [len(ns) * width if rewritten.host else packed_size(ns[0], groups) for ns in numels]
+        self._layouts: Dict[Tuple[int, ...], Tuple[Any, Tensor]] = {}
         self._selections: Dict[int, Tuple[Dict[str, str], List[str], Tensor]] = {}
 
     def selection(self, graph: Any, table: Dict[str, str]) -> Tuple[List[str], Tensor]:
@@ -289,9 +177,8 @@ class _Packing:
         if not reached:
             return None
         if reached not in self._layouts:
-            nodes = [self.rewritten.probed[i] for i in reached]
-            numels, whole = [self.rewritten.numels[i] for i in nodes], [self.rewritten.whole[i] for i in nodes]
-            layout = PackedLayout(numels, self.groups, self.device, whole)
+            nodes = [n for i in reached for n in self.rewritten.probed[i]]
+            layout = _layout([self.rewritten.numels[i] for i in nodes], self.groups, self.device, self.rewritten.host)
             self._layouts[reached] = layout, torch.tensor(nodes, dtype=torch.long).to(self.device, non_blocking=True)
         layout, nodes = self._layouts[reached]
         error = host_op.take_error()

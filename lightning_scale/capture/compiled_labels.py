@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, List, Optional, Set, Tuple
 
+import torch
 from torch import Tensor, fx, nn
 
 from lightning_scale.capture import frames
@@ -164,10 +165,38 @@ def _mutates(node: fx.Node) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or bool(node.kwargs.get("inplace")) or in_place_operator
 
 
+#: Dropout functions as dynamo's graphs call them: (position of ``p``, its default, of
+#: ``training``, its default, of ``inplace``; None: not an argument of that function).
+_DROPOUTS = {torch.nn.functional.dropout: (1, 0.5, 2, True, 3), torch.dropout: (1, None, 2, None, None)}
+
+
+def returned_input(node: fx.Node) -> Optional[fx.Node]:
+    """The input a node returns itself although dynamo's example value is a new tensor: a
+    dropout with ``p`` 0 or not training, not in place (``nn.Dropout(0.0)``, a model's
+    ``dropout=0.0`` config, any dropout in eval mode). ATen's ``dropout`` returns its input
+    then, on every device, so the eager routes see the very same tensor. None for any other node."""
+    if node.op != "call_function" or node.target not in _DROPOUTS:
+        return None
+    p_at, p_default, train_at, train_default, inplace_at = _DROPOUTS[node.target]
+    names = ("input", "p", "training" if node.target is torch.nn.functional.dropout else "train", "inplace")
+
+    def arg(i: Optional[int], default: Any) -> Any:
+        if i is None:
+            return default
+        return node.args[i] if i < len(node.args) else node.kwargs.get(names[i], default)
+
+    x = node.args[0] if node.args else node.kwargs.get("input")
+    p, train, inplace = arg(p_at, p_default), arg(train_at, train_default), arg(inplace_at, False)
+    if not isinstance(x, fx.Node) or inplace is not False or not isinstance(p, (int, float)) or isinstance(p, bool):
+        return None
+    return x if (p == 0 or train is False) else None
+
+
 def same_tensor(gm: fx.GraphModule, labelled: Set[str]) -> Tuple[Dict[str, str], Dict[str, str], Set[str]]:
     """Nodes that return a tensor of the graph itself, unchanged (``.to()`` to its own dtype,
-    ``.float()`` of a float, ``.contiguous()`` of a contiguous tensor; dynamo's example
-    values are the very same object): (node -> labelled node with the same record, node ->
+    ``.float()`` of a float, ``.contiguous()`` of a contiguous tensor: dynamo's example
+    values are the very same object; a dropout that does nothing: ``returned_input``):
+    (node -> labelled node with the same record, node ->
     graph input it stands in for, the nodes whose tensor has other uses as well: a view of
     them is no alias).
 
@@ -186,6 +215,9 @@ def same_tensor(gm: fx.GraphModule, labelled: Set[str]) -> Tuple[Dict[str, str],
         value = node.meta.get("example_value")
         if not isinstance(value, Tensor):
             continue
+        given = returned_input(node)
+        if given is not None and isinstance(given.meta.get("example_value"), Tensor):
+            value = given.meta["example_value"]  # (the tensor it returns at run time)
         uses[id(value)] = uses.get(id(value), 0) + len(node.users)
         source = first.setdefault(id(value), node)
         if source is node:
@@ -202,8 +234,13 @@ def same_tensor(gm: fx.GraphModule, labelled: Set[str]) -> Tuple[Dict[str, str],
             first[id(value)] = node  # (the first stand-in; later nodes alias it)
             stand_ins[node.name] = source.name
     same = {*aliases, *stand_ins}
-    value_of = {n.name: id(n.meta.get("example_value")) for n in gm.graph.nodes}
+    value_of = {n.name: id(_run_time_value(n)) for n in gm.graph.nodes}
     return aliases, stand_ins, {n for n in same if uses[value_of[n]] > 1}
+
+
+def _run_time_value(node: fx.Node) -> Any:
+    given = returned_input(node)
+    return (given if given is not None else node).meta.get("example_value")
 
 
 def _own_output(gm: fx.GraphModule, reason: Any) -> List[Tuple[Optional[str], str, str]]:

@@ -19,7 +19,9 @@ import torch
 from torch import Tensor
 
 from lightning_scale.record import kernels, placements, stats
+from lightning_scale.record import placing
 from lightning_scale.record.channel_rows import ChannelRows
+from lightning_scale.record.placing import BlockRow
 from lightning_scale.record.short_records import MAX_ELEMENTS, ShortRecords, batchable
 
 __all__ = ["BACKWARD", "FORWARD", "HOST_READS_ENV", "Recorder", "active", "observe", "recording"]
@@ -63,7 +65,9 @@ class Recorder:
         self._buffer = _RowBuffer()  # the device rows the fused kernel writes
         self._slots: Dict[Hashable, int] = {}  # key -> slot
         self._keys: List[Hashable] = []  # slot -> key
-        self._rows: List[Tuple[int, int, Union[List[stats.Entry], Tensor]]] = []
+        self._rows: List[Tuple[int, int, Union[List[stats.Entry], Tensor, BlockRow]]] = []
+        self._blocks: List[Tensor] = []  # row blocks (``add_rows``), read at ``records()`` as one
+        self._block_rows = 0  # rows in ``_blocks``
         self._handles: List[Any] = []
         self._host_only = True  # every entry so far is a float (host-read records)
         self._previous: Optional[Tuple[Any, int, int]] = None  # (weakref, version, slot)
@@ -140,9 +144,11 @@ class Recorder:
             raise ValueError(f"`rows` must be [{len(keys)}, {len(stats.FIELDS)}], got {list(rows.shape)}")
         if self.device is None:
             self.device = rows.device
-        self._host_only = False
-        for key, row in zip(keys, rows.unbind(0)):
-            self._rows.append((self.slot(key), direction, row))
+        start = self._block_rows
+        self._blocks.append(rows)  # (kept whole: no tensor op per row, here or when read)
+        self._block_rows += len(keys)
+        for i, key in enumerate(keys):
+            self._rows.append((self.slot(key), direction, BlockRow(start + i)))
 
     def add_rows_later(self, keys: Sequence[Hashable], direction: int, rows: Callable[[], Optional[Tensor]]) -> None:
         """As ``add_rows``, with rows that exist only once backward has run: ``rows()`` is
@@ -243,32 +249,35 @@ class Recorder:
         targets = self._targets(keys, aliases or {})
         entries: List[Union[List[stats.Entry], Tensor]] = []
         dst: List[int] = []  # flat output row (key * 2 + direction) of each placement
-        src: List[int] = []  # its entry
+        src: List[int] = []  # its entry (a block's row: -1 - its row in the blocks)
         for slot, d, entry in self._rows:
-            for i in targets.get(slot, ()):
-                dst.append(i * 2 + d)
-                src.append(len(entries))
-            if slot in targets:
+            where = targets.get(slot)
+            if not where:
+                continue
+            if type(entry) is BlockRow:
+                at = -1 - entry.at
+            else:
+                at = len(entries)
                 entries.append(entry)
-        if not entries:
+            for i in where:
+                dst.append(i * 2 + d)
+                src.append(at)
+        if not dst:
             return out
-        # each entry once (a record shared by aliases is placed, not copied, per key)
-        assembled = stats.assemble(entries, device=self.device, host_only=self._host_only)
-        flat = out.view(-1, len(stats.FIELDS))
-        if len(set(dst)) == len(dst):  # the common case, each key once per direction: one scatter
-            flat[stats.index_tensor(dst, out.device)] = assembled[stats.index_tensor(src, out.device)]
-            return out
-        groups: Dict[int, List[int]] = {}
-        for i, j in zip(dst, src):
-            groups.setdefault(i, []).append(j)
-        single = [(i, js[0]) for i, js in groups.items() if len(js) == 1]
-        if single:
-            one_dst, one_src = zip(*single)
-            flat[stats.index_tensor(one_dst, out.device)] = assembled[stats.index_tensor(one_src, out.device)]
-        for i, js in groups.items():
-            if len(js) > 1:
-                flat[i] = stats.merge_rows(assembled[stats.index_tensor(js, out.device)])
+        # each entry once (a record shared by aliases is placed, not copied, per key); the
+        # blocks' rows after them
+        assembled = self._assembled(entries)
+        if self._blocks:
+            src = [j if j >= 0 else len(entries) - 1 - j for j in src]
+        placing.place(out.view(-1, len(stats.FIELDS)), assembled, dst, src)
         return out
+
+    def _assembled(self, entries: List[Union[List[stats.Entry], Tensor]]) -> Tensor:
+        """The records of ``entries`` (``stats.assemble``), then the blocks' rows: one tensor."""
+        parts = [stats.assemble(entries, device=self.device, host_only=self._host_only)] if entries else []
+        parts += self._blocks
+        parts = [p if p.device == self.device else p.to(self.device) for p in parts]  # (same device: no copy)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def flush(self) -> None:
         """Compute the records of the short tensors observed so far (``ShortRecords``).
@@ -304,7 +313,7 @@ class Recorder:
         run time) and ``aliases`` (views, module outputs; known from the graph),
         transitively. The same from step to step: cached on every input."""
         same = tuple((s, tuple(t)) for s, t in self._same.items())
-        return _placement(tuple(self._keys), tuple(index), tuple(aliases.items()), same)
+        return placing.targets(tuple(self._keys), tuple(index), tuple(aliases.items()), same)
 
     def histogram_tensor(self, keys: Sequence[Hashable]) -> Tensor:
         """The log2 histograms of ``keys``: ``[len(keys), 2, bins]`` float64 counts on the
@@ -328,6 +337,8 @@ class Recorder:
     def clear(self) -> None:
         """Forget this step's entries and remove its hooks (keys and their order are kept)."""
         self._rows.clear()
+        self._blocks.clear()
+        self._block_rows = 0
         if self.channels is not None:
             self.channels.clear()
         self._host_only = True
@@ -380,36 +391,6 @@ def _host_reads_from_env() -> Optional[bool]:
     if value not in ("0", "1"):
         raise ValueError(f"`{HOST_READS_ENV}` must be 0 (device path forced) or 1 (host reads allowed), got {value!r}")
     return value == "1"
-
-
-@functools.lru_cache(maxsize=16)
-def _placement(
-    own: Tuple[Hashable, ...],
-    keys: Tuple[Hashable, ...],
-    aliases: Tuple[Tuple[Hashable, Hashable], ...],
-    same: Tuple[Tuple[int, Tuple[int, ...]], ...],
-) -> Dict[int, List[int]]:
-    """``Recorder._targets`` of a recorder with slot keys ``own`` and ``_same`` items ``same``
-    (do not modify the result: it is shared)."""
-    followers: Dict[Hashable, List[Hashable]] = {}  # key -> keys whose records are its record
-    for s, sames in same:
-        followers.setdefault(own[s], []).extend(own[t] for t in sames)
-    for key, source in aliases:
-        followers.setdefault(source, []).append(key)
-    index = {k: i for i, k in enumerate(keys)}
-    out: Dict[int, List[int]] = {}
-    for slot, key in enumerate(own):
-        found = [index[k] for k in _sharing(key, followers) if k in index]
-        if found:
-            out[slot] = found
-    return out
-
-
-def _sharing(key: Hashable, followers: Mapping[Hashable, List[Hashable]]) -> Iterator[Hashable]:
-    """``key`` and, transitively, every key that shares its record."""
-    yield key
-    for follower in followers.get(key, ()):
-        yield from _sharing(follower, followers)
 
 
 def active() -> Optional[Recorder]:

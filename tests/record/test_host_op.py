@@ -1,5 +1,5 @@
-"""The host path as one graph op (``host_packed_record``, the compiled route's statistics on the
-CPU): its one-row packed vectors finish into the host path's own records, agree with the
+"""The host path as one graph op (``host_record``, the compiled route's statistics on the
+CPU): its vectors are the host path's own records (``RecordLayout``: views), agree with the
 traceable ops and with float64 references (|mean| far above the spread, NaN and ±Inf, half
 types, strided views, every group and the channel row), and Inductor keeps it as one call."""
 
@@ -16,7 +16,7 @@ from torch import Tensor
 from lightning_scale.record import stats
 from lightning_scale.record.stats import host_op
 from lightning_scale.record.stats.channels import channel_row
-from lightning_scale.record.stats.host_op import ENV, host_packed_record, uses_host_op, whole_packed_size
+from lightning_scale.record.stats.host_op import ENV, RecordLayout, host_record, record_size, uses_host_op
 from lightning_scale.record.stats.traceable import PackedLayout, packed_record, traceable_record
 from lightning_scale.record.stats.traceable_channels import traceable_channel_row
 from test_outliers import reference_moments
@@ -25,6 +25,11 @@ ALL_GROUPS = tuple(stats.GROUPS)  # (channels included)
 IX = {name: i for i, name in enumerate(stats.FIELDS)}
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.timeout(600)
+
+
+def same(a: Tensor, b: Tensor) -> bool:
+    """Equal bit for bit, NaN (the fields of groups not taken) where NaN."""
+    return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -59,16 +64,16 @@ def cases() -> Dict[str, Tensor]:
 
 
 @pytest.mark.parametrize("groups", [("moments",), ("moments", "range"), ALL_GROUPS])
-def test_one_row_vectors_finish_into_the_host_paths_records(groups: Tuple[str, ...]) -> None:
-    """All cases at once through ``PackedLayout(whole=...)``: each tensor's record is
-    the host path's record bit for bit (``fast_host_record`` where it takes the tensor, else
-    ``record_of(x, groups, host_reads=True)``; the mean and m2 pass through the merge
-    unchanged), its channel row ``channel_row(x)``, and moments within 1e-6 of fsum."""
+def test_the_ops_vectors_are_the_host_paths_records(groups: Tuple[str, ...]) -> None:
+    """All cases at once through ``RecordLayout``: each tensor's record is the host path's
+    record bit for bit (``fast_host_record`` where it takes the tensor, else
+    ``record_of(x, groups, host_reads=True)``), its channel row ``channel_row(x)``, and
+    moments within 1e-6 of fsum."""
     xs = cases()
     fast = stats.fast_host_record(groups)
-    packed = [host_packed_record(x, groups) for x in xs.values()]
-    assert {p.numel() for p in packed} == {whole_packed_size(groups)}
-    layout = PackedLayout([x.numel() for x in xs.values()], groups, CPU, whole=[True] * len(xs))
+    packed = [host_record(x, groups) for x in xs.values()]
+    assert {p.numel() for p in packed} == {record_size(groups)}
+    layout = RecordLayout([x.numel() for x in xs.values()], groups)
     rows = layout.records(torch.cat(packed))
     for row, (case, x) in zip(rows, xs.items()):
         dense = x.contiguous() if 0 in x.stride() else x  # (the op copies an expanded tensor)
@@ -94,25 +99,33 @@ def test_one_row_vectors_finish_into_the_host_paths_records(groups: Tuple[str, .
 
 @pytest.mark.parametrize("groups", [("moments", "range"), ALL_GROUPS])
 def test_host_op_agrees_with_the_traceable_ops(groups: Tuple[str, ...]) -> None:
-    """The two forms of the compiled route's statistics, mixed in one layout (one-row vectors
-    and row partial sums, as a graph recorded on two devices would give): counts, NaN/Inf,
-    max |x|, the format counts and the channel row equal; every other field within 1e-5."""
+    """The two forms of the compiled route's statistics (the host op's records, the traceable
+    ops' row partial sums finished by ``PackedLayout``): counts, NaN/Inf, max |x|, the format
+    counts and the channel row equal; every other field within 1e-5."""
     xs = cases()
-    whole = [i % 2 == 0 for i in range(len(xs))]
-    packed = [host_packed_record(x, groups) if w else packed_record(x, groups) for x, w in zip(xs.values(), whole)]
-    layout = PackedLayout([x.numel() for x in xs.values()], groups, CPU, whole=whole)
-    rows = layout.records(torch.cat(packed))
+    numels = [x.numel() for x in xs.values()]
+    host = torch.cat([host_record(x, groups) for x in xs.values()])
+    rows = RecordLayout(numels, groups).records(host)
+    channels = RecordLayout(numels, groups).channel_rows(host)
+    traced = torch.cat([packed_record(x, groups) for x in xs.values()])
+    layout = PackedLayout(numels, groups, CPU)
+    others, other_channels = layout.records(traced), layout.channel_rows(traced)
     exact = [IX[f] for f in ("count", "nan", "inf", "absmax")]
     exact += [IX[f] for f in stats.FORMAT_FIELDS] if "formats" in groups else []
-    for row, (case, x) in zip(rows, xs.items()):
-        other = traceable_record(x, groups)
+    for row, other, (case, x) in zip(rows, others, xs.items()):
+        torch.testing.assert_close(other, traceable_record(x, groups), rtol=0, atol=0, equal_nan=True, msg=case)
         torch.testing.assert_close(row[exact], other[exact], rtol=0, atol=0, equal_nan=True, msg=case)
         torch.testing.assert_close(row, other, rtol=1e-5, atol=1e-9, equal_nan=True, msg=case)
+    assert (channels is None) == (other_channels is None) == ("channels" not in groups)
+    if channels is not None:
+        assert torch.equal(channels, other_channels)
 
 
-def test_layout_rejects_flags_of_another_length() -> None:
-    with pytest.raises(ValueError, match=r"`whole` must have one flag per tensor \(2\), got 1"):
-        PackedLayout([100, 300], ("moments",), CPU, whole=[True])
+def test_layout_rejects_vectors_of_another_length() -> None:
+    layout = RecordLayout([100, 300], ("moments",))
+    want = 2 * record_size(("moments",))
+    with pytest.raises(ValueError, match=rf"`packed` must have shape \[{want}\], got \[7\]"):
+        layout.records(torch.zeros(7, dtype=torch.float64))
 
 
 def test_inductor_keeps_the_op_as_one_call_and_compiles_once() -> None:
@@ -123,15 +136,15 @@ def test_inductor_keeps_the_op_as_one_call_and_compiles_once() -> None:
 
     groups = ("moments", "range", "channels")
     torch._dynamo.reset()
-    fn = torch.compile(lambda t: host_packed_record(t * 2.0 + 1.0, groups), fullgraph=True, dynamic=False)
+    fn = torch.compile(lambda t: host_record(t * 2.0 + 1.0, groups), fullgraph=True, dynamic=False)
     x = torch.randn(64, 96, generator=_gen(20))
     got, code = run_and_get_code(fn, x)
-    assert "lightning_scale.host_packed_record" in "\n".join(code)
-    assert torch.equal(got, host_packed_record(x * 2.0 + 1.0, groups))
+    assert "lightning_scale.host_record" in "\n".join(code)
+    assert same(got, host_record(x * 2.0 + 1.0, groups))
     compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for seed in (21, 22):
         y = torch.randn(64, 96, generator=_gen(seed)) * 1e3
-        assert torch.equal(fn(y), host_packed_record(y * 2.0 + 1.0, groups))
+        assert same(fn(y), host_record(y * 2.0 + 1.0, groups))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiles
     torch._dynamo.reset()
 
@@ -150,7 +163,7 @@ def test_environment_variable_chooses_the_ops(monkeypatch: pytest.MonkeyPatch) -
 
 def test_a_second_import_finds_the_op_defined_once() -> None:
     x = torch.randn(50, 3, generator=_gen(23))
-    before = host_packed_record(x)
+    before = host_record(x)
     importlib.reload(host_op)  # (defining the op again would raise)
-    assert torch.equal(host_op.host_packed_record(x), before)
-    assert torch.equal(host_packed_record(x), before)
+    assert same(host_op.host_record(x), before)
+    assert same(host_record(x), before)

@@ -123,16 +123,10 @@ def row_lengths(n: int) -> Tuple[int, int, int]:
     return length, n // length, n % length
 
 
-def packed_size(n: int, groups: Collection[str], whole: bool = False) -> int:
-    """Elements of ``packed_record`` of a tensor of ``n`` elements (``whole``: of the one-row
-    form, ``host_op.host_packed_record``)."""
-    _, rows, tail = _row_shape(n, whole)
+def packed_size(n: int, groups: Collection[str]) -> int:
+    """Elements of ``packed_record`` of a tensor of ``n`` elements."""
+    _, rows, tail = row_lengths(n)
     return (rows + (tail > 0)) * _K + len(extra_fields(groups)) + _channel_width(groups)
-
-
-def _row_shape(n: int, whole: bool) -> Tuple[int, int, int]:
-    """``row_lengths(n)``, or the whole tensor as one row."""
-    return (n, 1, 0) if whole else row_lengths(n)
 
 
 def _channel_width(groups: Collection[str]) -> int:
@@ -195,26 +189,14 @@ class PackedLayout:
         numels: each tensor's element count, in packing order.
         groups: the groups ``packed_record`` was given.
         device: where the packed vectors lie.
-        whole: per tensor, whether its vector is the one-row form (``host_op.host_packed_record``:
-            the whole tensor as one row); default: none is.
     """
 
-    def __init__(
-        self,
-        numels: Sequence[int],
-        groups: Collection[str],
-        device: torch.device,
-        whole: Optional[Sequence[bool]] = None,
-    ) -> None:
+    def __init__(self, numels: Sequence[int], groups: Collection[str], device: torch.device) -> None:
         self.numels = tuple(int(n) for n in numels)
-        ones = tuple(bool(w) for w in whole) if whole is not None else (False,) * len(self.numels)
-        if len(ones) != len(self.numels):
-            raise ValueError(f"`whole` must have one flag per tensor ({len(self.numels)}), got {len(ones)}")
         self.extras = extra_fields(groups)
         self.with_range = "range" in groups
-        self._all_whole = bool(ones) and all(ones)  # (the host op's vectors only: nothing to merge)
-        self.sizes = tuple(packed_size(n, groups, w) for n, w in zip(self.numels, ones))
-        shape = [_row_shape(n, w) for n, w in zip(self.numels, ones)]  # (numpy on the host: one upload each)
+        self.sizes = tuple(packed_size(n, groups) for n in self.numels)
+        shape = [row_lengths(n) for n in self.numels]  # (numpy on the host: one upload each)
         rows = np.array([r + (t > 0) for _, r, t in shape], dtype=np.int64)
         first = np.cumsum(rows) - rows
         length = np.repeat(np.array([k for k, _, _ in shape], dtype=np.float64), rows)
@@ -267,8 +249,6 @@ class PackedLayout:
 
     def _merged(self, rows: Tensor) -> Tensor:
         """``[tensors, 6]``: count, mean, m2, absmax (NaN without ``range``), nan, inf."""
-        if self._all_whole:
-            return self._whole(rows)
         cs, s, s1, s2, nan, bad, top = rows.unbind(1)
         r = s1 / self._length  # (the row's mean of d)
         mean_i = (cs + r) / s  # (exact scaling)
@@ -283,16 +263,6 @@ class PackedLayout:
         else:
             absmax = torch.full_like(nans, math.nan)
         return torch.stack([self._count, mean, m2, absmax, nans, sums[:, 2] - nans], 1)
-
-    def _whole(self, rows: Tensor) -> Tensor:
-        """``_merged`` where every vector is the host op's one row (mean, scale 1, sum of
-        deviations 0, m2, ...): the merge would leave a finite mean and its m2 as they are, so
-        they are taken as they are, without the segment sums (torch ops, no read to the host:
-        the rows stay where the graph left them until the step's one copy)."""
-        mean, _, _, m2, nans, bad, top = rows.unbind(1)
-        m2 = torch.where(torch.isfinite(mean), m2.clamp(min=0), math.nan)  # (as the merge: NaN about an infinite mean)
-        absmax = torch.where(nans > 0, math.nan, top) if self.with_range else torch.full_like(nans, math.nan)
-        return torch.stack([self._count, mean, m2, absmax, nans, bad - nans], 1)
 
     def _sum(self, values: Tensor) -> Tensor:
         """Each tensor's sum of ``values`` over its rows (dim 0), in row order."""

@@ -1,0 +1,95 @@
+"""The compiled route's graph rewrite: statistics after each recorded node, probes on those
+with a gradient; with the host op, a graph's parameters recorded by one call and probed by
+one ``ProbeInputs`` (their gradients' records come back together, empty where backward did
+not reach one)."""
+
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+import pytest
+import torch
+from torch import Tensor, fx, nn
+
+from lightning_scale.capture.instrument import instrument_graph, probe_inputs
+from lightning_scale.record import stats
+from lightning_scale.record.stats.host_op import ENV, host_record, host_records, record_size
+
+GROUPS = ("moments", "range")
+IX = {name: i for i, name in enumerate(stats.FIELDS)}
+
+
+def same(a: Tensor, b: Tensor) -> bool:
+    return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
+
+
+class TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 5), nn.Linear(5, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def dynamo_graph(module: nn.Module, x: Tensor) -> Tuple[fx.GraphModule, List[Any]]:
+    got: List[Tuple[fx.GraphModule, List[Any]]] = []
+
+    def keep(gm: fx.GraphModule, inputs: List[Any]) -> Any:
+        got.append((gm, inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(module, backend=keep, fullgraph=True)(x)
+    torch._dynamo.reset()
+    return got[0]
+
+
+def test_probe_inputs_returns_its_inputs_and_their_gradients_records() -> None:
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(4, 3, requires_grad=True), torch.randn(7, requires_grad=True)
+    probe = torch.zeros(2 * record_size(GROUPS), dtype=torch.float64, requires_grad=True)
+    a, b = probe_inputs(probe, GROUPS, w1, w2)
+    assert torch.equal(a, w1) and torch.equal(b, w2)
+    (a * torch.arange(12.0).reshape(4, 3)).sum().backward()  # (b unused: no gradient)
+    assert torch.equal(w1.grad, torch.arange(12.0).reshape(4, 3)) and w2.grad is None
+    width = record_size(GROUPS)
+    assert same(probe.grad[:width], host_record(w1.grad, GROUPS))
+    assert float(probe.grad[width:].abs().sum()) == 0  # not reached: an empty record (count 0)
+    assert float(probe.grad[IX["count"]]) == 12
+
+
+def test_host_records_is_each_tensors_record_in_one_call() -> None:
+    xs = [torch.randn(30), None, torch.randn(5, 9) + 100, torch.ones(3)]
+    got = host_records(xs, GROUPS)
+    width = record_size(GROUPS)
+    for i, x in enumerate(xs):
+        part = got[i * width : (i + 1) * width]
+        assert same(part, host_record(x, GROUPS)) if x is not None else float(part.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("ops", ["auto", "ops"])
+def test_parameters_are_recorded_and_probed_together_with_the_host_op(
+    ops: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV, ops)
+    gm, inputs = dynamo_graph(TwoLayers(), torch.randn(2, 6))
+    params = [n.name for n in gm.graph.nodes if n.op == "placeholder" and "parameters" in n.name]
+    computed = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    names = computed + params  # (asked in another order: parameters' rows come first)
+    rewritten = instrument_graph(gm, names, inputs, GROUPS)
+    assert rewritten is not None
+    targets = [n.target for n in rewritten.gm.graph.nodes if n.op == "call_function"]
+    calls = sum(1 for t in targets if getattr(t, "__name__", "") == "host_records")
+    together = sum(1 for t in targets if getattr(t, "__name__", "") == "probe_inputs")
+    probes = [n for n in rewritten.gm.graph.nodes if n.op == "placeholder" and n.name.startswith("statistics_probe")]
+    if ops == "auto":
+        assert rewritten.host and calls == 1 and together == 1
+        assert rewritten.names[:4] == [n for n in rewritten.names if n in params] and set(rewritten.names[:4]) == set(
+            params
+        )
+        assert rewritten.probed[0] == [0, 1, 2, 3] and all(len(p) == 1 for p in rewritten.probed[1:])
+        assert len(probes) == 1 + len(computed)
+    else:  # (the traceable ops: one probe per node)
+        assert not rewritten.host and calls == 0 and together == 0
+        assert len(probes) == len(params) + len(computed)
