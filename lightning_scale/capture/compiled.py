@@ -117,7 +117,7 @@ class InstrumentingBackend:
         if rewritten is None:
             return self.backend(gm, example_inputs)
         device = next((t.device for t in example_inputs if isinstance(t, Tensor)), torch.device("cpu"))
-        packing = _Packing(rewritten, route.groups, device)
+        packing = Packing(rewritten, route.groups, device)
         compiled = self.backend(rewritten.gm, [*example_inputs, *packing.probes()])
         route.compile_seconds += time.perf_counter() - started
         weak, kind = self._route, rewritten.output_type
@@ -133,7 +133,7 @@ class InstrumentingBackend:
         return run
 
 
-class _Packing:
+class Packing:
     """The packed statistics of an instrumented graph: fresh probe inputs for a call, and
     the layouts that finish the forward output and the probes' gradients into records."""
 
@@ -143,16 +143,16 @@ class _Packing:
         width = record_size(groups)
         numels = [[rewritten.numels[i] for i in nodes] for nodes in rewritten.probed]
         self._sizes = [len(ns) * width if rewritten.host else packed_size(ns[0], groups) for ns in numels]
-        self._layouts: Dict[Tuple[int, ...], Tuple[Any, Tensor]] = {}
-        self._selections: Dict[int, Tuple[Dict[str, str], List[str], Tensor]] = {}
+        self._layouts: Dict[Tuple[Tuple[int, ...], Tuple[int, ...]], Tuple[Any, Tensor, bool]] = {}
+        self._selections: Dict[int, Tuple[Dict[str, str], List[str], Tensor, Tuple[int, ...]]] = {}
 
-    def selection(self, graph: Any, table: Dict[str, str]) -> Tuple[List[str], Tensor]:
+    def selection(self, graph: Any, table: Dict[str, str]) -> Tuple[List[str], Tensor, Tuple[int, ...]]:
         """The labels of the rows that ``table`` (node -> label, the same object for the same
-        graph and scope) keeps, and those rows' indices (on the device): worked out on the
-        first call with ``table``, then reused."""
+        graph and scope) keeps, and those rows' indices (on the device, and as a tuple):
+        worked out on the first call with ``table``, then reused."""
         known = self._selections.get(id(table))
         if known is not None and known[0] is table:
-            return known[1], known[2]
+            return known[1], known[2], known[3]
         names = self.rewritten.names
         kept = [i for i, name in enumerate(names) if name in table]
         keys = [table[names[i]] for i in kept]
@@ -161,26 +161,22 @@ class _Packing:
         kept += [i for _, i in copies]  # (a node that returned a recorded tensor itself: its row again)
         keys += [table[n] for n, _ in copies]
         index = torch.tensor(kept, dtype=torch.long).to(self.device, non_blocking=True)
-        self._selections[id(table)] = (table, keys, index)
-        return keys, index
+        self._selections[id(table)] = (table, keys, index, tuple(kept))
+        return keys, index, tuple(kept)
 
     def probes(self) -> List[Tensor]:
         """One zero probe per node with a gradient (requiring grad where grad mode is on)."""
         grad = torch.is_grad_enabled()
         return [torch.zeros(n, dtype=torch.float64, device=self.device).requires_grad_(grad) for n in self._sizes]
 
-    def gradient_rows(self, probes: List[Tensor], index: Tensor, channels: bool = False) -> Optional[Tensor]:
+    def gradient_rows(self, probes: List[Tensor], kept: Tuple[int, ...], channels: bool = False) -> Optional[Tensor]:
         """The records (or, with ``channels``, the channel rows) of the probes' gradients, of
-        the nodes at ``index``: zeros for a node whose gradient backward did not reach; None:
-        it reached none."""
+        the nodes ``kept`` (row indices, ``selection``'s): zeros for a node whose gradient
+        backward did not reach; None: it reached none."""
         reached = tuple(i for i, p in enumerate(probes) if p.grad is not None)
         if not reached:
             return None
-        if reached not in self._layouts:
-            nodes = [n for i in reached for n in self.rewritten.probed[i]]
-            layout = _layout([self.rewritten.numels[i] for i in nodes], self.groups, self.device, self.rewritten.host)
-            self._layouts[reached] = layout, torch.tensor(nodes, dtype=torch.long).to(self.device, non_blocking=True)
-        layout, nodes = self._layouts[reached]
+        layout, take, complete = self._gradient_plan(reached, kept)
         error = host_op.take_error()
         if error is not None:  # (the recorder keeps it as the step's error when it reads these rows)
             raise RuntimeError(f"statistics op failed in backward ({type(error).__name__}: {error})")
@@ -188,9 +184,25 @@ class _Packing:
         rows = layout.channel_rows(packed) if channels else layout.records(packed)
         if rows is None:
             return None
-        out = torch.zeros(len(self.rewritten.numels), rows.shape[1], dtype=torch.float64, device=self.device)
-        out.index_copy_(0, nodes, rows)
-        return out.index_select(0, index)
+        if not complete:  # (row 0: zeros, for the nodes backward did not reach)
+            rows = torch.cat([rows.new_zeros(1, rows.shape[1]), rows])
+        return rows.index_select(0, take)
+
+    def _gradient_plan(self, reached: Tuple[int, ...], kept: Tuple[int, ...]) -> Tuple[Any, Tensor, bool]:
+        """(the layout of the reached probes' vectors, the index of each kept node's row in
+        its rows, whether every kept node has one: else the index counts a row of zeros
+        first), worked out once per reached probes and kept nodes."""
+        known = self._layouts.get((reached, kept))
+        if known is not None:
+            return known
+        nodes = [n for i in reached for n in self.rewritten.probed[i]]
+        layout = _layout([self.rewritten.numels[i] for i in nodes], self.groups, self.device, self.rewritten.host)
+        row = {n: r for r, n in enumerate(nodes)}
+        complete = all(k in row for k in kept)
+        take = [row[k] for k in kept] if complete else [row[k] + 1 if k in row else 0 for k in kept]
+        plan = layout, torch.tensor(take, dtype=torch.long).to(self.device, non_blocking=True), complete
+        self._layouts[(reached, kept)] = plan
+        return plan
 
 
 def _failing(compiled: Callable[..., Any], error: Exception) -> Callable[..., Any]:
@@ -293,7 +305,7 @@ class CompiledRoute:
             yield
 
     def called(
-        self, graph: Any, packing: "_Packing", args: Tuple[Any, ...], packed: Tensor, probes: List[Tensor]
+        self, graph: Any, packing: "Packing", args: Tuple[Any, ...], packed: Tensor, probes: List[Tensor]
     ) -> None:
         """A run of an instrumented graph: its records and channel rows (``packed``, finished)
         go to the active recorder, if any, and its probes' gradients' when the recorder is read."""
@@ -305,16 +317,16 @@ class CompiledRoute:
             rec.error = RuntimeError(f"statistics op failed ({type(error).__name__}: {error})")
         rows = packing.layout.records(packed)
         table = self.labels.table(graph, self.labels.scope(graph, args, depth=2))
-        keys, index = packing.selection(graph, table)
+        keys, index, kept = packing.selection(graph, table)
         rec.add_rows(keys, FORWARD, rows.index_select(0, index))
         channels = packing.layout.channel_rows(packed) if rec.channels is not None else None
         slots = [rec.slot(key) for key in keys] if channels is not None else []
         if channels is not None:
             rec.channels.add_rows(slots, FORWARD, channels.index_select(0, index))
         if any(p.requires_grad for p in probes):
-            rec.add_rows_later(keys, BACKWARD, functools.partial(packing.gradient_rows, probes, index))
+            rec.add_rows_later(keys, BACKWARD, functools.partial(packing.gradient_rows, probes, kept))
             if channels is not None:
-                later = functools.partial(packing.gradient_rows, probes, index, channels=True)
+                later = functools.partial(packing.gradient_rows, probes, kept, channels=True)
                 rec.channels.add_rows_later(slots, BACKWARD, later)
 
     def describe(self) -> str:

@@ -124,19 +124,28 @@ class FrameGraph:
     stand_ins: Dict[str, str] = field(default_factory=dict)
     # node -> recorded node that returned the same tensor: the compiled route logs its row twice
     copies: Dict[str, str] = field(default_factory=dict)
+    _roots: Optional[List[str]] = field(default=None, init=False, repr=False, compare=False)
+    _anchors: Optional[Dict[str, Tuple[int, str]]] = field(default=None, init=False, repr=False, compare=False)
 
     def roots(self) -> List[str]:
-        return sorted({s.root for s in self.sites if s.root} | {r for r, _, _ in self.outputs if r})
+        """The frame locals the graph's sites and module outputs start from (sorted; worked
+        out on the first call: a graph's sites do not change once it is handed over)."""
+        if self._roots is None:
+            self._roots = sorted({s.root for s in self.sites if s.root} | {r for r, _, _ in self.outputs if r})
+        return self._roots
 
     def anchors(self) -> Dict[str, Tuple[int, str]]:
         """root local -> (input index, path under it) of a parameter or buffer read from it:
-        the tensor's full name at run time says which module the local is."""
-        index = {n.name: i for i, n in enumerate(n for n in self.gm.graph.nodes if n.op == "placeholder")}
-        out: Dict[str, Tuple[int, str]] = {}
-        for site in self.sites:
-            if site.is_attr and site.root and site.name in index:
-                out.setdefault(site.root, (index[site.name], site.path))
-        return out
+        the tensor's full name at run time says which module the local is (worked out on
+        the first call: each run of the graph asks)."""
+        if self._anchors is None:
+            index = {n.name: i for i, n in enumerate(n for n in self.gm.graph.nodes if n.op == "placeholder")}
+            out: Dict[str, Tuple[int, str]] = {}
+            for site in self.sites:
+                if site.is_attr and site.root and site.name in index:
+                    out.setdefault(site.root, (index[site.name], site.path))
+            self._anchors = out
+        return self._anchors
 
 
 def _site_path(stack_path: str) -> Tuple[Optional[str], str]:

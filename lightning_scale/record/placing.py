@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Dict, Hashable, Iterator, List, Mapping, NamedTuple, Sequence, Tuple
 
+import torch
 from torch import Tensor
 
 from lightning_scale.record import stats
@@ -56,7 +57,8 @@ def place(flat: Tensor, assembled: Tensor, dst: Sequence[int], src: Sequence[int
     direction); rows with several records (a key observed more than once in a direction) get
     them merged (``stats.merge_rows``)."""
     if len(set(dst)) == len(dst):  # the common case, each key once per direction: one scatter
-        flat[stats.index_tensor(dst, flat.device)] = assembled[stats.index_tensor(src, flat.device)]
+        to, at = _indices(tuple(dst), tuple(src), flat.device)
+        flat[to] = assembled[at]
         return
     groups: Dict[int, List[int]] = {}
     for i, j in zip(dst, src):
@@ -68,3 +70,10 @@ def place(flat: Tensor, assembled: Tensor, dst: Sequence[int], src: Sequence[int
     for i, js in groups.items():
         if len(js) > 1:
             flat[i] = stats.merge_rows(assembled[stats.index_tensor(js, flat.device)])
+
+
+@functools.lru_cache(maxsize=8)
+def _indices(dst: Tuple[int, ...], src: Tuple[int, ...], device: torch.device) -> Tuple[Tensor, Tensor]:
+    """``dst`` and ``src`` as index tensors on ``device``: made once while the placements
+    repeat from step to step (do not modify them: they are shared)."""
+    return stats.index_tensor(dst, device), stats.index_tensor(src, device)

@@ -16,13 +16,15 @@ import torch
 from torch import Tensor, nn
 
 from lightning_scale.capture import capture
-from lightning_scale.capture.compiled import CompiledRoute, user_compile
+from lightning_scale.capture.compiled import CompiledRoute, Packing, user_compile
+from lightning_scale.capture.instrument import instrument_graph
 from lightning_scale.record import stats
 from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder, recording
 from lightning_scale.record.stats.channels import CHANNEL_CAP, channel_row, channel_statistics
-from lightning_scale.record.stats.host_op import ENV
+from lightning_scale.record.stats.host_op import ENV, host_record, host_records
 from lightning_scale.record.stats.traceable import traceable_record
 from lightning_scale.tools.models import Block, GPTConfig
+from test_instrument import dynamo_graph
 
 GROUPS = ("moments", "range", "formats")
 # Inductor compiles with g++: a cold compile of the block here takes ~20 s on an idle machine,
@@ -356,3 +358,74 @@ def test_channel_rows_on_the_compiled_route_equal_the_eager_routes(statistics_op
     for i, tag in enumerate(tags):
         assert torch.equal(channels[i], want[i]), tag
     torch._dynamo.reset()
+
+
+class TwoHeads(nn.Module):
+    """Two outputs of one hidden layer, and a parameter only the second head uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.scale = nn.Parameter(torch.full((16,), 2.0))
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        h = self.lin(x)
+        return torch.relu(h), torch.sigmoid(h) * self.scale
+
+
+def test_an_output_the_loss_does_not_use_has_zero_gradients_as_the_users_module_has(statistics_ops: str) -> None:
+    """The loss uses the first head only. AOTAutograd hands the compiled backward zeros for
+    the unused head, so its nodes' and its parameter's gradients are zeros in the user's
+    compiled module too: recorded as such (count, mean 0, m2 0), and training is unchanged."""
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    user = Holder(torch.compile(TwoHeads(), backend="aot_eager"))
+    holder = Holder(torch.compile(copy.deepcopy(user.model._orig_mod), backend="aot_eager"))
+    route = CompiledRoute(holder, GROUPS)
+    x = torch.randn(8, 16)
+    rec = Recorder(groups=GROUPS)
+    with recording(rec):
+        first, _ = route.forward_for(holder.model)(x)
+    first.sum().backward()
+    user(x)[0].sum().backward()
+    records, tags = rec.records(route.labels.tags, route.labels.aliases), route.labels.tags
+    mine = dict(holder.model._orig_mod.named_parameters())
+    for name, p in user.model._orig_mod.named_parameters():
+        assert torch.equal(p.grad, mine[name].grad), name
+        got = row_summary(records[tags.index(f"model.{name}"), BACKWARD])
+        assert_close_summary(got, float64_summary(p.grad), DEVICE_REL, name)
+    assert float(user.model._orig_mod.scale.grad.abs().sum()) == 0  # (the unused head's parameter: zeros)
+    sigmoid = next(t for t in tags if t.startswith("model/") and "sigmoid" in t)
+    row = row_summary(records[tags.index(sigmoid), BACKWARD])
+    assert row["count"] == 8 * 16 and row["mean"] == 0 and row["std"] == 0
+    torch._dynamo.reset()
+
+
+def test_probes_backward_did_not_reach_give_empty_records() -> None:
+    """``Packing.gradient_rows`` with some probes' gradients missing (a graph whose backward
+    did not reach part of it): their nodes' rows are zeros (count 0, an empty record), the
+    others' are the records in their gradients, in the order of the rows asked for."""
+    gm, inputs = dynamo_graph(TwoHeads(), torch.randn(2, 16))
+    names = [n.name for n in gm.graph.nodes if n.op in ("placeholder", "call_function")]
+    rewritten = instrument_graph(gm, names, inputs, GROUPS)
+    assert rewritten is not None and rewritten.host and len(rewritten.probed) >= 3
+    packing = Packing(rewritten, GROUPS, torch.device("cpu"))
+    probes = packing.probes()
+    grads = {}
+    for k, nodes in enumerate(rewritten.probed):
+        if k == 1:
+            continue  # (not reached)
+        values = [torch.randn(rewritten.numels[i]) * (i + 1) for i in nodes]
+        grads.update(zip(nodes, values))
+        probes[k].grad = host_records(values, GROUPS)
+    kept = tuple(reversed(range(len(rewritten.names))))
+    rows = packing.gradient_rows(probes, kept)
+    assert rows is not None and rows.shape == (len(kept), len(stats.FIELDS))
+    missing = set(rewritten.probed[1])
+    for row, i in zip(rows, kept):
+        if i in grads:
+            assert torch.equal(row.nan_to_num(), host_record(grads[i], GROUPS)[: len(stats.FIELDS)].nan_to_num()), i
+        else:
+            assert float(row.abs().sum()) == 0, i
+            assert i in missing or i not in {n for p in rewritten.probed for n in p}
+    assert packing.gradient_rows([p.detach() for p in probes], kept) is None  # (no gradient at all)
