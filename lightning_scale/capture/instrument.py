@@ -6,8 +6,10 @@ on the CPU ``host_op.host_record``'s record, by one opaque op), concatenated int
 graph output; and, on each recorded node with a gradient, ``Probe``, an identity whose
 backward returns the gradient unchanged and its statistics as the gradient of a probe tensor
 passed in as an extra input. With the host op, the recorded graph inputs (the parameters)
-are taken together: one ``host_records`` call and one ``ProbeInputs`` for all of them. The
-caller (``compiled.InstrumentingBackend``) hands the rewritten graph to the user's backend.
+are taken together (one ``host_records`` call and one ``ProbeInputs`` for all of them), and
+the graph has one probe input, a slice of it per probe: the records of every gradient come
+back as its one gradient, ready to read. The caller (``compiled.InstrumentingBackend``)
+hands the rewritten graph to the user's backend.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor, fx
 
-from lightning_scale.record.stats.host_op import host_record, host_records, uses_host_op
+from lightning_scale.record.stats.host_op import host_record, host_records, record_size, uses_host_op
 from lightning_scale.record.stats.traceable import packed_record
 
 __all__ = ["Instrumented", "Probe", "ProbeInputs", "instrument_graph", "probe", "probe_inputs"]
@@ -140,10 +142,9 @@ def instrument_graph(
     values = [_example(a, inputs) for a in at]
     together = [i for i in range(len(batch)) if values[i].requires_grad]
     probed = ([together] if together else []) + [[i] for i in range(len(batch), len(at)) if values[i].requires_grad]
-    probes, last = {}, placeholders[-1]
-    for k, group in enumerate(probed):
-        with graph.inserting_after(last):
-            probes[group[0]] = last = graph.placeholder(f"statistics_probe_{k}")
+    probes, last = _probe_inputs(graph, placeholders[-1], probed, record_size(groups) if host else 0)
+    if host and probed:
+        probed = [[i for group in probed for i in group]]
     packed = []
     if batch:
         probe_input = probes.get(together[0]) if together else None
@@ -158,6 +159,33 @@ def instrument_graph(
     kind = type(result) if isinstance(result, (tuple, list)) else None
     numels = [v.numel() for v in values]
     return Instrumented(fx.GraphModule(gm, graph), [n.name for n in nodes], numels, host, probed, kind)
+
+
+def _probe_inputs(
+    graph: fx.Graph, last: fx.Node, probed: List[List[int]], width: int
+) -> Tuple[Dict[int, fx.Node], fx.Node]:
+    """The probe input of each group of ``probed`` nodes (by its first node), inserted after
+    ``last``, and the last node inserted: a placeholder per group; with the host op (its
+    records ``width`` elements each) one placeholder for all, and a slice of it per group
+    (one probe tensor a call, one gradient: no probe tensor, autograd leaf and gradient
+    accumulation per node)."""
+    probes: Dict[int, fx.Node] = {}
+    if not width:
+        for k, group in enumerate(probed):
+            with graph.inserting_after(last):
+                probes[group[0]] = last = graph.placeholder(f"statistics_probe_{k}")
+        return probes, last
+    if not probed:
+        return probes, last
+    with graph.inserting_after(last):
+        whole = last = graph.placeholder("statistics_probe")
+    start = 0
+    for group in probed:
+        end = start + len(group) * width
+        with graph.inserting_after(last):
+            probes[group[0]] = last = graph.call_function(operator.getitem, (whole, slice(start, end)))
+        start = end
+    return probes, last
 
 
 def _graph_inputs(at: List[fx.Node], returned: Set[fx.Node]) -> List[int]:
