@@ -40,6 +40,9 @@ from lightning_scale import Recorder, ScaleMonitor, capture, recording
 
 #: The statistics of a tracked step (as the eager route's ``tracked`` row: ``("moments",)``).
 GROUPS = ("moments",)
+#: Interleaved rounds of the five steps (~0.4 s a round): the two ratios compared differ by
+#: ~0.02, and the medians of 20 rounds moved by about that much from run to run.
+ROUNDS = 60
 
 
 class Holder(nn.Module):
@@ -191,7 +194,7 @@ def idle_ratio(size: Size, rounds: int, steps: int, budget_s: Optional[float]) -
 
 def measure(size: Size = MAIN, quick: bool = False) -> CompiledCost:
     """Every figure of the module docstring (``quick``: a few rounds, to check the code)."""
-    samples, user_s, tracked_s = step_ratios(size, 4 if quick else 20, None if quick else 60.0)
+    samples, user_s, tracked_s = step_ratios(size, 4 if quick else ROUNDS, None if quick else 90.0)
     load = load_average()
     print(
         f"[compiled_cost] steps: tracked {_ratio(samples, 'tracked', 'plain'):.3f}x, eager route "

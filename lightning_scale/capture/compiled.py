@@ -197,7 +197,9 @@ class Packing:
             return known
         nodes = [n for i in reached for n in self.rewritten.probed[i]]
         layout = _layout([self.rewritten.numels[i] for i in nodes], self.groups, self.device, self.rewritten.host)
+        same = self.rewritten.gradient_of  # (a node without a probe: the row of the node with its gradient)
         row = {n: r for r, n in enumerate(nodes)}
+        row.update({k: row[j] for k, j in same.items() if j in row})
         complete = all(k in row for k in kept)
         take = [row[k] for k in kept] if complete else [row[k] + 1 if k in row else 0 for k in kept]
         plan = layout, torch.tensor(take, dtype=torch.long).to(self.device, non_blocking=True), complete

@@ -15,12 +15,13 @@ hands the rewritten graph to the user's backend.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, fx
 
+from lightning_scale.capture.compiled_labels import returned_input
 from lightning_scale.record.stats.host_op import host_record, host_records, record_size, uses_host_op
 from lightning_scale.record.stats.traceable import packed_record
 
@@ -86,7 +87,8 @@ def _statistics(host: bool) -> Callable[..., Tensor]:
 class Instrumented:
     """A rewritten graph, its recorded nodes (in row order), their element counts, whether
     the host op records them (all on the CPU), the nodes of each probe input (indices, in
-    input order: one node each, or the graph inputs taken together), and its outputs' container."""
+    input order: one node each, or the graph inputs taken together), its outputs' container,
+    and the nodes without a probe whose gradient is another node's (``_same_gradients``)."""
 
     gm: fx.GraphModule
     names: List[str]
@@ -94,6 +96,7 @@ class Instrumented:
     host: bool
     probed: List[List[int]]
     output_type: Optional[type]  # tuple or list; None: a single output
+    gradient_of: Dict[int, int] = field(default_factory=dict)  # node -> node with the very same gradient
 
 
 def _floating(value: Any) -> bool:
@@ -141,7 +144,9 @@ def instrument_graph(
     nodes, at = [nodes[i] for i in order], [at[i] for i in order]
     values = [_example(a, inputs) for a in at]
     together = [i for i in range(len(batch)) if values[i].requires_grad]
-    probed = ([together] if together else []) + [[i] for i in range(len(batch), len(at)) if values[i].requires_grad]
+    same = _same_gradients(at, values, returned)
+    single = [[i] for i in range(len(batch), len(at)) if values[i].requires_grad and i not in same]
+    probed = ([together] if together else []) + single
     probes, last = _probe_inputs(graph, placeholders[-1], probed, record_size(groups) if host else 0)
     if host and probed:
         probed = [[i for group in probed for i in group]]
@@ -158,7 +163,39 @@ def instrument_graph(
     graph.lint()
     kind = type(result) if isinstance(result, (tuple, list)) else None
     numels = [v.numel() for v in values]
-    return Instrumented(fx.GraphModule(gm, graph), [n.name for n in nodes], numels, host, probed, kind)
+    return Instrumented(fx.GraphModule(gm, graph), [n.name for n in nodes], numels, host, probed, kind, same)
+
+
+def _same_gradients(at: List[fx.Node], values: List[Any], returned: Set[fx.Node]) -> Dict[int, int]:
+    """Recorded nodes whose gradient is another recorded node's, the very same tensor: an
+    input of an add (``a + b``, no ``alpha``) used by that add alone (or through dropouts
+    that do nothing, ``returned_input``), of the add's shape and dtype, as the residual
+    branch of a transformer block is. The add hands its output's gradient to it unchanged,
+    so it takes that gradient's record (the eager recorder sees one gradient tensor there
+    and reuses its record) instead of a probe and a second read. Indices into ``at``."""
+    index = {a: i for i, a in enumerate(at)}
+    found: Dict[int, int] = {}
+    for i, n in enumerate(at):
+        if not _plain_add(n) or not values[i].requires_grad:
+            continue
+        for a in n.args:
+            src = a
+            while isinstance(src, fx.Node) and src not in index and len(src.users) == 1 and src not in returned:
+                src = returned_input(src)  # (None where it is no pass-through)
+            j = index.get(src) if isinstance(src, fx.Node) else None
+            chain_ok = j is not None and n.args.count(a) == 1 and len(src.users) == 1 and src not in returned
+            if chain_ok and values[j].shape == values[i].shape and values[j].dtype == values[i].dtype:
+                found[j] = i
+    for j in list(found):  # (an add's output that is itself such an input: to the end of the chain)
+        while found[j] in found:
+            found[j] = found[found[j]]
+    return found
+
+
+def _plain_add(n: fx.Node) -> bool:
+    """``a + b`` of two tensors, not in place, no ``alpha``."""
+    function = n.op == "call_function" and n.target in (operator.add, torch.add)
+    return (function or (n.op == "call_method" and n.target == "add")) and len(n.args) == 2 and not n.kwargs
 
 
 def _probe_inputs(

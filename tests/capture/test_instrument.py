@@ -5,6 +5,7 @@ not reach one), and one probe tensor for the whole graph (a slice per node)."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any, List, Tuple
 
 import pytest
@@ -93,3 +94,44 @@ def test_with_the_host_op_parameters_are_recorded_together_and_a_graph_has_one_p
     else:  # (the traceable ops: one probe per node)
         assert not rewritten.host and calls == 0 and together == 0
         assert len(probes) == len(params) + len(computed)
+
+
+class Residuals(nn.Module):
+    """Adds whose input takes the add's gradient unchanged (the input used there alone, of
+    the add's shape), and inputs that do not (a second use, ``a + a``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f, self.g, self.h = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.zero, self.live = nn.Dropout(0.0), nn.Dropout(0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = x + self.f(x)  # f's output: used by the add alone -> a's gradient (x: also used by f)
+        b = a + self.zero(self.g(a))  # g's output, through a dropout that does nothing -> b's
+        h = self.h(b)
+        c = b + h * 2  # h * 2 -> c's gradient (h: used twice)
+        d = c + c  # (c twice: twice the gradient)
+        e = d + self.live(h)  # d and the live dropout's output -> e's, and so the last add's
+        return e + torch.ones(8)  # e -> the last add's (the constant broadcasts: no node)
+
+
+def test_an_add_hands_its_gradient_to_an_input_used_there_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV, "auto")
+    gm, inputs = dynamo_graph(Residuals().train(), torch.randn(4, 8))
+    zero = next(n for n in gm.graph.nodes if n.op == "call_function" and n.args[1:2] == (0.0,))
+    names = [n.name for n in gm.graph.nodes if n.op == "call_function" and n is not zero]  # (a copy of g's)
+    rewritten = instrument_graph(gm, names, inputs, GROUPS)
+    assert rewritten is not None
+    row = {n: i for i, n in enumerate(rewritten.names)}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    linears = [n for n in names if by_name[n].target is torch._C._nn.linear]
+    adds = [n for n in names if by_name[n].target is operator.add]
+    muls = [n for n in names if by_name[n].target is operator.mul]
+    live = [n for n in names if n not in linears + adds + muls]
+    f_out, g_out, h_out = linears
+    a, b, c, d, e, last = adds
+    got = {rewritten.names[k]: rewritten.names[v] for k, v in rewritten.gradient_of.items()}
+    assert got == {f_out: a, g_out: b, muls[0]: c, d: last, e: last, live[0]: last}
+    probed = {i for p in rewritten.probed for i in p}
+    assert not any(row[k] in probed for k in got)  # (no probe of their own)
+    assert {row[n] for n in (a, b, c, h_out, last)} <= probed
