@@ -219,7 +219,13 @@ def measure(size: Size = MAIN, quick: bool = False) -> CompiledCost:
 
 
 def section(cost: CompiledCost) -> str:
-    """The benchmark page's section on the compiled route."""
+    """The benchmark page's section on the compiled route (ratios to three decimals: the two
+    compared differ by a few hundredths; whether each target holds in this run)."""
+
+    def met(ok: bool) -> str:
+        return "**yes**" if ok else "MISSED"
+
+    tracked_ok = cost.tracked_ratio <= 1.25 and cost.tracked_ratio <= cost.eager_ratio
     return "\n".join(
         [
             "## The compiled route (a compiled GPT, Inductor on the CPU)",
@@ -227,16 +233,17 @@ def section(cost: CompiledCost) -> str:
             f"GPT {cost.size.name}, batch {cost.size.batch}, one thread, median CPU time of interleaved steps "
             f"({cost.rounds} rounds; idle: {cost.idle_rounds} pairs of Trainer fits; load average {cost.load}).",
             "",
-            "| measure | value | target |",
-            "|---|---|---|",
-            f"| compiled plain step | {cost.plain_ms:.1f} ms | |",
-            f"| tracked compiled step / compiled plain step | {cost.tracked_ratio:.2f}x | <= 1.25x, and <= the eager "
-            "route's |",
-            f"| A/A: compiled plain step / itself, same rounds | {cost.aa_ratio:.3f}x | (noise floor) |",
-            f"| eager route: tracked (fx) / plain, uncompiled | {cost.eager_ratio:.2f}x | |",
-            f"| untracked step, `ScaleMonitor` scheduled but idle / without | {cost.idle_ratio:.3f}x | <= 1.03x |",
+            "| measure | value | target | met |",
+            "|---|---|---|---|",
+            f"| compiled plain step | {cost.plain_ms:.1f} ms | | |",
+            f"| tracked compiled step / compiled plain step | {cost.tracked_ratio:.3f}x | <= 1.25x, and <= the eager "
+            f"route's | {met(tracked_ok)} |",
+            f"| A/A: compiled plain step / itself, same rounds | {cost.aa_ratio:.3f}x | (noise floor) | |",
+            f"| eager route: tracked (fx) / plain, uncompiled | {cost.eager_ratio:.3f}x | | |",
+            f"| untracked step, `ScaleMonitor` scheduled but idle / without | {cost.idle_ratio:.3f}x | <= 1.03x | "
+            f"{met(cost.idle_ratio <= 1.03)} |",
             f"| the tracked version's compile | {cost.compile_s:.1f} s | (the user's compile: "
-            f"{cost.user_compile_s:.1f} s) |",
+            f"{cost.user_compile_s:.1f} s) | |",
         ]
     )
 
