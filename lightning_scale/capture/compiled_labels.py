@@ -212,12 +212,9 @@ def same_tensor(gm: fx.GraphModule, labelled: Set[str]) -> Tuple[Dict[str, str],
     stand_ins: Dict[str, str] = {}
     uses: Dict[int, int] = {}  # id(example value) -> its uses, identities left out
     for node in gm.graph.nodes:
-        value = node.meta.get("example_value")
+        value = _run_time_value(node)
         if not isinstance(value, Tensor):
             continue
-        given = returned_input(node)
-        if given is not None and isinstance(given.meta.get("example_value"), Tensor):
-            value = given.meta["example_value"]  # (the tensor it returns at run time)
         uses[id(value)] = uses.get(id(value), 0) + len(node.users)
         source = first.setdefault(id(value), node)
         if source is node:
@@ -239,8 +236,12 @@ def same_tensor(gm: fx.GraphModule, labelled: Set[str]) -> Tuple[Dict[str, str],
 
 
 def _run_time_value(node: fx.Node) -> Any:
-    given = returned_input(node)
-    return (given if given is not None else node).meta.get("example_value")
+    """The tensor ``node`` returns at run time, by dynamo's example values: its own, or for a
+    node that returns its input (``returned_input``) the input's."""
+    own = node.meta.get("example_value")
+    given = returned_input(node) if isinstance(own, Tensor) else None
+    theirs = given.meta.get("example_value") if given is not None else None
+    return theirs if isinstance(theirs, Tensor) else own
 
 
 def _own_output(gm: fx.GraphModule, reason: Any) -> List[Tuple[Optional[str], str, str]]:

@@ -140,11 +140,12 @@ def instrument_graph(
     at = [n if n in returned else by_name.get((stand_ins or {}).get(n.name, ""), n) for n in nodes]
     host = all(uses_host_op(_example(a, inputs).device) for a in at)  # (decided once, from the example values)
     batch = _graph_inputs(at, returned) if host else []
-    order = batch + [i for i in range(len(at)) if i not in set(batch)]  # (rows: the graph inputs first)
+    rest = set(range(len(at))) - set(batch)
+    order = batch + sorted(rest)  # (rows: the graph inputs first)
     nodes, at = [nodes[i] for i in order], [at[i] for i in order]
     values = [_example(a, inputs) for a in at]
-    together = [i for i in range(len(batch)) if values[i].requires_grad]
     same = _same_gradients(at, values, returned)
+    together = [i for i in range(len(batch)) if values[i].requires_grad and i not in same]
     single = [[i] for i in range(len(batch), len(at)) if values[i].requires_grad and i not in same]
     probed = ([together] if together else []) + single
     probes, last = _probe_inputs(graph, placeholders[-1], probed, record_size(groups) if host else 0)

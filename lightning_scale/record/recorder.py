@@ -18,8 +18,7 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optio
 import torch
 from torch import Tensor
 
-from lightning_scale.record import kernels, placements, stats
-from lightning_scale.record import placing
+from lightning_scale.record import kernels, placements, placing, stats
 from lightning_scale.record.channel_rows import ChannelRows
 from lightning_scale.record.placing import BlockRow
 from lightning_scale.record.short_records import MAX_ELEMENTS, ShortRecords, batchable

@@ -135,3 +135,33 @@ def test_an_add_hands_its_gradient_to_an_input_used_there_alone(monkeypatch: pyt
     probed = {i for p in rewritten.probed for i in p}
     assert not any(row[k] in probed for k in got)  # (no probe of their own)
     assert {row[n] for n in (a, b, c, h_out, last)} <= probed
+
+
+class Offset(nn.Module):
+    """A parameter of the activation's shape, used by one add alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.offset = nn.Parameter(torch.zeros(4, 8))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.relu(self.lin(x) + self.offset)
+
+
+def test_a_parameter_an_add_alone_uses_takes_the_adds_gradient_not_a_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graph inputs follow the add rule as other nodes do: the parameter's gradient is the
+    add's, so it is not passed through ``ProbeInputs`` (recorded forward with the others)."""
+    monkeypatch.setenv(ENV, "auto")
+    gm, inputs = dynamo_graph(Offset(), torch.randn(4, 8))
+    names = [n.name for n in gm.graph.nodes if n.op in ("placeholder", "call_function") and n.name != "l_x_"]
+    rewritten = instrument_graph(gm, names, inputs, GROUPS)
+    assert rewritten is not None and rewritten.host
+    row = {n: i for i, n in enumerate(rewritten.names)}
+    offset = next(n for n in rewritten.names if "offset" in n)
+    add = next(n for n in rewritten.names if n.startswith("add"))
+    linear = next(n for n in rewritten.names if n.startswith("linear"))
+    assert rewritten.gradient_of == {row[offset]: row[add], row[linear]: row[add]}
+    assert row[offset] not in rewritten.probed[0] and row[offset] < 3  # (a graph input: its row among the first)
+    through = [n for n in rewritten.gm.graph.nodes if getattr(n.target, "__name__", "") == "probe_inputs"]
+    assert len(through) == 1 and not any("offset" in str(a) for a in through[0].args)

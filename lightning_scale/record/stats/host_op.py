@@ -152,26 +152,29 @@ def take_error() -> Optional[BaseException]:
 
 
 def _packed(x: Tensor, groups: str) -> Tensor:
-    """The op's implementation: ``_values`` of ``x``, or NaN where it failed (the error is
-    kept for ``take_error``)."""
-    try:
-        return torch.from_numpy(_values(x, groups))  # (a third of torch.tensor's time)
-    except Exception as err:  # noqa: BLE001 - never raise into the user's compiled graph
-        if not _errors:
-            _errors.append(err)
-        return torch.full((record_size(groups.split(",")),), math.nan, dtype=torch.float64)
+    """``host_record``'s implementation: ``_values`` of ``x`` (``_kept``)."""
+    return _kept(lambda: _values(x, groups), record_size(groups.split(",")))
 
 
 def _packed_all(xs: List[Optional[Tensor]], groups: str) -> Tensor:
     """``host_records``' implementation: each tensor's ``_values`` (zeros for None: an empty
-    record), concatenated, or NaN where one failed (the error is kept for ``take_error``)."""
+    record), concatenated (``_kept``)."""
     width = record_size(groups.split(","))
+    return _kept(
+        lambda: np.concatenate([_values(x, groups) if x is not None else np.zeros(width) for x in xs]), len(xs) * width
+    )
+
+
+def _kept(values: Callable[[], np.ndarray], size: int) -> Tensor:
+    """``values()`` as a tensor, or ``size`` NaN where it failed: the ops never raise (an
+    exception inside a compiled graph would end the user's step); the first error is kept
+    for ``take_error``."""
     try:
-        return torch.from_numpy(np.concatenate([_values(x, groups) if x is not None else np.zeros(width) for x in xs]))
+        return torch.from_numpy(values())  # (a third of torch.tensor's time)
     except Exception as err:  # noqa: BLE001 - never raise into the user's compiled graph
         if not _errors:
             _errors.append(err)
-        return torch.full((len(xs) * width,), math.nan, dtype=torch.float64)
+        return torch.full((size,), math.nan, dtype=torch.float64)
 
 
 def _values(x: Tensor, groups: str) -> np.ndarray:
