@@ -10,8 +10,7 @@ in their own modules; this one decides *when*.
 
 from __future__ import annotations
 
-import re
-from typing import Any, Dict, List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -24,7 +23,10 @@ from typing_extensions import override
 from lightning_scale import arguments as check
 from lightning_scale.capture import CAPTURE_MODES
 from lightning_scale.capture.coverage import skipped_line
-from lightning_scale.record import kernels, native, stats
+from lightning_scale.record import kernels, native
+from lightning_scale.record.settings import Settings
+from lightning_scale.record.stats import run_table
+from lightning_scale.record.stats.table import Statistic
 from lightning_scale.record.recorder import Recorder
 from lightning_scale.record.updates import UpdateStats, UpdateTracker
 from lightning_scale.report.options import ReportOptions
@@ -51,8 +53,9 @@ class ScaleMonitor(Callback):
             ``forward``).
         capture: ``"auto"`` (fx where it traces the model, TorchDynamo otherwise), ``"fx"``
             or ``"dynamo"``.
-        statistics: statistics to log as scalars, from ``lightning_scale.record.stats.ALL_STATISTICS``
-            (default ``["std"]``, logged as ``scale/``; with ``channel_max_ratio``, ``outlier_channels``).
+        statistics: statistics to log: built-in names (docs/statistics.md; default ``["std"]``, logged as
+            ``scale/``), ``lightning_scale.Statistic`` objects, or import paths of them
+            (``"my_package.stats.mean_abs"``, as LightningCLI YAML names one).
         include: regex; log only nodes whose label matches it.
         exclude: regex; do not log nodes whose label matches it.
         prune_views: do not log views/reshapes whose statistics equal their input's
@@ -111,7 +114,7 @@ class ScaleMonitor(Callback):
         stop_step: Optional[int] = None,
         submodule: Optional[str] = None,
         capture: Literal["auto", "fx", "dynamo"] = "auto",
-        statistics: Optional[List[str]] = None,
+        statistics: Optional[List[Union[str, Statistic]]] = None,
         include: Optional[str] = None,
         exclude: Optional[str] = None,
         prune_views: bool = True,
@@ -134,7 +137,7 @@ class ScaleMonitor(Callback):
     ) -> None:
         self.schedule = Schedule(every_n_steps, steps, start_step, stop_step)
         self.capture_mode = check.one_of("capture", capture, CAPTURE_MODES)
-        self.statistics = check.choices("statistics", statistics, stats.ALL_STATISTICS, allow_none=True) or ["std"]
+        self.statistics, self.groups = run_table.resolve(statistics)
         check.booleans(histograms=histograms, figure=figure, code=code, rank_spread=rank_spread)
         max_tags, figure_every = (
             check.positive_int("max_tags", max_tags),
@@ -152,8 +155,8 @@ class ScaleMonitor(Callback):
         self.verify_capture = check.boolean("verify_capture", verify_capture)
         self.strict_ranks = check.boolean("strict_ranks", strict_ranks)
         self._updates = UpdateTracker()
-        self.groups = sorted({stats.ALL_STATISTICS[s] for s in self.statistics} | {"moments"})
         self.last_tracked_step = -1
+        self.settings: Optional[Settings] = None  # the environment switches, read at fit start
         self.captures = Captures(
             mode=self.capture_mode,
             leaf_modules=self.leaf_modules,
@@ -179,15 +182,8 @@ class ScaleMonitor(Callback):
         )
         self.reporter = Reporter(options, warn=rank_zero_warn, info=rank_zero_info)
 
-    @property
-    def include(self) -> Optional["re.Pattern[str]"]:
-        """The compiled ``include`` regex (None: every node)."""
-        return self.selection.include
-
-    @property
-    def exclude(self) -> Optional["re.Pattern[str]"]:
-        """The compiled ``exclude`` regex (None: none left out)."""
-        return self.selection.exclude
+    include = property(lambda self: self.selection.include, doc="The compiled ``include`` regex (None: every node).")
+    exclude = property(lambda self: self.selection.exclude, doc="The compiled ``exclude`` regex (None: none left out).")
 
     # ---- Lightning hooks ---------------------------------------------------------------
 
@@ -216,15 +212,15 @@ class ScaleMonitor(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         target = self._target(pl_module)
         check_leaf_modules(target, self.leaf_modules)  # names known only with the model: checked before step 0
+        self.settings = self.captures.settings = Settings.from_env().apply()  # (raises on a bad value)
         self.captures.of(target, train=True, announce=True)
-        host_reads = Recorder().host_reads  # (the environment's choice; raises on a bad value)
-        if (
-            pl_module.device.type == "cpu" and host_reads is not False
-        ):  # host statistics: build the one-read kernel now, not in a tracked step
+        host_reads = self.settings.host_reads
+        if pl_module.device.type == "cpu" and host_reads is not False:  # host statistics: build the kernel now
             native.load()
-            rank_zero_info(f"ScaleMonitor: {native.status()}")
+            line = native.status()
         else:  # device statistics: which kernel (LIGHTNING_SCALE_KERNEL)
-            rank_zero_info(f"ScaleMonitor: {kernels.status(pl_module.device, host_reads)}")
+            line = kernels.status(pl_module.device, host_reads, self.settings.kernel)
+        rank_zero_info(f"ScaleMonitor: {line}; {self.settings.line()}")
 
     @override
     def on_train_batch_start(
@@ -333,7 +329,7 @@ class ScaleMonitor(Callback):
         cap = self.captures.of(target, train=False)
         if cap is None:
             return
-        rec = Recorder(self.groups)
+        rec = Recorder(self.groups, settings=self.settings)
         if self.value_histograms is not None:
             # (a pattern, not a set: dynamo labels appear as it compiles)
             rec.histogram_keys = Matching(self.value_histograms)  # type: ignore[assignment]

@@ -50,16 +50,16 @@ BAD = [
     (
         "statistics",
         ["std", "std"],
-        r"`statistics` must name each item once, got \['std', 'std'\] \(repeated: \['std'\]\)",
+        r"`statistics` must name each statistic once, got \['std', 'std'\] \(repeated: \['std'\]\)",
     ),
-    ("statistics", "std", r"`statistics` must be a non-empty list from \[.*'absmax'.*\] or None, got 'std' \(str\)"),
-    ("statistics", [], r"`statistics` must be a non-empty list from \[.*\], got \[\]"),
+    ("statistics", "std", r"`statistics` must be a non-empty list of statistic names, .* or None, got 'std' \(str\)"),
+    ("statistics", [], r"`statistics` must be a non-empty list of statistic names, .*, got \[\]"),
     (
         "statistics",
         ["std", "skewness"],
-        r"`statistics` must be a non-empty list from \[.*\], got \['std', 'skewness'\]",
+        r"`statistics` has an unknown statistic 'skewness'; choose from \[.*'absmax'.*\], a `Statistic`",
     ),
-    ("statistics", [1], r"`statistics` must be a non-empty list from \[.*\], got \[1\]"),
+    ("statistics", [1], r"`statistics` entries must be statistic names or `Statistic`s, got 1 \(int\)"),
     ("include", 5, r"`include` must be a regular expression \(a str\) or None, got 5 \(int\)"),
     ("include", "net([", r"`include` must be a valid regular expression, got 'net\(\['"),
     (

@@ -532,9 +532,9 @@ def test_no_logger_is_an_error_at_fit(tmp_path: Path) -> None:
         ({"steps": [-3]}, r"`steps` must hold non-negative integers, got \[-3\]"),
         (
             {"statistics": ["std", "skewness"]},
-            r"`statistics` must be a non-empty list from \[.*'absmax'.*\], got \['std', 'skewness'\]",
+            r"`statistics` has an unknown statistic 'skewness'; choose from \[.*'absmax'.*\]",
         ),
-        ({"statistics": []}, r"`statistics` must be a non-empty list"),
+        ({"statistics": []}, r"`statistics` must be a non-empty list of statistic names"),
         ({"include": "net(["}, r"`include` must be a valid regular expression, got 'net\(\['"),
         ({"exclude": "*x"}, r"`exclude` must be a valid regular expression, got '\*x'"),
         ({"value_histograms": "a)"}, r"`value_histograms` must be a valid regular expression, got 'a\)'"),

@@ -113,7 +113,7 @@ class InstrumentingBackend:
         started = time.perf_counter()
         graph = route.labels.frame_graph(gm)
         names = [s.name for s in graph.sites if s.name not in graph.views and s.name not in graph.copies]
-        rewritten = instrument_graph(gm, names, example_inputs, route.groups, graph.stand_ins)
+        rewritten = instrument_graph(gm, names, example_inputs, route.groups, graph.stand_ins, route.compiled_stats)
         if rewritten is None:
             return self.backend(gm, example_inputs)
         device = next((t.device for t in example_inputs if isinstance(t, Tensor)), torch.device("cpu"))
@@ -249,13 +249,19 @@ class CompiledRoute:
         module: the captured module (labels are paths in it).
         groups: statistic groups of each row (``Recorder.groups``: every group is traceable).
         labels: where the labels go (a capture's ``CompiledLabels``; new by default).
+        compiled_stats: ``Settings.compiled_stats``: which statistics ops the graphs take.
     """
 
     def __init__(
-        self, module: nn.Module, groups: Sequence[str] = ("moments", "range"), labels: Optional[CompiledLabels] = None
+        self,
+        module: nn.Module,
+        groups: Sequence[str] = ("moments", "range"),
+        labels: Optional[CompiledLabels] = None,
+        compiled_stats: str = "auto",
     ) -> None:
         self.module = module
         self.groups = tuple(groups)
+        self.compiled_stats = compiled_stats
         self.labels = CompiledLabels(module) if labels is None else labels
         self.compile_seconds = 0.0  # spent compiling the instrumented graphs (the user's backend included)
         self.targets = compiled_modules(module)

@@ -54,6 +54,7 @@ from lightning_scale.capture.interpreter import instrument
 from lightning_scale.capture.labels import label_graph, view_aliases
 from lightning_scale.capture.module_outputs import with_module_outputs
 from lightning_scale.capture.tracer import DEFAULT_LEAF_TYPES, DeepTracer, failure_reason, trace_module
+from lightning_scale.record.settings import Settings
 from lightning_scale.record.recorder import BACKWARD
 
 __all__ = ["CAPTURE_MODES", "Capture", "CaptureError", "DeepTracer", "capture", "label_graph"]
@@ -232,12 +233,13 @@ class Capture:
             self._wrapped = _through_compiled(fn, self.compiled)
         return self._wrapped
 
-    def add_compiled_route(self, groups: Sequence[str]) -> None:
+    def add_compiled_route(self, groups: Sequence[str], compiled_stats: str = "auto") -> None:
         """Run the compiled submodules (``torch.compile(m)``, ``m.compile()``) on tracked calls
-        as instrumented compiled versions (``compiled.CompiledRoute``), labelled in this capture."""
+        as instrumented compiled versions (``compiled.CompiledRoute``), labelled in this capture
+        (``compiled_stats``: ``Settings.compiled_stats``)."""
         if any(path for path, _ in compiled_modules(self.module)):
             labels = CompiledLabels(self.module, self.graphs, self.labels, self.aliases)
-            self.compiled = CompiledRoute(self.module, groups, labels)
+            self.compiled = CompiledRoute(self.module, groups, labels, compiled_stats)
 
     def coverage(self, recorded: Sequence[str]) -> coverage.CoverageReport:
         """How much of the module the labels ``recorded`` (those with a record on a
@@ -313,6 +315,7 @@ def capture(
     autowrap_functions: Tuple[Callable[..., Any], ...] = (),
     units: Sequence[str] = (),
     groups: Sequence[str] = ("moments", "range"),
+    settings: Optional[Settings] = None,
 ) -> Capture:
     """Capture ``module``'s forward.
 
@@ -324,6 +327,8 @@ def capture(
         units: paths of submodules captured as graphs of their own and run through their
             own ``__call__`` (so their hooks run: FSDP units). Implies fx.
         groups: statistic groups the compiled submodules' graphs compute (the recorder's).
+        settings: the environment switches (``record.settings.Settings``); None: read from the
+            environment now (a capture made outside ``ScaleMonitor``).
 
     Raises:
         ValueError: unknown ``mode``.
@@ -333,7 +338,7 @@ def capture(
         raise ValueError(f"`mode` must be one of {list(CAPTURE_MODES)}, got {mode!r}")
     units = _outside_compiled(module, units)
     cap = _capture(module, mode, leaf_modules, autowrap_modules, autowrap_functions, units)
-    cap.add_compiled_route(groups)
+    cap.add_compiled_route(groups, (Settings.from_env() if settings is None else settings).compiled_stats)
     return cap
 
 

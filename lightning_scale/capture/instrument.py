@@ -117,6 +117,7 @@ def instrument_graph(
     example_inputs: Sequence[Any],
     groups: Tuple[str, ...],
     stand_ins: Optional[Dict[str, str]] = None,
+    compiled_stats: str = "auto",
 ) -> Optional[Instrumented]:
     """A copy of ``gm`` with the packed statistics of each node of ``names`` (floating,
     nonempty), concatenated into one extra output, and ``Probe`` on each node with a
@@ -138,7 +139,9 @@ def instrument_graph(
     output = graph.output(outputs)  # (first: a probe replaces the node in it too)
     by_name = {n.name: n for n in placeholders}
     at = [n if n in returned else by_name.get((stand_ins or {}).get(n.name, ""), n) for n in nodes]
-    host = all(uses_host_op(_example(a, inputs).device) for a in at)  # (decided once, from the example values)
+    host = all(
+        uses_host_op(_example(a, inputs).device, compiled_stats) for a in at
+    )  # (decided once, from the examples)
     batch = _graph_inputs(at, returned) if host else []
     rest = set(range(len(at))) - set(batch)
     order = batch + sorted(rest)  # (rows: the graph inputs first)

@@ -8,10 +8,12 @@ dashboard needs every node, in execution order. The writer stores, as ``tensor``
 summaries with ``plugin_name="scales"``:
 
 - ``<prefix>scale_nodes``: a JSON document ``{"version": 1, "labels": [...],
-  "parameters": [...], "statistics": [...], "aliases": {alias: source}}``, written once
-  and again whenever the labels or the statistics change. ``aliases`` names the labels
-  that are the same tensor as another label (a view, a module's output). ``statistics``
-  and ``aliases`` were added without a new version: a dashboard that predates them
+  "parameters": [...], "statistics": [...], "aliases": {alias: source}, "meta": {statistic:
+  {"axis", "worse", "unscale", "doc"}}}``, written once and again whenever the labels or the
+  statistics change. ``aliases`` names the labels that are the same tensor as another label
+  (a view, a module's output); ``meta`` is each statistic's declaration as the dashboard needs
+  it (``Statistic.meta``: user statistics are known only from it). ``statistics``,
+  ``aliases`` and ``meta`` were added without a new version: a dashboard that predates them
   ignores them and reads the scalars.
 - ``<prefix>scale_records/<first step>``: one float32 array ``[nodes, 2, statistics]`` per
   tracked step (axis 1: forward, backward; NaN where nothing was recorded), in the order
@@ -63,6 +65,7 @@ def decode(value: Any) -> Dict[str, Any]:
     out: Dict[str, Any] = {"labels": list(doc["labels"]), "parameters": list(doc.get("parameters", []))}
     out["statistics"] = list(doc.get("statistics", []))
     out["aliases"] = dict(doc.get("aliases", {}))
+    out["meta"] = dict(doc.get("meta", {}))
     return out
 
 

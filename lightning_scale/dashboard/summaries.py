@@ -29,9 +29,11 @@ def nodes_summary(
     parameters: Collection[str] = (),
     statistics: Sequence[str] = (),
     aliases: Optional[Mapping[str, str]] = None,
+    meta: Optional[Mapping[str, Mapping[str, Any]]] = None,
 ) -> Any:
     """A ``Summary`` holding the node list (execution order), the parameter labels among it,
-    the statistics of the records that follow and the aliases among the labels."""
+    the statistics of the records that follow, what the dashboard needs to know of each
+    (``meta``: ``Statistic.meta()``, by name) and the aliases among the labels."""
     from tensorboard.util import tensor_util
 
     params, present = set(parameters), set(labels)
@@ -42,6 +44,7 @@ def nodes_summary(
         "parameters": [l for l in labels if l in params],
         "statistics": list(statistics),
         "aliases": same,
+        "meta": {k: dict(v) for k, v in (meta or {}).items()},
     }
     return _tensor_summary(tag, tensor_util.make_tensor_proto(np.array(json.dumps(doc).encode(), dtype=object)))
 

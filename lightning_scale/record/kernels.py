@@ -1,6 +1,7 @@
 """Which kernel computes statistics on the device path: Triton's fused one or torch's.
 
-``LIGHTNING_SCALE_KERNEL`` (read when a ``Recorder`` is created, and by ``record_of``):
+``LIGHTNING_SCALE_KERNEL`` (``settings.Settings.kernel``, read where the core is entered and
+passed down as ``kernel``):
 
 - ``auto`` (default): the fused Triton kernel (``lightning_scale.record.triton_stats``,
   one read per tensor) where Triton is importable and the tensor is on a CUDA device
@@ -16,11 +17,12 @@ torch's kernels. The host path (CPU tensors with host reads) does not look at th
 from __future__ import annotations
 
 import functools
-import os
-from typing import Collection, FrozenSet, Optional
+from typing import Collection, FrozenSet, Mapping, Optional
 
 import torch
 from torch import Tensor
+
+from lightning_scale.record.settings import Settings
 
 __all__ = ["CHOICES", "DTYPES", "ENV", "choice", "record_into", "status", "triton_missing", "uses_triton"]
 
@@ -30,16 +32,14 @@ CHOICES = ("auto", "triton", "torch")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def choice() -> str:
-    """The value of ``LIGHTNING_SCALE_KERNEL`` (``auto`` when unset or empty).
+def choice(environ: Optional[Mapping[str, str]] = None) -> str:
+    """The value of ``LIGHTNING_SCALE_KERNEL`` (``auto`` when unset or empty), as
+    ``Settings.from_env`` reads it.
 
     Raises:
         ValueError: it is set to anything but ``auto``, ``triton`` or ``torch``.
     """
-    value = os.environ.get(ENV, "").strip().lower() or "auto"
-    if value not in CHOICES:
-        raise ValueError(f"`{ENV}` must be one of {', '.join(CHOICES)}; got {os.environ[ENV]!r}")
-    return value
+    return Settings.from_env(environ).kernel
 
 
 @functools.lru_cache(maxsize=1)
@@ -60,13 +60,13 @@ def _interpreted() -> bool:
 
 def uses_triton(x: Tensor, kernel: Optional[str] = None) -> bool:
     """Whether the device-path statistics of ``x`` take the Triton kernel under ``kernel``
-    (default: ``choice()``).
+    (``CHOICES``; None: ``auto``).
 
     Raises:
         RuntimeError: ``triton`` is asked for where it cannot run: Triton is not
             importable, or ``x`` is on the CPU without the interpreter.
     """
-    kernel = choice() if kernel is None else kernel
+    kernel = "auto" if kernel is None else kernel
     if kernel == "torch" or x.dtype not in DTYPES:
         return False
     if kernel == "auto":
@@ -91,14 +91,15 @@ def record_into(x: Tensor, groups: Collection[str], row: Tensor) -> FrozenSet[st
     return triton_stats.record_into(x, groups, row)
 
 
-def status(device: torch.device, host_reads: Optional[bool] = None) -> str:
+def status(device: torch.device, host_reads: Optional[bool] = None, kernel: Optional[str] = None) -> str:
     """One line for the logs: which kernel computes the device-path statistics on
-    ``device``, and why (``host_reads``: the recorder's setting, None = by device).
+    ``device``, and why (``host_reads``: the recorder's setting, None = by device; ``kernel``:
+    ``Settings.kernel``, None: as the environment says).
 
     Raises:
         ValueError: ``LIGHTNING_SCALE_KERNEL`` has a bad value.
     """
-    kernel = choice()
+    kernel = choice() if kernel is None else kernel
     if device.type == "cpu" and host_reads is not False:
         return f"statistics on the host path (native kernel or torch's); {ENV} applies to the device path"
     if kernel == "torch":

@@ -10,7 +10,7 @@ on the observed value keep working. Entries stay on the tensor's device until
 from __future__ import annotations
 
 import functools
-import os
+import math
 import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Hashable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -21,14 +21,14 @@ from torch import Tensor
 from lightning_scale.record import kernels, placements, placing, stats
 from lightning_scale.record.channel_rows import ChannelRows
 from lightning_scale.record.placing import BlockRow
+from lightning_scale.record.settings import Settings
 from lightning_scale.record.short_records import MAX_ELEMENTS, ShortRecords, batchable
 
 __all__ = ["BACKWARD", "FORWARD", "HOST_READS_ENV", "Recorder", "active", "observe", "recording"]
 
-FORWARD, BACKWARD = 0, 1
+#: The environment switch of ``host_reads`` (``settings.Settings.host_reads``).
 
-#: Environment switch read when a ``Recorder`` is created: ``0`` forces the device path
-#: (no intermediate host reads) on any device, ``1`` allows host reads everywhere.
+FORWARD, BACKWARD = 0, 1
 HOST_READS_ENV = "LIGHTNING_SCALE_HOST_READS"
 
 _ACTIVE: Optional["Recorder"] = None
@@ -42,8 +42,10 @@ class Recorder:
             tensor's channel row too (``channels``, ``channel_tensor``).
         host_reads: allow reading intermediate results on the host (fast on CPU; see
             ``stats.record_of``). ``None`` decides per tensor by its device, unless the
-            environment variable ``LIGHTNING_SCALE_HOST_READS`` is ``0`` (device path
-            forced) or ``1`` (host reads everywhere).
+            settings force it (``LIGHTNING_SCALE_HOST_READS``: ``0`` device path forced,
+            ``1`` host reads everywhere).
+        settings: the environment switches (``settings.Settings``); None: read from the
+            environment now (a recorder made outside ``ScaleMonitor``).
 
     Device-path records that the fused Triton kernel computes (``LIGHTNING_SCALE_KERNEL``,
     see ``lightning_scale.record.kernels``) are written straight into rows of a buffer on
@@ -54,14 +56,20 @@ class Recorder:
             something else.
     """
 
-    def __init__(self, groups: Sequence[str] = ("moments", "range"), host_reads: Optional[bool] = None) -> None:
+    def __init__(
+        self,
+        groups: Sequence[str] = ("moments", "range"),
+        host_reads: Optional[bool] = None,
+        settings: Optional[Settings] = None,
+    ) -> None:
         self.groups = tuple(groups)
         #: the ``channels`` group's rows (``stats.channels``), kept beside the records; None without it
         self.channels: Optional[ChannelRows] = ChannelRows() if "channels" in self.groups else None
         groups = tuple(g for g in self.groups if g != "channels")  # (the record's groups)
-        self.host_reads = _host_reads_from_env() if host_reads is None else host_reads
-        self.kernel = kernels.choice()
-        self._buffer = _RowBuffer()  # the device rows the fused kernel writes
+        self.settings = Settings.from_env().apply() if settings is None else settings
+        self.host_reads = self.settings.host_reads if host_reads is None else host_reads
+        self.kernel = self.settings.kernel
+        self._buffer = _RowBuffer(stats.run_table.layout(groups).width)  # the device rows the fused kernel writes
         self._slots: Dict[Hashable, int] = {}  # key -> slot
         self._keys: List[Hashable] = []  # slot -> key
         self._rows: List[Tuple[int, int, Union[List[stats.Entry], Tensor, BlockRow]]] = []
@@ -75,6 +83,10 @@ class Recorder:
             int, Tuple[Any, int, Union[List[stats.Entry], Tensor]]
         ] = {}  # id -> (weakref, version, entry)
         self._groups = groups
+        #: the record layout: the built-in fields, then the user statistics' of ``groups``
+        self.layout = stats.run_table.layout(groups)
+        self.width = self.layout.width
+        self._user_groups = tuple(g for g in groups if stats.run_table.is_user(g))
         self._short = ShortRecords(groups)  # host tensors of a few elements: taken together
         self._partials = placements.PartialSums()  # gradients no node reduces: summed at flush()
         self._fast = stats.fast_host_record(groups)  # host tensors above them: one read, few steps
@@ -139,8 +151,8 @@ class Recorder:
         """Records computed elsewhere (the statistic rows a compiled graph returns): ``rows[i]``,
         a float64 ``[len(FIELDS)]`` row on the device, is ``keys[i]``'s record in ``direction``
         (``FORWARD`` or ``BACKWARD``). Kept on the device, merged like observed records."""
-        if len(keys) != rows.shape[0] or rows.shape[1:] != (len(stats.FIELDS),):
-            raise ValueError(f"`rows` must be [{len(keys)}, {len(stats.FIELDS)}], got {list(rows.shape)}")
+        if len(keys) != rows.shape[0] or rows.shape[1:] != (self.width,):
+            raise ValueError(f"`rows` must be [{len(keys)}, {self.width}], got {list(rows.shape)}")
         if self.device is None:
             self.device = rows.device
         start = self._block_rows
@@ -212,16 +224,25 @@ class Recorder:
             if fast is not None:
                 entry = fast
             elif not host and n and kernels.uses_triton(x, self.kernel):
-                entry = self._buffer.take(x.device)
-                left = kernels.record_into(x, self._groups, entry)
-                stats.torch_groups.fill(x, left, entry)  # (groups the kernel left: blocks of a strided last dim)
+                entry = self._triton(x)
             else:
-                entry = stats.record_of(x, self._groups, host, self.kernel)
+                entry = stats.record_of(x, self._groups, host, self.kernel, self.layout)
         self._rows.append((slot, direction, entry))
         if self.histogram_keys:
             self._histogram(slot, direction, x)
         if self.channels is not None:
             self.channels.add(slot, direction, x)
+        return entry
+
+    def _triton(self, x: Tensor) -> Tensor:
+        """``x``'s record in a row of the buffer: the fused kernel's groups, the reference the rest
+        (the blocks of a strided last dimension, user statistics)."""
+        entry = self._buffer.take(x.device)
+        fields = entry if not self._user_groups else entry[: len(stats.FIELDS)]  # (the kernel's columns)
+        left = kernels.record_into(x, self._groups, fields) | set(self._user_groups)
+        if left:
+            cols, values = stats.reference.columns(x, left, self.layout)
+            entry[cols] = values
         return entry
 
     def _histogram(self, slot: int, direction: int, x: Tensor) -> None:
@@ -244,7 +265,7 @@ class Recorder:
         """
         keys = self.keys if keys is None else list(keys)
         self.flush()
-        out = torch.zeros(len(keys), 2, len(stats.FIELDS), dtype=torch.float64, device=self.device)
+        out = torch.zeros(len(keys), 2, self.width, dtype=torch.float64, device=self.device)
         targets = self._targets(keys, aliases or {})
         entries: List[Union[List[stats.Entry], Tensor]] = []
         dst: List[int] = []  # flat output row (key * 2 + direction) of each placement
@@ -268,12 +289,16 @@ class Recorder:
         assembled = self._assembled(entries)
         if self._blocks:
             src = [j if j >= 0 else len(entries) - 1 - j for j in src]
-        placing.place(out.view(-1, len(stats.FIELDS)), assembled, dst, src)
+        placing.place(out.view(-1, self.width), assembled, dst, src)
         return out
 
     def _assembled(self, entries: List[Union[List[stats.Entry], Tensor]]) -> Tensor:
         """The records of ``entries`` (``stats.assemble``), then the blocks' rows: one tensor."""
-        parts = [stats.assemble(entries, device=self.device, host_only=self._host_only)] if entries else []
+        parts = (
+            [stats.assemble(entries, device=self.device, host_only=self._host_only, width=self.width)]
+            if entries
+            else []
+        )
         parts += self._blocks
         parts = [p if p.device == self.device else p.to(self.device) for p in parts]  # (same device: no copy)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -366,7 +391,8 @@ class _RowBuffer:
 
     CHUNK = 256
 
-    def __init__(self) -> None:
+    def __init__(self, width: int) -> None:
+        self.width = width
         self._chunks: Dict[torch.device, List[Tensor]] = {}
         self._used: Dict[torch.device, int] = {}
 
@@ -374,22 +400,13 @@ class _RowBuffer:
         chunks = self._chunks.setdefault(device, [])
         used = self._used.get(device, 0)
         if used == len(chunks) * self.CHUNK:
-            chunks.append(torch.empty(self.CHUNK, len(stats.FIELDS), dtype=torch.float64, device=device))
+            chunks.append(torch.full((self.CHUNK, self.width), math.nan, dtype=torch.float64, device=device))
         self._used[device] = used + 1
         return chunks[used // self.CHUNK][used % self.CHUNK]
 
     def clear(self) -> None:
         """Hand the rows out again (``records()`` has copied them, in stream order)."""
         self._used.clear()
-
-
-def _host_reads_from_env() -> Optional[bool]:
-    value = os.environ.get(HOST_READS_ENV, "").strip()
-    if value == "":
-        return None
-    if value not in ("0", "1"):
-        raise ValueError(f"`{HOST_READS_ENV}` must be 0 (device path forced) or 1 (host reads allowed), got {value!r}")
-    return value == "1"
 
 
 def active() -> Optional[Recorder]:

@@ -7,25 +7,27 @@ observed (so later in-place ops cannot change what is recorded) and computes eve
 record of the step in one set of numpy reductions over their concatenation: moments in
 float64 by two passes (each mean first, then the squared deviations from it: no
 cancellation, and float32 data can neither overflow nor underflow there), absmax, and the
-zeros / min_nonzero / format counts from one sorted search and one histogram, as
-``stats.format_counts_device`` buckets them. The fields mean what ``stats.record_of``'s
-do, with the same NaN/Inf conventions. The groups such a tensor's own read gives
-(``stats.torch_groups``: the block what-ifs, kurtosis) are taken from it when it is added
-(the host kernel's calls, a few microseconds each), and kept through ``flush``. Nothing here
-imports Lightning.
+zeros / min_nonzero / format counts from one sorted search and one histogram over the
+format bounds (``stats.formats``), and each user statistic's elementwise functions applied to
+the concatenation (elementwise: the same values as on each tensor) and summed or maxed per
+tensor. It is an acceleration of the reference (``stats.reference``): the fields mean what
+``stats.record_of``'s do, with the same NaN/Inf conventions. The groups that depend on a
+tensor as a whole (the block what-ifs, kurtosis) are taken from each tensor when it is added
+(``stats.accelerate``: the host kernel's calls, a few microseconds each; else the reference),
+and kept through ``flush``. Nothing here imports Lightning.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Collection, List
+from typing import Collection, List, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_scale.record import stats
-from lightning_scale.record.stats import formats, torch_groups
+from lightning_scale.record.stats import formats, reference, run_table, table
 from lightning_scale.record.stats.fields import FORMAT_COUNTS_SPAN
 
 __all__ = ["MAX_ELEMENTS", "ShortRecords", "batchable", "records_of_many"]
@@ -34,8 +36,10 @@ __all__ = ["MAX_ELEMENTS", "ShortRecords", "batchable", "records_of_many"]
 MAX_ELEMENTS = 4096
 _GROUPS = frozenset(("moments", "range", "formats"))  # fp8 scales each tensor by itself: not batched
 _IX = stats.IX
-#: Groups batched (``_GROUPS``) or read from the tensor as it is added (``torch_groups``).
-_TAKEN = _GROUPS | torch_groups.TORCH_GROUPS
+#: Groups read from each tensor as it is added (they depend on the tensor as a whole).
+_OWN = frozenset(("blocks", "kurtosis"))
+#: Groups batched (``_GROUPS``, user statistics) or read from the tensor as it is added.
+_TAKEN = _GROUPS | _OWN
 
 
 def batchable(x: Tensor, groups: Collection[str]) -> bool:
@@ -45,7 +49,7 @@ def batchable(x: Tensor, groups: Collection[str]) -> bool:
         0 < x.numel() <= MAX_ELEMENTS
         and x.dtype != torch.float64
         and x.device.type == "cpu"
-        and _TAKEN.issuperset(groups)
+        and all(g in _TAKEN or run_table.is_user(g) for g in groups)
     )
 
 
@@ -59,7 +63,9 @@ class ShortRecords:
 
     def __init__(self, groups: Collection[str]) -> None:
         self.groups = (frozenset(groups) & _GROUPS) | {"moments"}
-        self._own = frozenset(groups) & torch_groups.TORCH_GROUPS  # (read as each tensor is added)
+        self.layout = run_table.layout(groups)
+        self.user = tuple(s for s in self.layout.user if s.group in groups)
+        self._own = frozenset(groups) & _OWN  # (read as each tensor is added)
         self._own_columns = [_IX[name] for g in sorted(self._own) for name in stats.GROUPS[g]]
         self._copies: List[Tensor] = []
         self._entries: List[List[stats.Entry]] = []
@@ -69,9 +75,9 @@ class ShortRecords:
         x = x.detach()
         # (clone: ~2 us; .to(copy=True) and a reshape: ~6 us, paid by dozens of tensors a step)
         self._copies.append(x.clone() if x.dtype == torch.float32 else x.to(torch.float32, copy=True))
-        entry: List[stats.Entry] = [math.nan] * len(stats.FIELDS)
+        entry: List[stats.Entry] = [math.nan] * self.layout.width
         if self._own:  # (no mean known yet: the moments kernel takes each chunk's own)
-            torch_groups.fill(x, self._own, entry, host_reads=True)
+            reference.fill(x, stats.accelerate(x, self._own, entry), entry, self.layout, host=True)
         self._entries.append(entry)
         return entry
 
@@ -80,7 +86,7 @@ class ShortRecords:
         if not self._copies:
             return
         values = torch.cat([c.reshape(-1) for c in self._copies]).numpy()
-        rows = records_of_many(values, [c.numel() for c in self._copies], self.groups)
+        rows = records_of_many(values, [c.numel() for c in self._copies], self.groups, self.layout, self.user)
         own = self._own_columns
         for entry, row in zip(self._entries, rows):
             kept = [entry[c] for c in own]
@@ -94,12 +100,21 @@ class ShortRecords:
         self._entries.clear()
 
 
-def records_of_many(values: "np.ndarray", sizes: List[int], groups: Collection[str]) -> List[List[float]]:
+def records_of_many(
+    values: "np.ndarray",
+    sizes: List[int],
+    groups: Collection[str],
+    layout: run_table.Layout = stats.BASE,
+    user: Sequence[table.Statistic] = (),
+) -> List[List[float]]:
     """``stats.record_of`` of each of the float32 tensors laid end to end in ``values``
-    (``sizes`` elements each, every size positive), as lists of floats."""
+    (``sizes`` elements each, every size positive), as lists of floats (``layout.width``;
+    the fields of ``user`` statistics too)."""
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     n = np.asarray(sizes, dtype=np.float64)
-    out = np.full((len(sizes), len(stats.FIELDS)), math.nan)
+    out = np.full((len(sizes), layout.width), math.nan)
+    for stat in user:
+        _user_fields(values, starts, stat, layout, out)
     out[:, _IX["count"]] = n
     x = values.astype(np.float64)
     with np.errstate(invalid="ignore"):  # inf - inf: NaN, as torch.mean
@@ -123,6 +138,18 @@ def records_of_many(values: "np.ndarray", sizes: List[int], groups: Collection[s
     if "formats" in groups:
         _format_fields(a, starts, sizes, nan, out)
     return out.tolist()
+
+
+def _user_fields(
+    values: "np.ndarray", starts: "np.ndarray", stat: table.Statistic, layout: run_table.Layout, out: "np.ndarray"
+) -> None:
+    """A user statistic's fields of each tensor: its functions on the concatenation (elementwise:
+    each tensor's own values), summed (in float64) or maxed per tensor."""
+    x = torch.from_numpy(values)
+    for key, fn in stat.sums.items():
+        out[:, layout.ix[f"{stat.name}.{key}"]] = np.add.reduceat(fn(x).to(torch.float64).numpy(), starts)
+    for key, fn in stat.maxes.items():
+        out[:, layout.ix[f"{stat.name}.{key}"]] = np.maximum.reduceat(fn(x).to(torch.float64).numpy(), starts)
 
 
 def _format_fields(

@@ -395,7 +395,7 @@ def record_into(x: Tensor, groups: Collection[str], row: Tensor, block: Optional
     tensor of ``len(FIELDS)`` contiguous elements on ``x``'s device; fields of groups not
     asked for are NaN. Two launches (``fp8``: four, two reads of ``x``); no host read.
 
-    Returns the asked groups it left NaN for torch code (``stats.torch_groups.fill``):
+    Returns the asked groups it left NaN for the reference (``stats.reference``):
     ``blocks`` where ``x`` is read in place with a strided last dimension (a transpose) or
     rows at no single stride (a slice of a middle dimension), else none.
 

@@ -1,7 +1,8 @@
 """Which columns of a record travel in the pool's collectives: those of the groups a step computed.
 
 ``pool`` sends only the columns of a record, of ``stats.merge_extremes`` and of
-``stats.merge_sums`` that the step's groups fill, and puts NaN back for the others.
+``stats.merge_sums`` that the step's groups fill (user statistics' included: their sums
+travel in the sums, their maxima in the extremes), and puts NaN back for the others.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_scale.record import stats
+from lightning_scale.record.stats import run_table
 
 __all__ = ["Columns"]
 
@@ -26,13 +28,21 @@ class Columns(NamedTuple):
     sums: Tuple[int, ...]
     #: of ``stats.deviations`` (the central moments m2, m3, m4)
     central: Tuple[int, ...]
+    #: the record layout of the groups
+    layout: run_table.Layout = stats.BASE
 
     @staticmethod
     def of(groups: Optional[Collection[str]]) -> "Columns":
-        names = set(stats.FIELDS) if groups is None else {f for g in {"moments", *groups} for f in stats.GROUPS[g]}
-        fields = tuple(i for i, f in enumerate(stats.FIELDS) if f in names)
+        lay = run_table.layout(() if groups is None else groups)
+        if groups is None:
+            names = set(lay.names)
+        else:
+            chosen = {"moments", *groups}
+            names = {f.name for f in lay.fields if f.group in chosen}
+        fields = tuple(i for i, f in enumerate(lay.names) if f in names)
         central = tuple(i for i, f in enumerate(stats.CENTRAL) if f in names)
-        return Columns(fields, stats.extreme_columns(names), stats.sum_columns(names), central)
+        m = stats.merging(lay)
+        return Columns(fields, m.extreme_columns(names), m.sum_columns(names), central, lay)
 
     def central_of(self, sent: Tensor) -> Tensor:
         """Every column of ``stats.deviations`` from those sent: a moment not computed is NaN."""
@@ -41,15 +51,17 @@ class Columns(NamedTuple):
         return full
 
     def extremes_of(self, sent: Tensor) -> Tensor:
-        """Every column of ``stats.EXTREMES`` from those sent: a field not computed is NaN (flag 1)."""
-        full = torch.full((*sent.shape[:-1], len(stats.EXTREMES)), -math.inf, dtype=sent.dtype, device=sent.device)
-        full[..., list(stats.EXTREME_NAN_FLAGS)] = 1.0
+        """Every column of the extremes from those sent: a field not computed is NaN (flag 1)."""
+        m = stats.merging(self.layout)
+        full = torch.full((*sent.shape[:-1], len(m.extremes)), -math.inf, dtype=sent.dtype, device=sent.device)
+        full[..., list(m.nan_flags)] = 1.0
         full[..., list(self.extremes)] = sent
         return full
 
     def sums_of(self, sent: Tensor) -> Tensor:
         """All additive columns from those sent: a field not computed is NaN."""
-        full = torch.full((*sent.shape[:-1], len(stats.SUMS)), math.nan, dtype=sent.dtype, device=sent.device)
+        m = stats.merging(self.layout)
+        full = torch.full((*sent.shape[:-1], len(m.sums)), math.nan, dtype=sent.dtype, device=sent.device)
         full[..., list(self.sums)] = sent
         return full
 

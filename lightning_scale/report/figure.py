@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from torch import Tensor
-
 from lightning_scale.record import stats
 from lightning_scale.record.recorder import BACKWARD, FORWARD
+from lightning_scale.report.values import StepValues
 
 __all__ = ["scale_figure"]
 
@@ -22,7 +21,7 @@ _FORMAT_STYLE = {
 }
 
 
-def scale_figure(labels: Sequence[str], records: Tensor, title: str = "") -> Any:
+def scale_figure(labels: Sequence[str], values: StepValues, title: str = "") -> Any:
     """A matplotlib figure: every node top to bottom, log2 of its forward and backward std,
     with the edges of the FP16, FP8 E4M3 and E5M2 normal ranges marked (in the legend)."""
     import matplotlib
@@ -30,8 +29,8 @@ def scale_figure(labels: Sequence[str], records: Tensor, title: str = "") -> Any
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    std = stats.statistic(records, "std")
-    present = records[..., 0] > 0
+    std = values("std")
+    present = values.present
     n = len(labels)
     fig, ax = plt.subplots(figsize=(8, max(3.0, 0.2 * n + 1.5)))
     ys = list(range(n))

@@ -267,7 +267,8 @@ def _payload(
     tags: List[str] = []  # the update rows' names and kinds, in the fingerprint
     if updates is not None and updates.names:
         parts = update_pool.split_updates(updates, device)
-        rows, sums = torch.cat([records, parts.grads]), parts.sums.reshape(-1)  # sharded gradients merge as records
+        grads = update_pool.widened(parts.grads, records.shape[-1])  # (NaN in the user statistics' columns)
+        rows, sums = torch.cat([records, grads]), parts.sums.reshape(-1)  # sharded gradients merge as records
         first.append(parts.whole.reshape(-1))
         sharded, tags = list(updates.sharded), [f"{n}|{s}" for n, s in zip(updates.names, updates.sharded)]
     if loss_scale is not None:
@@ -304,11 +305,11 @@ def _pool_payload(p: _Payload, dst: Optional[int]) -> Optional[Pooled]:
     """Stages 2 (MAX), 3 (SUM) and 4 (SUM), then the one transfer to the host."""
     ext_top, spread_top, rep_top, chan_top = _extremes(p)
     add_sum, hist_sum, sums_sum, first_sum = _sums(p, ext_top)
-    dev = stats.deviations(p.records, ext_top, add_sum)[..., list(p.cols.central)].contiguous()
+    dev = stats.deviations(p.records, ext_top, add_sum, p.cols.layout)[..., list(p.cols.central)].contiguous()
     _reduce(dev, dist.ReduceOp.SUM, dst)
     if dst is not None and rank() != dst:
         return None
-    merged = stats.merged_record(add_sum, ext_top, p.cols.central_of(dev))
+    merged = stats.merged_record(add_sum, ext_top, p.cols.central_of(dev), p.cols.layout)
     hist_sum = hist_sum.view(p.hists.shape)
     if p.rep_index is not None:
         count_once(merged, hist_sum, rep_top, p.rep_index, p.hist_rep, p.cols.field_index(merged.device))
@@ -322,7 +323,7 @@ def _pool_payload(p: _Payload, dst: Optional[int]) -> Optional[Pooled]:
 def _extremes(p: _Payload) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Stage 2, one MAX: (the six extreme columns ``[m, 2, 6]``, the spread part, the
     replicated part, the channel rows), each as every rank's largest."""
-    ext = stats.merge_extremes(p.records)[..., p.cols.extremes]  # (m, 2, E) of the computed fields
+    ext = stats.merge_extremes(p.records, p.cols.layout)[..., p.cols.extremes]  # (m, 2, E) of the computed fields
     rep_part = replicated_part(p.records[..., p.cols.fields], p.rep_index)
     sent_spread = spread_part(p.records) if p.spread else p.records.new_zeros(0)
     chans = _channels(p)
@@ -339,7 +340,7 @@ def _channels(p: _Payload) -> Tensor:
 
 def _sums(p: _Payload, ext_top: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Stage 3, one SUM: (the additive columns, the histograms, the update sums, rank 0's values)."""
-    add = stats.merge_sums(p.records, ext_top)[..., p.cols.sums]  # (m, 2, A) of the computed fields
+    add = stats.merge_sums(p.records, ext_top, p.cols.layout)[..., p.cols.sums]  # (m, 2, A) of the computed fields
     mine = p.first if rank() == 0 else torch.zeros_like(p.first)
     total = torch.cat([add.reshape(-1), p.hists.reshape(-1), p.sums, mine])
     dist.all_reduce(total, op=dist.ReduceOp.SUM)

@@ -56,7 +56,7 @@ def count_once(
     (histogram row, replicated row)) in ``hist_sum`` is divided by the world size."""
     device = merged.device
     same, value = _replicated_of(top.view(index.numel(), -1))
-    value = torch.full((index.numel(), len(stats.FIELDS)), math.nan, dtype=torch.float64, device=device).index_copy_(
+    value = torch.full((index.numel(), merged.shape[-1]), math.nan, dtype=torch.float64, device=device).index_copy_(
         1, fields, value
     )
     merged[index, FORWARD] = torch.where(same.unsqueeze(-1), value, merged[index, FORWARD])

@@ -29,7 +29,7 @@ from torch import Tensor, fx
 
 from lightning_scale.capture import Capture
 from lightning_scale.capture.interpreter import ScalePair
-from lightning_scale.record import stats, updates
+from lightning_scale.record import updates
 from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder
 from lightning_scale.report import pool
 from lightning_scale.report.anomalies import AnomalyWatch
@@ -38,9 +38,10 @@ from lightning_scale.report.event_file import Budget, EventFile
 from lightning_scale.report.loggers import LoggerOutput, is_tensorboard, log_dir_of
 from lightning_scale.report.options import ReportOptions
 from lightning_scale.report.tensorboard import ScaleWriter
+from lightning_scale.report.values import StepValues
 from lightning_scale.report.worker import Worker
 
-__all__ = ["PooledStep", "Reporter", "StepData", "scale_backward", "scale_backward_channels"]
+__all__ = ["PooledStep", "Reporter", "StepData"]
 
 PooledStep = pool.Pooled  # one tracked step pooled over all ranks (``Reporter.pool``)
 
@@ -69,14 +70,13 @@ class _Written:
     step: int
     prefix: str
     labels: List[str]
-    records: Tensor
+    values: StepValues  # the written nodes' statistics, backward ones unscaled where asked
     spread: Optional[pool.RankSpread]
     histograms: Dict[str, Tensor]
     loss_scale: Optional[float]
     updates: Optional[Tuple[List[str], Tensor]]  # parameter names, their pooled update rows
     code: Optional[List[Tuple[fx.GraphModule, Dict[str, str]]]]
     aliases: Dict[str, str] = field(default_factory=dict)  # label -> label of the same tensor
-    channels: Dict[str, Tensor] = field(default_factory=dict)  # channel statistic -> [nodes, 2]
 
 
 class Reporter:
@@ -146,7 +146,7 @@ class Reporter:
         rec.flush()  # (the short tensors' statistics: a failure there is a failure too)
         failed = rec.error is not None
         records = (
-            torch.zeros(len(labels), 2, len(stats.FIELDS), dtype=torch.float64, device=device)
+            torch.zeros(len(labels), 2, rec.width, dtype=torch.float64, device=device)
             if failed
             else rec.records(labels, cap.aliases)
         )
@@ -227,13 +227,14 @@ class Reporter:
         if not loggers:
             return
         unscale = accumulate / (loss_scale or 1.0) if self.unscale_gradients else 1.0
-        records, spread = _unscaled(pooled, self.unscale_gradients, unscale)
+        values = StepValues(pooled.records, data.recorder.layout, unscale, pooled.channels)
+        spread = _unscaled_spread(pooled.spread, unscale)
         hist_labels = step.histogram_labels
         job = _Written(
             data.step,
             data.prefix,
             [labels[i] for i in keep],
-            records[keep],
+            values.take(keep),
             None if spread is None else pool.RankSpread(*(t[keep] for t in spread)),
             {
                 f"{'fwd' if d == FORWARD else 'bwd'}/{l}": pooled.histograms[i, d]
@@ -244,17 +245,14 @@ class Reporter:
             _updates(data, step),
             list(zip(data.capture.graphs, data.capture.labels)) if self.code else None,
             dict(data.capture.aliases),
-            {k: v[keep] for k, v in _channel_statistics(pooled, self.statistics, unscale).items()},
         )
         boards, others = _split(loggers)
         if boards:
             writer = self._writer(boards, data.prefix, data.parameters, "boards")
-            self.worker.submit(f"step {data.step}", _write, writer, job, {l: i for i, l in enumerate(labels)}, records)
+            self.worker.submit(f"step {data.step}", _write, writer, job, {l: i for i, l in enumerate(labels)}, values)
         if others:  # not thread-safe: their scalars go out here, now
             writer = self._writer(others, data.prefix, data.parameters, "others")
-            self.worker.run_now(
-                f"step {data.step}", _write, writer, replace(job, code=None, histograms={}), {}, records
-            )
+            self.worker.run_now(f"step {data.step}", _write, writer, replace(job, code=None, histograms={}), {}, values)
 
     def log_anomaly(self, loggers: Sequence[Any], step: int, loss: float, text: str) -> None:
         """Log the scalar ``anomaly/loss`` and the text ``anomaly/event`` at the anomalous
@@ -344,9 +342,9 @@ def _split(loggers: Sequence[Any]) -> Tuple[List[Any], List[Any]]:
 # ---- on the worker (TensorBoard), or on the training thread (other loggers) ---------------
 
 
-def _write(writer: ScaleWriter, job: _Written, index: Dict[str, int], all_records: Tensor) -> None:
-    code = _code(job.code, index, all_records) if job.code is not None else None
-    writer.write(job.step, job.labels, job.records, code, job.spread, job.aliases, job.channels)
+def _write(writer: ScaleWriter, job: _Written, index: Dict[str, int], all_values: StepValues) -> None:
+    code = _code(job.code, index, all_values) if job.code is not None else None
+    writer.write(job.step, job.labels, job.values, code, job.spread, job.aliases)
     if job.loss_scale is not None:
         writer.write_metrics({f"{job.prefix}scale_loss/loss_scale": job.loss_scale}, job.step)
     if job.histograms:
@@ -378,9 +376,9 @@ def _updates(data: StepData, step: PooledStep) -> Optional[Tuple[List[str], Tens
     return None if data.updates is None or step.updates is None else (data.updates.names, step.updates)
 
 
-def _code(graphs: List[Tuple[fx.GraphModule, Dict[str, str]]], index: Dict[str, int], records: Tensor) -> str:
-    std = stats.statistic(records, "std").tolist()
-    present = (records[..., 0] > 0).tolist()
+def _code(graphs: List[Tuple[fx.GraphModule, Dict[str, str]]], index: Dict[str, int], values: StepValues) -> str:
+    std = values("std").tolist()
+    present = values.present.tolist()
     texts = []
     for gm, names in graphs:
         scales = {}
@@ -392,40 +390,13 @@ def _code(graphs: List[Tuple[fx.GraphModule, Dict[str, str]]], index: Dict[str, 
     return "\n\n".join(texts)
 
 
-def _unscaled(pooled: pool.Pooled, unscale: bool, factor: float) -> Tuple[Tensor, Optional[pool.RankSpread]]:
-    spread = pooled.spread
-    if not unscale:
-        return pooled.records, spread
-    if spread is not None:  # a std scales as the values, by |factor|
-        scale = torch.ones(2, dtype=torch.float64)
-        scale[BACKWARD] = abs(factor)
-        spread = pool.RankSpread(spread.present, spread.low * scale, spread.high * scale)
-    return scale_backward(pooled.records, factor), spread
-
-
-def _channel_statistics(pooled: pool.Pooled, names: Sequence[str], factor: float) -> Dict[str, Tensor]:
-    """The channel statistics among ``names`` (``stats.channels``) of the pooled channel rows,
-    their backward maxima multiplied by ``|factor|`` (unscaled, as the records)."""
-    wanted = [n for n in names if n in stats.CHANNEL_STATISTICS]
-    if not wanted or pooled.channels is None:
-        return {}
-    return stats.channel_statistics(scale_backward_channels(pooled.channels, factor), wanted)
-
-
-def scale_backward_channels(rows: Tensor, factor: float) -> Tensor:
-    """Channel rows ``[n, 2, CHANNEL_WIDTH]``, every backward channel maximum times ``|factor|`` (a copy)."""
-    out = rows.clone()
-    out[:, BACKWARD, 1:] *= abs(factor)
-    return out
-
-
-def scale_backward(records: Tensor, factor: float) -> Tensor:
-    """``records`` with every backward statistic multiplied by ``factor`` (a copy)."""
-    out = records.clone()
-    bwd = out[..., BACKWARD, :]
-    for name, power in (("mean", 1), ("m2", 2), ("m3", 3), ("m4", 4), ("absmax", 1), ("min_nonzero", 1)):
-        bwd[..., stats.FIELDS.index(name)] *= factor**power
-    return out
+def _unscaled_spread(spread: Optional[pool.RankSpread], factor: float) -> Optional[pool.RankSpread]:
+    """The std's spread over ranks with its backward part unscaled (a std scales by |factor|)."""
+    if spread is None or factor == 1.0:
+        return spread
+    scale = torch.ones(2, dtype=torch.float64)
+    scale[BACKWARD] = abs(factor)
+    return pool.RankSpread(spread.present, spread.low * scale, spread.high * scale)
 
 
 def _nothing_recorded(data: StepData) -> str:

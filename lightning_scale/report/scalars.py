@@ -16,17 +16,16 @@ cached, the values computed for every node at once, and a step's scalars encoded
 from __future__ import annotations
 
 import functools
-import math
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_scale.dashboard import headroom
-from lightning_scale.record import stats
 from lightning_scale.record.recorder import BACKWARD, FORWARD
 from lightning_scale.report.event_file import varint
+from lightning_scale.report.values import StepValues
 
 __all__ = [
     "DIRECTIONS",
@@ -49,38 +48,29 @@ def _tag_stat(name: str) -> str:
 
 
 def scalar_metrics(
-    labels: Sequence[str], records: Tensor, names: Sequence[str], log2: bool = False
+    labels: Sequence[str], values: StepValues, names: Sequence[str], log2: bool = False
 ) -> Dict[str, float]:
     """``{"scale/fwd/<label>": std, "<stat>/bwd/<label>": ...}`` for present records
     (and ``scale_log2/<dir>/<label>`` for positive finite stds if ``log2``)."""
-    values, keep = scalar_values(records, names, log2)
-    return dict(zip(scalar_tags(tuple(labels), tuple(names), log2, mask_key(keep)), values[keep].tolist()))
+    out, keep = scalar_values(values, names, log2)
+    return dict(zip(scalar_tags(tuple(labels), tuple(names), log2, mask_key(keep)), out[keep].tolist()))
 
 
-def scalar_values(
-    records: Tensor, names: Sequence[str], log2: bool, channels: Optional[Mapping[str, Tensor]] = None
-) -> Tuple[Tensor, Tensor]:
+def scalar_values(values: StepValues, names: Sequence[str], log2: bool) -> Tuple[Tensor, Tensor]:
     """Every scalar at once: values ``[statistics (+ log2), nodes, 2]`` and which to write
-    (present records; for log2 also a positive finite std). The channel statistics come
-    from ``channels`` (``{name: [nodes, 2]}``, ``stats.channels``), written where they are
-    known (not NaN: a node without channel rows, e.g. a compiled graph's, or all zeros)."""
-    rows = [_values(records, name, channels or {}) for name in names]
-    keep = (records[..., 0] > 0).expand(len(rows) + log2, -1, -1).clone()
+    (present records; the channel statistics where known: not NaN, e.g. a compiled graph's
+    node has no channel row; for log2 also a positive finite std)."""
+    rows = [values(name) for name in names]
+    keep = values.present.expand(len(rows) + log2, -1, -1).clone()
     for k, name in enumerate(names):
-        if name in stats.CHANNEL_STATISTICS:
+        if values.layout.statistic(name).group == "channels":
             keep[k] &= ~rows[k].isnan()
     if log2:
-        std = rows[names.index("std")] if "std" in names else stats.statistic(records, "std")
+        std = values("std")
         ok = (std > 0) & torch.isfinite(std)
         rows.append(torch.where(ok, std, torch.ones_like(std)).log2())
         keep[-1] &= ok
     return torch.stack(rows), keep
-
-
-def _values(records: Tensor, name: str, channels: Mapping[str, Tensor]) -> Tensor:
-    if name in stats.CHANNEL_STATISTICS:
-        return channels[name] if name in channels else torch.full_like(records[..., 0], math.nan)
-    return stats.statistic(records, name)
 
 
 def mask_key(keep: Tensor) -> MaskKey:
@@ -103,10 +93,10 @@ def scalar_tags(labels: Tuple[str, ...], names: Tuple[str, ...], log2: bool, mas
     )
 
 
-def summary_metrics(records: Tensor) -> Dict[str, float]:
+def summary_metrics(values: StepValues) -> Dict[str, float]:
     """``{"scale_summary/<dir>/below_normal_<fmt>": count, ".../above_max_<fmt>": count}`` over nodes."""
-    std, absmax = stats.statistic(records, "std").numpy(), stats.statistic(records, "absmax").numpy()
-    present = (records[..., 0] > 0).numpy()  # (nodes, 2)
+    std, absmax = values("std").numpy(), values("absmax").numpy()
+    present = values.present.numpy()  # (nodes, 2)
     out: Dict[str, float] = {}
     counts = {}
     for fmt in headroom.FORMAT_NAMES:

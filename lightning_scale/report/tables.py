@@ -9,11 +9,10 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
-from torch import Tensor
 
 from lightning_scale.dashboard import headroom
-from lightning_scale.record import stats
 from lightning_scale.report.scalars import DIRECTIONS
+from lightning_scale.report.values import StepValues
 
 __all__ = ["WORST_COLUMNS", "worst_table"]
 
@@ -22,7 +21,7 @@ WORST_COLUMNS = ("log2 std", "log2 absmax", "above min normal", "below max", "he
 
 
 def worst_table(
-    labels: Sequence[str], records: Tensor, k: int = 10, fmt: str = "fp16", aliases: Optional[Dict[str, str]] = None
+    labels: Sequence[str], values: StepValues, k: int = 10, fmt: str = "fp16", aliases: Optional[Dict[str, str]] = None
 ) -> str:
     """Markdown table of the ``k`` node directions with the least headroom to ``fmt``'s edges.
 
@@ -32,9 +31,9 @@ def worst_table(
     """
     aliases = aliases or {}
     # rows: every forward node, then every backward node
-    std = stats.statistic(records, "std").T.reshape(-1).numpy()
-    absmax = stats.statistic(records, "absmax").T.reshape(-1).numpy()
-    present = (records[..., 0] > 0).T.reshape(-1).numpy()
+    std = values("std").T.reshape(-1).numpy()
+    absmax = values("absmax").T.reshape(-1).numpy()
+    present = values.present.T.reshape(-1).numpy()
     if aliases:
         present = present & np.tile([label not in aliases for label in labels], 2)
     ranked = headroom.order(headroom.rooms(std, absmax, fmt)[2])

@@ -34,6 +34,7 @@ from lightning_scale.report.loggers import LoggerOutput, is_tensorboard
 from lightning_scale.report.scalars import DIRECTIONS, mask_key, scalar_tags, scalar_values, summary_bytes
 from lightning_scale.report.scalars import summary_metrics
 from lightning_scale.report.tables import worst_table
+from lightning_scale.report.values import StepValues
 
 __all__ = ["ScaleWriter", "is_tensorboard"]
 
@@ -102,26 +103,25 @@ class ScaleWriter:
         self,
         step: int,
         labels: Sequence[str],
-        records: Tensor,
+        step_values: StepValues,
         code: Optional[str] = None,
         spread: Any = None,
         aliases: Optional[Dict[str, str]] = None,
-        channels: Optional[Dict[str, Tensor]] = None,
     ) -> None:
         """Write scalars, histograms, figure, text and the dashboard's records for ``step``
-        (``labels`` in execution order; ``spread``: a ``pool.RankSpread`` or None;
-        ``aliases``: ``{label: label of the same tensor}``; ``channels``: the channel
-        statistics ``{name: [nodes, 2]}``, ``stats.channels``)."""
+        (``labels`` in execution order; ``step_values``: their statistics, ``StepValues``;
+        ``spread``: a ``pool.RankSpread`` or None; ``aliases``: ``{label: label of the same
+        tensor}``)."""
         files = self._live()
         if not files and all(o.stopped for o in self.loggers):
             return  # every output has stopped: nothing to compute
-        values, keep = scalar_values(records, self.statistics, self.log2, channels)
+        values, keep = scalar_values(step_values, self.statistics, self.log2)
         n = len(labels) if self.max_tags is None else min(len(labels), self.max_tags)
         tags = list(self._tags(labels[:n], keep[:, :n]))
         numbers = values[:, :n][keep[:, :n]].tolist()
         extra = self._spread(labels[:n], spread) if spread is not None else {}
         if self.summary:
-            extra.update(summary_metrics(records))
+            extra.update(summary_metrics(step_values))
         tags += [self.prefix + k for k in extra]
         numbers += list(extra.values())
         self._scalars(files, tags, numbers, step)
@@ -134,8 +134,8 @@ class ScaleWriter:
         same = {a: s for a, s in (aliases or {}).items() if a in written and s in written}
         advance = self._advance_chunk(step)
         for file in files:
-            self._write_records(file, step, labels, rows, same, advance)
-            self._write_extras(file, step, labels, records, n, code, draw, same)
+            self._write_records(file, step, labels, rows, same, advance, step_values)
+            self._write_extras(file, step, labels, step_values, n, code, draw, same)
 
     def write_metrics(self, metrics: Dict[str, float], step: int) -> None:
         """Scalars under their own tags (loss scale, update ratios, anomalies), to every output."""
@@ -210,7 +210,14 @@ class ScaleWriter:
         return first, count + 1
 
     def _write_records(
-        self, file: EventFile, step: int, labels: Sequence[str], rows: Tensor, aliases: Dict[str, str], chunk: Any
+        self,
+        file: EventFile,
+        step: int,
+        labels: Sequence[str],
+        rows: Tensor,
+        aliases: Dict[str, str],
+        chunk: Any,
+        step_values: StepValues,
     ) -> None:
         """Every node's statistics at ``step``, and the node list before them when it changed;
         a new records tag every ``metadata.CHUNK`` steps and whenever the node list changes."""
@@ -219,7 +226,8 @@ class ScaleWriter:
         if key != self._nodes.get(file):
             self._nodes[file], chunk = key, (step, 1)
             tag = self.prefix + metadata.TAG
-            file.add_summary(summaries.nodes_summary(tag, labels, self.parameters, names, aliases), step)
+            meta = {name: step_values.layout.statistic(name).meta() for name in self.statistics}
+            file.add_summary(summaries.nodes_summary(tag, labels, self.parameters, names, aliases, meta), step)
         self._chunk = chunk
         file.add_summary(summaries.records_summary(metadata.chunk_tag(self.prefix, chunk[0]), rows.numpy()), step)
 
@@ -228,7 +236,7 @@ class ScaleWriter:
         file: EventFile,
         step: int,
         labels: Sequence[str],
-        records: Tensor,
+        values: StepValues,
         n: int,
         code: Optional[str],
         draw: bool,
@@ -236,35 +244,35 @@ class ScaleWriter:
     ) -> None:
         from torch.utils.tensorboard.summary import histogram, text
 
-        self._write_layout(file, labels[:n], records[:n])
+        self._write_layout(file, labels[:n], values.present[:n])
         if self.histograms:
-            std = stats.statistic(records, "std")
+            std = values("std")
             for tag, d in DIRECTIONS:
-                ok = (records[:, d, 0] > 0) & (std[:, d] > 0) & torch.isfinite(std[:, d])
+                ok = values.present[:, d] & (std[:, d] > 0) & torch.isfinite(std[:, d])
                 if bool(ok.any()):
                     file.add_summary(histogram(f"{self.prefix}scale_hist/{tag}", std[ok, d].log2(), _bins()), step)
         if self.figure and draw:
-            self._write_figure(file, step, labels[:n], records[:n])
+            self._write_figure(file, step, labels[:n], values.take(list(range(n))))
         if self.summary and len(labels):
-            table = worst_table(labels, records, self.top_k, aliases=aliases)
+            table = worst_table(labels, values, self.top_k, aliases=aliases)
             file.add_summary(text(f"{self.prefix}scale_worst", table), step)
         if code:
             file.add_summary(text(f"{self.prefix}scale_code", "    " + code.replace("\n", "\n    ")), step)
 
-    def _write_figure(self, file: EventFile, step: int, labels: Sequence[str], records: Tensor) -> None:
+    def _write_figure(self, file: EventFile, step: int, labels: Sequence[str], values: StepValues) -> None:
         from torch.utils.tensorboard._utils import figure_to_image
         from torch.utils.tensorboard.summary import image
 
         try:
-            fig = scale_figure(labels, records, f"step {step}")
+            fig = scale_figure(labels, values, f"step {step}")
         except ImportError:
             self.figure = False
             return
         file.add_summary(image(f"{self.prefix}scale_plot", figure_to_image(fig, True), dataformats="CHW"), step)
 
-    def _write_layout(self, file: EventFile, labels: Sequence[str], records: Tensor) -> None:
-        """Custom Scalars charts of the tags written (rewritten only when those change)."""
-        mask = records[..., 0] > 0
+    def _write_layout(self, file: EventFile, labels: Sequence[str], mask: Tensor) -> None:
+        """Custom Scalars charts of the tags written (``mask``: the present node directions;
+        rewritten only when those change)."""
         key = (tuple(labels), mask_key(mask))
         if key == self._layout_key:  # (the same nodes present as last step: the same charts)
             return

@@ -11,6 +11,8 @@ puts the pooled parts back together, ``merge_updates`` does all of it in one pro
 
 from __future__ import annotations
 
+import math
+
 from typing import NamedTuple, Sequence
 
 import torch
@@ -60,7 +62,7 @@ def pooled_updates(sharded: Sequence[bool], parts: UpdateParts) -> Tensor:
     split, whole = _index(sharded, out.device)
     out[whole, :, :USED] = parts.whole.reshape(-1, 2, USED)
     out[split, WEIGHT, :USED] = parts.sums.reshape(-1, USED)
-    out[split, GRAD, :USED] = parts.grads.reshape(-1, 2, len(stats.FIELDS))[:, GRAD, :USED]
+    out[split, GRAD, :USED] = parts.grads[:, GRAD, :USED]  # ([s, 2, width]: records' width)
     return out
 
 
@@ -72,3 +74,12 @@ def merge_updates(per_rank: Tensor, sharded: Sequence[bool]) -> Tensor:
     grads[:, :, WEIGHT] = 0.0
     parts = UpdateParts(stats.merge_rows(grads), per_rank[:, split, WEIGHT, :USED].sum(0), per_rank[0, whole, :, :USED])
     return pooled_updates(sharded, parts)
+
+
+def widened(rows: Tensor, width: int) -> Tensor:
+    """Update rows ``[..., len(FIELDS)]`` widened to ``width`` columns (a layout with user
+    statistics' fields, which updates do not compute: NaN), so that they travel with records."""
+    if rows.shape[-1] == width:
+        return rows
+    pad = torch.full((*rows.shape[:-1], width - rows.shape[-1]), math.nan, dtype=rows.dtype, device=rows.device)
+    return torch.cat([rows, pad], -1)

@@ -14,6 +14,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tupl
 
 from torch import nn
 
+from lightning_scale.record.settings import Settings
 from lightning_scale.capture import Capture, capture
 from lightning_scale.step.selection import Selection
 from lightning_scale.step.tracked_step import fsdp_units, replicated_labels
@@ -49,6 +50,8 @@ class Captures:
     ) -> None:
         self.mode, self.leaf_modules, self.selection = mode, leaf_modules, selection
         self.groups = tuple(groups)
+        #: the environment switches, set where the fit starts (None: read when a capture is made)
+        self.settings: Optional[Settings] = None
         self.verification = Verification(verify)
         self.info, self.warn = info, warn
         self.disabled: Optional[str] = None  # why tracking is off for this run, once it is
@@ -91,7 +94,14 @@ class Captures:
     def new(self, target: nn.Module, mode: Optional[str] = None) -> Capture:
         """A new capture of ``target`` by ``mode`` (default: the user's route)."""
         units = fsdp_units(target)
-        return capture(target, mode or self.mode, leaf_modules=self.leaf_modules, units=units, groups=self.groups)
+        return capture(
+            target,
+            mode or self.mode,
+            leaf_modules=self.leaf_modules,
+            units=units,
+            groups=self.groups,
+            settings=self.settings,
+        )
 
     def disable(self, why: str) -> None:
         """Switch tracking off for this run, with one warning saying why."""

@@ -122,7 +122,8 @@ def _progress_bar() -> pl.Callback:
 def _save_figure(model: GPTModule, path: str) -> None:
     from lightning_scale.capture import capture
     from lightning_scale.record.recorder import Recorder, recording
-    from lightning_scale.report.tensorboard import scale_figure
+    from lightning_scale.report.figure import scale_figure
+    from lightning_scale.report.values import StepValues
 
     x, y = synthetic_tokens(16, 64, 256, seed=1)
     cap = capture(model.model, "auto")
@@ -133,7 +134,7 @@ def _save_figure(model: GPTModule, path: str) -> None:
     labels = [l for l in cap.node_labels if l not in cap.aliases]
     records = rec.records(labels).cpu()
     keep = [i for i in range(len(labels)) if records[i, 0, 0] > 0]
-    fig = scale_figure([labels[i] for i in keep], records[keep], "GPT demo, after training")
+    fig = scale_figure([labels[i] for i in keep], StepValues(records[keep]), "GPT demo, after training")
     fig.savefig(path, dpi=110)
     rec.clear()
 

@@ -14,6 +14,7 @@ import torch
 from lightning_scale.record import stats
 from lightning_scale.report.event_file import EventFile
 from lightning_scale.report.tensorboard import ScaleWriter
+from lightning_scale.report.values import StepValues
 
 __all__ = ["labels_of", "main", "records_of"]
 
@@ -59,7 +60,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         [file], statistics=["std", "absmax"], figure=False, parameters=[l for l in labels if "/" not in l]
     )
     for k in range(args.steps):
-        writer.write(k * 50, labels, records_of(args.nodes, k, seed=k))
+        writer.write(k * 50, labels, StepValues(records_of(args.nodes, k, seed=k)))
         writer.flush()
     file.close()
     print(f"{args.nodes} nodes x {args.steps} steps written to {args.logdir}")

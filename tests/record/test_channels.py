@@ -30,7 +30,7 @@ from lightning_scale.record.stats.channels import (
     merge_channel_rows,
     outlier_channels,
 )
-from lightning_scale.report.reporting import scale_backward_channels
+from lightning_scale.report.values import StepValues
 from lightning_scale.report.scalars import scalar_values
 from lightning_scale.tools.demo import GPTModule
 from test_fp8_whatif import STEPS, fit, tiny_gpt, twin_tensors
@@ -185,20 +185,25 @@ def test_unscaled_gradients_move_the_outlier_threshold_not_the_ratio() -> None:
     """With a loss scale of 1024 the backward maxima 1..8 arrive as 1024..8192: unscaled (x 1/1024)
     two of eight channels are above 6 again; the ratio does not change; forward rows are untouched."""
     rows = torch.stack([channel_row(torch.arange(1.0, 9.0)), channel_row(torch.arange(1.0, 9.0) * 1024)])[None]
-    unscaled = scale_backward_channels(rows, -1 / 1024)  # (a negative factor scales maxima by its size)
-    assert torch.equal(unscaled[0, FORWARD], rows[0, FORWARD]) and unscaled[0, BACKWARD, 0] == 8
-    assert outlier_channels(rows[0]).tolist() == [0.25, 1.0] and outlier_channels(unscaled[0]).tolist() == [0.25, 0.25]
-    assert channel_max_ratio(unscaled[0]).tolist() == channel_max_ratio(rows[0]).tolist() == [8 / 4.5, 8 / 4.5]
+    records = torch.zeros(1, 2, len(stats.FIELDS), dtype=torch.float64)
+    records[..., 0] = 8.0
+    scaled, unscaled = StepValues(records, channels=rows), StepValues(records, factor=-1 / 1024, channels=rows)
+    assert outlier_channels(rows[0]).tolist() == [0.25, 1.0] == scaled("outlier_channels")[0].tolist()
+    assert unscaled("outlier_channels")[0].tolist() == [0.25, 0.25]  # (a negative factor scales maxima by its size)
+    assert unscaled("channel_max_ratio")[0].tolist() == channel_max_ratio(rows[0]).tolist() == [8 / 4.5, 8 / 4.5]
+    assert torch.equal(rows[0, BACKWARD, 1:9], torch.arange(1.0, 9.0, dtype=torch.float64) * 1024)  # (not changed)
 
 
 def test_scalars_leave_out_unknown_channel_statistics() -> None:
     records = torch.zeros(2, 2, len(stats.FIELDS), dtype=torch.float64)
     records[..., 0] = 4.0  # every record present
-    ratio = torch.tensor([[2.0, math.nan], [1.5, 3.0]], dtype=torch.float64)
-    values, keep = scalar_values(records, ["count", "channel_max_ratio"], False, {"channel_max_ratio": ratio})
+    rows = torch.zeros(2, 2, CHANNEL_WIDTH, dtype=torch.float64)
+    rows[..., 0], rows[..., 1:3] = 2.0, torch.tensor([1.0, 2.0], dtype=torch.float64)  # ratio 2 / 1.5
+    rows[0, BACKWARD] = 0.0  # no channel row (count 0): unknown
+    values, keep = scalar_values(StepValues(records, channels=rows), ["count", "channel_max_ratio"], False)
     assert keep[0].all() and keep[1].tolist() == [[True, False], [True, True]]
-    assert values[1, 1, 1] == 3.0
-    _, keep = scalar_values(records, ["outlier_channels"], False)  # none pooled: none written
+    assert values[1, 1, 1] == 2.0 / 1.5
+    _, keep = scalar_values(StepValues(records), ["outlier_channels"], False)  # none pooled: none written
     assert not keep.any()
 
 

@@ -13,6 +13,7 @@ from lightning_scale.dashboard import headroom
 from lightning_scale.report.event_file import SUFFIX, EventFile, masked_crc32c
 from lightning_scale.report.scalars import DIRECTIONS, scalar_metrics, summary_bytes, summary_metrics
 from lightning_scale.report.tables import worst_table
+from lightning_scale.report.values import StepValues
 
 
 def _records() -> torch.Tensor:
@@ -30,7 +31,7 @@ def _records() -> torch.Tensor:
 
 def test_scalar_metrics_match_the_statistics_one_by_one() -> None:
     rec, labels = _records(), [f"n{i}" for i in range(12)]
-    out = scalar_metrics(labels, rec, ["std", "absmax", "zeros"], log2=True)
+    out = scalar_metrics(labels, StepValues(rec), ["std", "absmax", "zeros"], log2=True)
     expected = {}
     for name in ("std", "absmax", "zeros", "scale_log2"):
         for i, label in enumerate(labels):
@@ -52,7 +53,7 @@ def test_scalar_metrics_match_the_statistics_one_by_one() -> None:
 
 def test_summary_counts_and_worst_table_follow_headroom() -> None:
     rec, labels = _records(), [f"n{i}" for i in range(12)]
-    out = summary_metrics(rec)
+    out = summary_metrics(StepValues(rec))
     rows = []
     for tag, d in DIRECTIONS:
         present = [i for i in range(12) if rec[i, d, 0] > 0]
@@ -64,7 +65,7 @@ def test_summary_counts_and_worst_table_follow_headroom() -> None:
             {"label": labels[i], "dir": tag, **headroom.headroom(s, a, "fp16")} for i, s, a in zip(present, std, absmax)
         ]
     assert out["scale_summary/bwd/below_normal_fp16"] > 0 and out["scale_summary/fwd/above_max_fp16"] > 0
-    table = worst_table(labels, rec, k=5).splitlines()[4:]
+    table = worst_table(labels, StepValues(rec), k=5).splitlines()[4:]
     ranked = headroom.rank(rows, "headroom")[:5]
     assert [(r.split("|")[2].strip(" `"), r.split("|")[3].strip()) for r in table] == [
         (r["label"], r["dir"]) for r in ranked

@@ -35,7 +35,7 @@ import sysconfig
 import tempfile
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -54,6 +54,7 @@ __all__ = [
     "blocks",
     "channel_maxima",
     "compiler",
+    "configure",
     "every_group",
     "fp8",
     "load",
@@ -282,6 +283,25 @@ def _last_dim_rows(x: Tensor, block: int = 1) -> Optional[Tuple[int, int, int]]:
     return None
 
 
+#: How the kernel may be built: ``configure`` sets it from ``Settings`` where the core is entered.
+_config: Dict[str, Any] = {"enabled": True, "cache": None}
+
+
+def configure(enabled: bool = True, cache: Optional[str] = None) -> None:
+    """Whether the kernel may be built and used (``LIGHTNING_SCALE_NATIVE``) and where it is
+    built (``LIGHTNING_SCALE_CACHE``; None: the default folder), from ``Settings``; takes effect
+    for this process. Switching it off drops a loaded kernel; switching it on again lets the
+    next use load it."""
+    global _loaded, _reason
+    with _lock:
+        changed = _config["enabled"] != enabled or _config["cache"] != cache
+        _config.update(enabled=enabled, cache=cache)
+        if not enabled:
+            _loaded, _reason = None, f"{ENV}=0"
+        elif changed and _reason == f"{ENV}=0":
+            _reason = None
+
+
 def load() -> Optional[Kernels]:
     """Build (once per machine) and load the kernel; None, with ``status()`` saying why,
     where that is not possible. Safe to call from several threads and processes."""
@@ -325,7 +345,7 @@ class _Unavailable(Exception):
 
 
 def _build_and_load() -> Kernels:
-    if os.environ.get(ENV, "").strip() == "0":
+    if not _config["enabled"]:
         raise _Unavailable(f"{ENV}=0")
     with open(SOURCE, "rb") as f:
         source = f.read()
@@ -385,7 +405,7 @@ def compiler() -> Optional[List[str]]:
 
 
 def _cache_dir() -> str:
-    folder = os.environ.get("LIGHTNING_SCALE_CACHE") or os.path.join(
+    folder = _config["cache"] or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "lightning_scale"
     )
     os.makedirs(folder, mode=0o700, exist_ok=True)

@@ -1,93 +1,50 @@
-"""Records: what the fields of a statistics record mean, and how records combine.
+"""Records: the built-in record layout, derived from the statistic table, and record arithmetic.
 
-A *record* is a float64 vector of ``len(FIELDS)`` numbers that summarises one tensor:
-its element count, mean and sum of squared deviations (``m2``), extremes, and counts of
-special values. Records merge exactly: ``merge(record(a), record(b))`` and
-``merge_rows(stack of records)`` equal ``record(cat(a, b, ...))`` up to rounding, which is
-what pooling across micro-batches and ranks relies on. ``merge_rows`` merges by a max, a
-sum and a second sum, so that the same arithmetic runs as reductions across ranks. Fields
-that were not computed hold NaN and stay NaN through merges.
-
-``TABLE`` names every field once, with the group that computes it and how it merges;
-``FIELDS``, ``GROUPS``, ``IX``/``Col``, the merges' columns (``EXTREMES``, ``SUMS``), the
-pool and the kernels' finishing steps read it.
+A *record* is a float64 vector that summarises one tensor: the fields of ``table.TABLE``
+(count, mean, m2, extremes, counts of special values, what-if sums) and then the fields of
+the run's user statistics (``run_table.Layout``). Records merge exactly:
+``merge(record(a), record(b))`` and ``merge_rows(stack of records)`` equal
+``record(cat(a, b, ...))`` up to rounding, which is what pooling across micro-batches and
+ranks relies on. ``merge_rows`` merges by a max, a sum and a second sum, so that the same
+arithmetic runs as reductions across ranks. Fields that were not computed hold NaN and stay
+NaN through merges. Every merge follows from the fields' declared merges (``Field.merge``):
+nothing here names a statistic.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
-from typing import Callable, Collection, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, Collection, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_scale.record.stats.blocks import BLOCK_FIELDS, BLOCK_FORMATS
+from lightning_scale.record.stats import run_table, table
 from lightning_scale.record.stats.channels import CHANNEL_STATISTICS
 from lightning_scale.record.stats.layout import DEVICE_SCRATCH_FLOOR, SCRATCH_FLOOR, piece_size, pieces
 from lightning_scale.record.stats.outliers import merge_higher, moved_moments
+from lightning_scale.record.stats.run_table import Layout
+from lightning_scale.record.stats.table import TABLE, Field
 
-
-@dataclass(frozen=True)
-class FloatFormat:
-    """Range of a floating-point format: smallest subnormal, smallest normal, largest."""
-
-    min_subnormal: float
-    min_normal: float
-    max: float
-
-
-FORMATS: Dict[str, FloatFormat] = {
-    "fp16": FloatFormat(2.0**-24, 2.0**-14, 65504.0),
-    "bf16": FloatFormat(2.0**-133, 2.0**-126, (2 - 2.0**-7) * 2.0**127),
-    "e4m3": FloatFormat(2.0**-9, 2.0**-6, 448.0),
-    "e5m2": FloatFormat(2.0**-16, 2.0**-14, 57344.0),
-}
+FloatFormat, FORMATS = table.FloatFormat, table.FORMATS  # (where the record code has read them)
 
 #: The FP8 dtypes of the ``fp8`` what-if group: E4M3 for forward values, E5M2 for gradients.
 FP8_DTYPES: Dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-
+assert tuple(FP8_DTYPES) == table.FP8_NAMES
 #: The format counts, FORMATS order, three per format.
-FORMAT_FIELDS: Tuple[str, ...] = tuple(
-    f"{kind}_{fmt}" for fmt in FORMATS for kind in ("underflow", "below_normal", "overflow")
-)
+FORMAT_FIELDS: Tuple[str, ...] = table.FORMAT_COUNTS
 #: The fp8 what-if sums, FP8_DTYPES order, three per format.
-FP8_FIELDS: Tuple[str, ...] = tuple(f"fp8_{fmt}_{kind}" for fmt in FP8_DTYPES for kind in ("sq_err", "sq", "flushed"))
-
-
-class Field(NamedTuple):
-    """One record field: its name, the group that computes it, and how records merge it:
-    ``sum`` (adds over tensors), ``max``, ``min`` (extremes: an empty record carries
-    none), ``moment`` (mean, m2, m3, m4: Chan's and Pébay's merge, see ``merge_rows``)."""
-
-    name: str
-    group: str
-    merge: str
-
-
-#: Every record field once, in record order: a new field is one line here (plus its computation).
-TABLE: Tuple[Field, ...] = (
-    Field("count", "moments", "sum"),
-    Field("mean", "moments", "moment"),
-    Field("m2", "moments", "moment"),
-    Field("absmax", "range", "max"),
-    Field("nan", "moments", "sum"),
-    Field("inf", "moments", "sum"),
-    Field("zeros", "formats", "sum"),
-    Field("min_nonzero", "formats", "min"),
-    *(Field(name, "formats", "sum") for name in FORMAT_FIELDS),
-    *(Field(name, "fp8", "sum") for name in FP8_FIELDS),
-    *(Field(name, "blocks", "sum") for name in BLOCK_FIELDS),
-    Field("m3", "kurtosis", "moment"),
-    Field("m4", "kurtosis", "moment"),
-)
+FP8_FIELDS: Tuple[str, ...] = tuple(f.name for f in TABLE if f.group == "fp8")
 #: How a field may merge (``Field.merge``).
-MERGES = ("sum", "max", "min", "moment")
-assert all(f.merge in MERGES for f in TABLE) and len({f.name for f in TABLE}) == len(TABLE)
+MERGES = table.MERGES
+#: The built-in fields' names, in record order.
 FIELDS: Tuple[str, ...] = tuple(f.name for f in TABLE)
 #: Field name -> its column in a record.
 IX: Dict[str, int] = {name: i for i, name in enumerate(FIELDS)}
+#: The layout of the built-in groups alone (no user statistic).
+BASE: Layout = run_table.layout(())
 
 
 class Col:
@@ -104,9 +61,8 @@ class Col:
     M3, M4 = IX["m3"], IX["m4"]
 
 
-#: Which record fields each computation group fills (``channels`` none: rows beside the records).
-GROUPS: Dict[str, Tuple[str, ...]] = {f.group: tuple(g.name for g in TABLE if g.group == f.group) for f in TABLE}
-GROUPS["channels"] = ()
+#: Which record fields each built-in computation group fills (``channels`` none: rows beside the records).
+GROUPS: Dict[str, Tuple[str, ...]] = {g: tuple(f.name for f in TABLE if f.group == g) for g in table.GROUPS}
 
 
 def span(names: Sequence[str]) -> slice:
@@ -118,43 +74,29 @@ def span(names: Sequence[str]) -> slice:
 
 
 #: Columns of the formats group (zeros, min_nonzero, the format counts), of the format
-#: counts alone, and of the fp8 group.
+#: counts alone, of the fp8 group and of the block what-ifs.
 FORMATS_SPAN, FORMAT_COUNTS_SPAN, FP8_SPAN = span(GROUPS["formats"]), span(FORMAT_FIELDS), span(FP8_FIELDS)
-BLOCKS_SPAN = span(BLOCK_FIELDS)  # (the block what-ifs)
+BLOCKS_SPAN = span(GROUPS["blocks"])
 #: The central moments m2, m3, m4, by power: merged about the merged mean (``deviations``).
 CENTRAL: Tuple[str, ...] = tuple(f.name for f in TABLE if f.merge == "moment" and f.name != "mean")
 CENTRAL_COLS = tuple(IX[name] for name in CENTRAL)
 
-#: Statistic name -> the group that computes it. ``summarise`` derives each from a record.
-STATISTICS: Dict[str, str] = {
-    "std": "moments",
-    "mean": "moments",
-    "rms": "moments",
-    "count": "moments",
-    "nan": "moments",
-    "inf": "moments",
-    "absmax": "range",
-    "zeros": "formats",
-    "min_nonzero": "formats",
-    **{name: "formats" for name in FORMAT_FIELDS},
-    **{f"fp8_{fmt}_{kind}": "fp8" for fmt in FP8_DTYPES for kind in ("snr_db", "flushed")},
-    **{f"{fmt}_{kind}": "blocks" for fmt in BLOCK_FORMATS for kind in ("snr_db", "flushed")},
-    "kurtosis": "kurtosis",
-}
-#: Every statistic a run may log -> its group: ``STATISTICS`` and those of the channel rows.
+#: Statistic name -> the group that computes it. ``statistic`` derives each from a record.
+STATISTICS: Dict[str, str] = {name: s.group for name, s in table.BUILTIN.items()}
+#: Every built-in statistic a run may log -> its group: ``STATISTICS`` and those of the channel rows.
 ALL_STATISTICS: Dict[str, str] = {**STATISTICS, **CHANNEL_STATISTICS}
+assert set(CHANNEL_STATISTICS) == set(table.CHANNEL)
 
 Entry = Union[float, Tensor]
 #: A function summing a tensor into a float64 0-dim tensor.
 SumFn = Callable[[Tensor], Tensor]
 #: The dtypes statistics are accumulated in as they are (others are widened to float32).
 WIDE_DTYPES = (torch.float32, torch.float64)
-_NAN_ROW: List[Entry] = [math.nan] * len(FIELDS)
 
 
-def nan_row() -> List[Entry]:
-    """A fresh entry list with every field NaN (not computed)."""
-    return _NAN_ROW.copy()
+def nan_row(width: int = len(FIELDS)) -> List[Entry]:
+    """A fresh entry list of ``width`` fields, every one NaN (not computed)."""
+    return [math.nan] * width
 
 
 def acc_dtype(x: Tensor) -> torch.dtype:
@@ -183,42 +125,45 @@ def index_tensor(values: Sequence[int], device: torch.device) -> Tensor:
 
 
 def assemble(
-    rows: Sequence[Union[Sequence[Entry], Tensor]], device: Optional[torch.device] = None, host_only: bool = False
+    rows: Sequence[Union[Sequence[Entry], Tensor]],
+    device: Optional[torch.device] = None,
+    host_only: bool = False,
+    width: int = len(FIELDS),
 ) -> Tensor:
-    """Stack per-tensor entry lists into one float64 ``[N, len(FIELDS)]`` tensor.
+    """Stack per-tensor entry lists into one float64 ``[N, width]`` tensor.
 
-    A row may also be a float64 tensor of ``len(FIELDS)`` elements (a record the fused
-    kernel wrote into the step's buffer): those are stacked at once.
+    A row may also be a float64 tensor of ``width`` elements (a record a kernel or the
+    reference computation wrote whole): those are stacked at once.
 
     Host-known floats are placed first; device entries are stacked (a handful of kernel
     launches in total, whatever N) and scattered in. Nothing is read back to the host.
     ``host_only`` says every entry is a float (records taken with host reads): one copy.
     """
     if host_only:  # (numpy builds it from Python floats ~3x faster than torch.tensor)
-        out = torch.from_numpy(np.array(rows, dtype=np.float64).reshape(len(rows), len(FIELDS)))
+        out = torch.from_numpy(np.array(rows, dtype=np.float64).reshape(len(rows), width))
         return out if device is None else out.to(device)
     whole = [r for r, row in enumerate(rows) if isinstance(row, Tensor)]
-    if whole:  # rows the fused kernel wrote: one stack
+    if whole:  # whole rows: one stack
         stacked = torch.stack([rows[r] for r in whole])  # type: ignore[misc]
         dev = stacked.device if device is None else torch.device(device)
         stacked = stacked if stacked.device == dev else stacked.to(dev)  # (the same device: no move at all)
         if len(whole) == len(rows):
             return stacked
         keep = [r for r, row in enumerate(rows) if not isinstance(row, Tensor)]
-        rest = assemble([rows[r] for r in keep], dev)  # type: ignore[misc]
-        full = torch.empty(len(rows), len(FIELDS), dtype=torch.float64, device=dev)
+        rest = assemble([rows[r] for r in keep], dev, width=width)  # type: ignore[misc]
+        full = torch.empty(len(rows), width, dtype=torch.float64, device=dev)
         full[index_tensor(whole, dev)] = stacked
         full[index_tensor(keep, dev)] = rest
         return full
     template = torch.tensor(
         [[v if isinstance(v, float) else 0.0 for v in row] for row in rows], dtype=torch.float64
-    ).reshape(len(rows), len(FIELDS))
+    ).reshape(len(rows), width)
     by_dtype: Dict[torch.dtype, Tuple[List[int], List[Tensor]]] = {}
     for r, row in enumerate(rows):
         for c, v in enumerate(row):
             if isinstance(v, Tensor):
                 positions, values = by_dtype.setdefault(v.dtype, ([], []))
-                positions.append(r * len(FIELDS) + c)
+                positions.append(r * width + c)
                 values.append(v.reshape(()))
     if not by_dtype:
         return template if device is None else template.to(device)
@@ -229,8 +174,76 @@ def assemble(
     return out
 
 
-def merge(a: Tensor, b: Tensor) -> Tensor:
-    """Merge two record tensors ``[..., len(FIELDS)]`` as if their tensors were concatenated."""
+class Merging:
+    """How records of a layout merge, from its fields' declared merges: the columns each
+    kind of merge takes, and the columns of the reductions that merge across ranks.
+
+    ``extremes``: the columns of ``merge_extremes``, merged by a max: each ``max``/``min``
+    field's value (a ``min`` sent negated, ``neg_<name>``: one max for all), each one's NaN
+    flag (``<name>_nan``), the largest finite mean and minus the least. ``sums``: the columns
+    of ``merge_sums``, merged by a sum: the ``sum`` fields, then count x (mean - c).
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.width = layout.width
+        self.extreme_fields: Tuple[Field, ...] = tuple(f for f in layout.fields if f.merge in ("max", "min"))
+        self.extreme_cols = tuple(layout.ix[f.name] for f in self.extreme_fields)
+        self.extreme_max = tuple(f.merge == "max" for f in self.extreme_fields)
+        self.extremes: Tuple[str, ...] = (
+            *(f.name if f.merge == "max" else f"neg_{f.name}" for f in self.extreme_fields),
+            *(f"{f.name}_nan" for f in self.extreme_fields),
+            "mean_hi",
+            "neg_mean_lo",
+        )
+        self.extreme_ix: Dict[str, int] = {name: i for i, name in enumerate(self.extremes)}
+        #: the NaN flag columns of ``merge_extremes`` (1 where a field was not computed)
+        self.nan_flags: Tuple[int, ...] = tuple(self.extreme_ix[f"{f.name}_nan"] for f in self.extreme_fields)
+        self.sums: Tuple[str, ...] = (*(f.name for f in layout.fields if f.merge == "sum"), "shifted_total")
+        self.sum_ix: Dict[str, int] = {name: i for i, name in enumerate(self.sums)}
+        self.additive: List[int] = [layout.ix[name] for name in self.sums[:-1]]
+        self.sum_only = [f.merge == "sum" for f in layout.fields]
+
+    def extreme_columns(self, names: Collection[str]) -> Tuple[int, ...]:
+        """The columns of ``merge_extremes`` that carry information where only the fields
+        ``names`` were computed (the means' always), in order."""
+        cols = [self.extreme_ix["mean_hi"], self.extreme_ix["neg_mean_lo"]]
+        for f in self.extreme_fields:
+            if f.name in names:
+                cols += [
+                    self.extreme_ix[f.name if f.merge == "max" else f"neg_{f.name}"],
+                    self.extreme_ix[f"{f.name}_nan"],
+                ]
+        return tuple(sorted(cols))
+
+    def sum_columns(self, names: Collection[str]) -> Tuple[int, ...]:
+        """The columns of ``merge_sums`` that carry information where only the fields
+        ``names`` were computed (count x shifted mean always), in order."""
+        return tuple(self.sum_ix[s] for s in self.sums[:-1] if s in names) + (self.sum_ix["shifted_total"],)
+
+
+@functools.lru_cache(maxsize=None)
+def merging(layout: Layout = BASE) -> Merging:
+    """The ``Merging`` of ``layout`` (cached: layouts are)."""
+    return Merging(layout)
+
+
+def layout_of(records: Tensor, layout: Optional[Layout] = None) -> Layout:
+    """``layout``, or the built-in one where ``records`` is of its width.
+
+    Raises:
+        ValueError: no layout given and ``records`` has user fields (wider than ``FIELDS``).
+    """
+    if layout is not None:
+        return layout
+    if records.shape[-1] != len(FIELDS):
+        raise ValueError(f"records of {records.shape[-1]} fields need their `layout` (the built-in has {len(FIELDS)})")
+    return BASE
+
+
+def merge(a: Tensor, b: Tensor, layout: Optional[Layout] = None) -> Tensor:
+    """Merge two record tensors ``[..., width]`` as if their tensors were concatenated."""
+    m = merging(layout_of(a, layout))
     na, nb = a[..., Col.COUNT], b[..., Col.COUNT]
     n = na + nb
     safe = torch.where(n > 0, n, torch.ones_like(n))
@@ -240,9 +253,8 @@ def merge(a: Tensor, b: Tensor) -> Tensor:
     out[..., Col.M2] = a[..., Col.M2] + b[..., Col.M2] + delta * delta * na * nb / safe
     higher = merge_higher(na, nb, delta, *(x[..., c] for x in (a, b) for c in CENTRAL_COLS))
     out[..., Col.M3 : Col.M4 + 1] = torch.stack(higher, -1)
-    for f in _EXTREME_FIELDS:
-        i = IX[f.name]
-        out[..., i] = (torch.maximum if f.merge == "max" else torch.minimum)(a[..., i], b[..., i])
+    for i, is_max in zip(m.extreme_cols, m.extreme_max):
+        out[..., i] = (torch.maximum if is_max else torch.minimum)(a[..., i], b[..., i])
     # An empty record is the identity, bit for bit: the fields it never computed (NaN) must
     # not spread, and ``delta * nb / nb`` need not round back to ``delta``.
     return torch.where((na == 0).unsqueeze(-1), b, torch.where((nb == 0).unsqueeze(-1), a, out))
@@ -254,165 +266,130 @@ def merge(a: Tensor, b: Tensor) -> Tensor:
 # rounding in the sum is relative to the means' spread, not to their size. Stage 3, a sum:
 # each record's m2 plus its count x its squared distance to the merged mean.
 
-_EXTREME_FIELDS = tuple(f for f in TABLE if f.merge in ("max", "min"))
+_BASE_MERGING = merging(BASE)
+#: The built-in layout's ``Merging.extremes`` and ``Merging.sums`` (see there).
+EXTREMES, SUMS = _BASE_MERGING.extremes, _BASE_MERGING.sums
+EXTREME_IX, SUM_IX, EXTREME_NAN_FLAGS = _BASE_MERGING.extreme_ix, _BASE_MERGING.sum_ix, _BASE_MERGING.nan_flags
 
 
-def _extreme_value(f: Field) -> str:
-    return f.name if f.merge == "max" else f"neg_{f.name}"  # (a min is sent negated: one max for all)
-
-
-#: Columns of ``merge_extremes``, merged by a max: each ``max``/``min`` field's value (a
-#: ``min`` negated), each one's NaN flag, the largest finite mean and minus the least.
-EXTREMES: Tuple[str, ...] = (
-    *(_extreme_value(f) for f in _EXTREME_FIELDS),
-    *(f"{f.name}_nan" for f in _EXTREME_FIELDS),
-    "mean_hi",
-    "neg_mean_lo",
-)
-EXTREME_IX: Dict[str, int] = {name: i for i, name in enumerate(EXTREMES)}
-#: The NaN flag columns of ``merge_extremes`` (1 where a field was not computed).
-EXTREME_NAN_FLAGS: Tuple[int, ...] = tuple(EXTREME_IX[f"{f.name}_nan"] for f in _EXTREME_FIELDS)
-#: Columns of ``merge_sums``, merged by a sum: the ``sum`` fields, then count x (mean - c).
-SUMS: Tuple[str, ...] = (*(f.name for f in TABLE if f.merge == "sum"), "shifted_total")
-SUM_IX: Dict[str, int] = {name: i for i, name in enumerate(SUMS)}
-_ADDITIVE = [IX[name] for name in SUMS[:-1]]
-
-
-def additive_fields() -> List[int]:
+def additive_fields(layout: Layout = BASE) -> List[int]:
     """The record fields of ``merge_sums``' columns, in order (count x shifted mean last, not listed)."""
-    return list(_ADDITIVE)
+    return list(merging(layout).additive)
 
 
-def merge_widths() -> Tuple[int, int]:
+def merge_widths(layout: Layout = BASE) -> Tuple[int, int]:
     """(entries of ``merge_sums``, of ``merge_extremes``) per record."""
-    return len(SUMS), len(EXTREMES)
+    m = merging(layout)
+    return len(m.sums), len(m.extremes)
 
 
-def extreme_columns(names: Collection[str]) -> Tuple[int, ...]:
-    """The columns of ``merge_extremes`` that carry information where only the fields
-    ``names`` were computed (the means' always), in order."""
-    cols = [EXTREME_IX["mean_hi"], EXTREME_IX["neg_mean_lo"]]
-    for f in _EXTREME_FIELDS:
-        if f.name in names:
-            cols += [EXTREME_IX[_extreme_value(f)], EXTREME_IX[f"{f.name}_nan"]]
-    return tuple(sorted(cols))
+def extreme_columns(names: Collection[str], layout: Layout = BASE) -> Tuple[int, ...]:
+    """``Merging.extreme_columns`` of ``layout``."""
+    return merging(layout).extreme_columns(names)
 
 
-def sum_columns(names: Collection[str]) -> Tuple[int, ...]:
-    """The columns of ``merge_sums`` that carry information where only the fields
-    ``names`` were computed (count x shifted mean always), in order."""
-    return tuple(SUM_IX[s] for s in SUMS[:-1] if s in names) + (SUM_IX["shifted_total"],)
+def sum_columns(names: Collection[str], layout: Layout = BASE) -> Tuple[int, ...]:
+    """``Merging.sum_columns`` of ``layout``."""
+    return merging(layout).sum_columns(names)
 
 
-def merge_extremes(records: Tensor) -> Tensor:
-    """``[..., len(EXTREMES)]``, merged by a max: absmax, minus min_nonzero (-inf where
-    empty or NaN), their NaN flags (0/1: no NaN enters a max, whose NaN handling depends
+def merge_extremes(records: Tensor, layout: Optional[Layout] = None) -> Tensor:
+    """``[..., len(extremes)]``, merged by a max: each max field, minus each min field (-inf
+    where empty or NaN), their NaN flags (0/1: no NaN enters a max, whose NaN handling depends
     on the backend), the largest finite mean and minus the least (-inf where none)."""
+    m = merging(layout_of(records, layout))
     n = records[..., Col.COUNT]
     has = n > 0
     none = torch.full_like(n, -math.inf)
     values, flags = [], []
-    for f in _EXTREME_FIELDS:
-        v = records[..., IX[f.name]]
-        values.append(torch.where(has & ~v.isnan(), v if f.merge == "max" else -v, none))
+    for i, is_max in zip(m.extreme_cols, m.extreme_max):
+        v = records[..., i]
+        values.append(torch.where(has & ~v.isnan(), v if is_max else -v, none))
         flags.append((has & v.isnan()).double())
     mean = records[..., Col.MEAN]
     finite = has & mean.isfinite()
     return torch.stack([*values, *flags, torch.where(finite, mean, none), torch.where(finite, -mean, none)], -1)
 
 
-def _center(ext: Tensor) -> Tensor:
+def _center(ext: Tensor, m: Merging) -> Tensor:
     """The midpoint of the least and largest finite mean from maxed extremes; 0 where none."""
-    hi, lo = ext[..., EXTREME_IX["mean_hi"]], -ext[..., EXTREME_IX["neg_mean_lo"]]
+    hi, lo = ext[..., m.extreme_ix["mean_hi"]], -ext[..., m.extreme_ix["neg_mean_lo"]]
     return torch.where(hi.isfinite(), hi / 2 + lo / 2, 0.0)
 
 
-def merge_sums(records: Tensor, ext: Tensor) -> Tensor:
-    """``[..., len(SUMS)]``, merged by a sum: the ``sum`` fields, then count x (mean - c)
+def merge_sums(records: Tensor, ext: Tensor, layout: Optional[Layout] = None) -> Tensor:
+    """``[..., len(sums)]``, merged by a sum: the ``sum`` fields, then count x (mean - c)
     with c the center of the maxed extremes ``ext`` (broadcast against ``records``). An
     empty record adds zeros, whatever it holds."""
+    m = merging(layout_of(records, layout))
     n = records[..., Col.COUNT]
-    shifted = n * (records[..., Col.MEAN] - _center(ext))
-    add = torch.cat([records[..., _ADDITIVE], shifted.unsqueeze(-1)], -1)
+    shifted = n * (records[..., Col.MEAN] - _center(ext, m))
+    add = torch.cat([records[..., m.additive], shifted.unsqueeze(-1)], -1)
     return torch.where((n > 0).unsqueeze(-1), add, 0.0)
 
 
-def _shift(add: Tensor) -> Tensor:
+def _shift(add: Tensor, m: Merging) -> Tensor:
     """The merged mean minus the center, from summed ``merge_sums``."""
-    count = add[..., SUM_IX["count"]]
-    return torch.where(count > 0, add[..., SUM_IX["shifted_total"]] / count.clamp(min=1), 0.0)
+    count = add[..., m.sum_ix["count"]]
+    return torch.where(count > 0, add[..., m.sum_ix["shifted_total"]] / count.clamp(min=1), 0.0)
 
 
-def deviations(records: Tensor, ext: Tensor, add: Tensor) -> Tensor:
+def deviations(records: Tensor, ext: Tensor, add: Tensor, layout: Optional[Layout] = None) -> Tensor:
     """``[..., 3]``, merged by a sum into the merged ``CENTRAL`` moments: each record's m2, m3,
     m4 moved to the merged mean (``outliers.moved_moments``), the mean from
     the maxed extremes ``ext`` and summed ``add`` (broadcast against ``records``); 0 where
     empty (NaN where a moment was not computed)."""
+    m = merging(layout_of(records, layout))
     n = records[..., Col.COUNT]
-    d = (records[..., Col.MEAN] - _center(ext)) - _shift(add)
+    d = (records[..., Col.MEAN] - _center(ext, m)) - _shift(add, m)
     central = moved_moments(n, d, records[..., Col.M2], records[..., Col.M3], records[..., Col.M4])
     return torch.where((n > 0).unsqueeze(-1), central, 0.0)
 
 
-def merged_record(add: Tensor, ext: Tensor, central: Tensor) -> Tensor:
-    """The merged records ``[..., FIELDS]`` from summed ``merge_sums``, maxed
+def merged_record(add: Tensor, ext: Tensor, central: Tensor, layout: Layout = BASE) -> Tensor:
+    """The merged records ``[..., width]`` from summed ``merge_sums``, maxed
     ``merge_extremes`` and summed ``deviations`` (``central``). A record empty everywhere
     is all zeros (as the recorder's record of a key it never saw)."""
-    count = add[..., SUM_IX["count"]]
-    out = torch.zeros(*count.shape, len(FIELDS), dtype=torch.float64, device=add.device)
-    out[..., _ADDITIVE] = add[..., : SUM_IX["shifted_total"]]
-    out[..., Col.MEAN] = _center(ext) + _shift(add)
+    m = merging(layout)
+    count = add[..., m.sum_ix["count"]]
+    out = torch.zeros(*count.shape, m.width, dtype=torch.float64, device=add.device)
+    out[..., m.additive] = add[..., : m.sum_ix["shifted_total"]]
+    out[..., Col.MEAN] = _center(ext, m) + _shift(add, m)
     out[..., list(CENTRAL_COLS)] = central
-    for f in _EXTREME_FIELDS:
-        v = ext[..., EXTREME_IX[_extreme_value(f)]]
-        out[..., IX[f.name]] = torch.where(
-            ext[..., EXTREME_IX[f"{f.name}_nan"]] > 0, math.nan, v if f.merge == "max" else -v
-        )
+    for f, i, is_max in zip(m.extreme_fields, m.extreme_cols, m.extreme_max):
+        v = ext[..., m.extreme_ix[f.name if is_max else f"neg_{f.name}"]]
+        out[..., i] = torch.where(ext[..., m.extreme_ix[f"{f.name}_nan"]] > 0, math.nan, v if is_max else -v)
     return torch.where((count > 0).unsqueeze(-1), out, 0.0)
 
 
-def merge_rows(records: Tensor, dim: int = 0) -> Tensor:
+def merge_rows(records: Tensor, dim: int = 0, layout: Optional[Layout] = None) -> Tensor:
     """Merge records along ``dim``: a max, a sum and a second sum (``merge_extremes``,
     ``merge_sums``, ``deviations``, then ``merged_record``); across ranks ``report.pool``
     runs the same as reductions. More accurate than ``k - 1`` pairwise merges: the sums
     are of values shifted by the means' midpoint, and the mean's rounding enters m2 only
     squared."""
-    ext = merge_extremes(records).amax(dim)
-    add = merge_sums(records, ext.unsqueeze(dim)).sum(dim)
-    return merged_record(add, ext, deviations(records, ext.unsqueeze(dim), add.unsqueeze(dim)).sum(dim))
+    lay = layout_of(records, layout)
+    ext = merge_extremes(records, lay).amax(dim)
+    add = merge_sums(records, ext.unsqueeze(dim), lay).sum(dim)
+    central = deviations(records, ext.unsqueeze(dim), add.unsqueeze(dim), lay).sum(dim)
+    return merged_record(add, ext, central, lay)
 
 
-def statistic(records: Tensor, name: str) -> Tensor:
-    """Derive a named statistic (see ``STATISTICS``) from record(s) ``[..., len(FIELDS)]``."""
-    if name not in STATISTICS:
-        if name in CHANNEL_STATISTICS:
-            raise ValueError(f"{name!r} is not derived from a record: `channels.channel_statistics` gives it")
-        raise ValueError(f"Unknown statistic {name!r}; choose from {sorted(STATISTICS)}")
-    n = records[..., Col.COUNT]
-    if name == "std":
-        # Bessel's correction as torch.std; a single element has spread 0, not NaN.
-        return (records[..., Col.M2] / (n - 1).clamp(min=1)).clamp(min=0).sqrt()
-    if name == "rms":
-        return ((records[..., Col.M2] + n * records[..., Col.MEAN] ** 2) / n.clamp(min=1)).sqrt()
-    if name in ("count", "mean", "absmax", "nan", "inf", "min_nonzero"):
-        return records[..., IX[name]]
-    if name == "kurtosis":  # population moments: n m4 / m2^2; NaN without spread
-        return torch.where(records[..., Col.M2] > 0, n * records[..., Col.M4] / records[..., Col.M2] ** 2, math.nan)
-    if name.endswith("_snr_db"):
-        return _snr_db(records, name[: -len("_snr_db")])
-    # zeros, format counts and fp8 flushed counts are reported as fractions of the count
-    return records[..., IX[name]] / n.clamp(min=1)
+def statistic(records: Tensor, name: str, layout: Optional[Layout] = None) -> Tensor:
+    """Derive a named statistic (built in, ``STATISTICS``, or a user statistic of ``layout``)
+    from record(s) ``[..., width]`` (``run_table.Layout.value``).
+
+    Raises:
+        ValueError: an unknown name, or a channel statistic (the channel rows give it).
+    """
+    if layout is None and name in table.BUILTIN:  # (built-in fields keep their columns in any layout)
+        layout = BASE
+    return layout_of(records, layout).value(records, name)
 
 
-def _snr_db(records: Tensor, prefix: str) -> Tensor:
-    # 10 log10(sum x^2 / sum err^2); no error at all (an exact or all-zero tensor): +inf.
-    err, sq = records[..., IX[f"{prefix}_sq_err"]], records[..., IX[f"{prefix}_sq"]]
-    return torch.where(err == 0, torch.full_like(err, math.inf), 10 * torch.log10(sq / err))
-
-
-def summarise(record: Tensor, names: Iterable[str] = STATISTICS) -> Dict[str, float]:
+def summarise(record: Tensor, names: Iterable[str] = STATISTICS, layout: Optional[Layout] = None) -> Dict[str, float]:
     """A dict of named statistics from one record (host tensor)."""
-    return {name: float(statistic(record, name)) for name in names}
+    return {name: float(statistic(record, name, layout)) for name in names}
 
 
 #: Octave bins of ``log2_histogram``: bin i counts values with floor(log2|x|) == LOG2_LO + i.

@@ -1,20 +1,18 @@
 """The FP8 what-if group: per-tensor amax scaling, the cast, and the error it makes.
 
-``fp8_fields`` defines it in torch code (the reference, and the device path);
-``host_fp8_fields`` takes the native kernel's one read (``native.fp8``) for a host tensor it
-reads in place, the same casts and flushed counts, sums within float64 rounding.
+``fp8_fields`` defines it in torch code (the reference); the native kernel's one read
+(``native.fp8``, through ``host.accelerate``) gives the same casts and flushed counts for a
+host tensor it reads in place, sums within float64 rounding.
 """
 
 from __future__ import annotations
 
-import math
 from typing import List, Optional
 
 import torch
 from torch import Tensor
 
-from lightning_scale.record import native
-from lightning_scale.record.stats.fields import FORMATS, FP8_DTYPES, SumFn, acc_dtype, host_sum
+from lightning_scale.record.stats.fields import FORMATS, FP8_DTYPES, SumFn, acc_dtype
 from lightning_scale.record.stats.layout import SCRATCH_FLOOR, piece_size, pieces
 
 # ---------------------------------------------------------------------------------------
@@ -41,17 +39,6 @@ def fp8_fields(x: Tensor, total_of: SumFn, floor: int = SCRATCH_FLOOR) -> List[T
     float64.
     """
     return fp8_fields_in_pieces(x, total_of, piece_size(x, FP8_SCRATCH, floor))
-
-
-def host_fp8_fields(x: Tensor, amax: Optional[float] = None, floor: int = SCRATCH_FLOOR) -> List[float]:
-    """``fp8_fields`` of a host tensor as floats: from the native kernel (``native.fp8``) where
-    it reads ``x`` in place, else the torch code. ``amax``: the largest finite |x|, where the
-    caller knows it (the kernel then reads ``x`` once, not twice)."""
-    known = amax if amax is not None and math.isfinite(amax) else None
-    fast = native.fp8(x, known) if x.device.type == "cpu" else None
-    if fast is not None:
-        return fast.tolist()
-    return [float(v) for v in fp8_fields(x, host_sum, floor)]
 
 
 def fp8_fields_in_pieces(x: Tensor, total_of: SumFn, size: int) -> List[Tensor]:

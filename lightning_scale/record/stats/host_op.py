@@ -13,21 +13,20 @@ on import, with a fake that gives its size), so a compiler keeps it as one call:
 statistic kernels to generate and compile, and a read at the host kernel's speed. The
 compiled route (``capture.compiled``) inserts it in a graph whose tensors are all on the
 CPU, and the traceable ops elsewhere (they compile into the accelerator's kernels);
-``LIGHTNING_SCALE_COMPILED_STATS`` chooses (``uses_host_op``).
+``LIGHTNING_SCALE_COMPILED_STATS`` (``settings.Settings.compiled_stats``) chooses (``uses_host_op``).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 from typing import Callable, Collection, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_scale.record.stats import fast_host_record, record_of
+from lightning_scale.record.stats import fast_host_record, record_of, run_table
 from lightning_scale.record.stats.channels import CHANNEL_WIDTH, channel_row
 from lightning_scale.record.stats.fields import FIELDS, Col, Entry
 from lightning_scale.record.stats.host import one_read_moments
@@ -42,22 +41,21 @@ CHOICES = ("auto", "host", "ops")
 _NAMESPACE, _OP, _OP_ALL = "lightning_scale", "host_record", "host_records"
 
 
-def uses_host_op(device: torch.device) -> bool:
-    """Whether the compiled route records a tensor on ``device`` with ``host_record``
-    (read when a graph is instrumented).
+def uses_host_op(device: torch.device, choice: str = "auto") -> bool:
+    """Whether the compiled route records a tensor on ``device`` with ``host_record`` under
+    ``choice`` (``CHOICES``: ``Settings.compiled_stats``).
 
     Raises:
-        ValueError: ``LIGHTNING_SCALE_COMPILED_STATS`` is set to anything but ``CHOICES``.
+        ValueError: ``choice`` is not one of ``CHOICES``.
     """
-    value = os.environ.get(ENV, "").strip().lower() or "auto"
-    if value not in CHOICES:
-        raise ValueError(f"`{ENV}` must be one of {', '.join(CHOICES)}, got {value!r}")
-    return value != "ops" and device.type == "cpu"
+    if choice not in CHOICES:
+        raise ValueError(f"`{ENV}` must be one of {', '.join(CHOICES)}, got {choice!r}")
+    return choice != "ops" and device.type == "cpu"
 
 
 def record_size(groups: Collection[str]) -> int:
     """Elements of ``host_record`` of any tensor: its record, then its channel row (``channels``)."""
-    return len(FIELDS) + (CHANNEL_WIDTH if "channels" in groups else 0)
+    return run_table.layout(groups).width + (CHANNEL_WIDTH if "channels" in groups else 0)
 
 
 def host_record(x: Tensor, groups: Collection[str] = ("moments", "range")) -> Tensor:
@@ -104,24 +102,25 @@ class RecordLayout:
     def __init__(self, numels: Sequence[int], groups: Collection[str]) -> None:
         self.numels = tuple(int(n) for n in numels)
         self.width = record_size(groups)
+        self.fields = run_table.layout(groups).width
         self.sizes = (self.width,) * len(self.numels)
         self.channels = "channels" in groups
 
     def records(self, packed: Tensor) -> Tensor:
-        """``[len(numels), len(FIELDS)]`` float64 records (a view of ``packed``).
+        """``[len(numels), width]`` float64 records (a view of ``packed``).
 
         Raises:
             ValueError: ``packed`` does not have ``sum(sizes)`` elements.
         """
         if packed.shape != (len(self.numels) * self.width,):
             raise ValueError(f"`packed` must have shape [{len(self.numels) * self.width}], got {list(packed.shape)}")
-        return packed.view(len(self.numels), self.width)[:, : len(FIELDS)]
+        return packed.view(len(self.numels), self.width)[:, : self.fields]
 
     def channel_rows(self, packed: Tensor) -> Optional[Tensor]:
         """``[len(numels), CHANNEL_WIDTH]`` channel rows (a view; None without ``channels``)."""
         if not self.channels:
             return None
-        return packed.view(len(self.numels), self.width)[:, len(FIELDS) :]
+        return packed.view(len(self.numels), self.width)[:, self.fields :]
 
 
 _Short = Optional[Callable[[Tensor], Optional[List[Entry]]]]
