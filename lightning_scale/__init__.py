@@ -5,6 +5,7 @@ from lightning_scale.capture import Capture, CaptureError, DeepTracer, capture
 from lightning_scale.capture.interpreter import ScalePair, ScaleTrackingInterpreter
 from lightning_scale.coord_check import coord_check  # the documented module path, then the function
 from lightning_scale.record.recorder import Recorder, recording
+from lightning_scale.record.stats.table import Statistic
 from lightning_scale.tools.analyse import analyse_module, records_table
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "ScaleMonitor",
     "ScalePair",
     "ScaleTrackingInterpreter",
+    "Statistic",
     "analyse_module",
     "capture",
     "coord_check",

@@ -137,7 +137,7 @@ class ScaleMonitor(Callback):
     ) -> None:
         self.schedule = Schedule(every_n_steps, steps, start_step, stop_step)
         self.capture_mode = check.one_of("capture", capture, CAPTURE_MODES)
-        self.statistics, self.groups = run_table.resolve(statistics)
+        self.statistics, self.groups, self._user_statistics = run_table.resolve(statistics)
         check.booleans(histograms=histograms, figure=figure, code=code, rank_spread=rank_spread)
         max_tags, figure_every = (
             check.positive_int("max_tags", max_tags),
@@ -196,6 +196,8 @@ class ScaleMonitor(Callback):
                 "`ScaleMonitor` needs a logger to write to, but the Trainer has none "
                 "(`Trainer(logger=False)`); pass `logger=True` (TensorBoard) or a logger instance"
             )
+        for stat in self._user_statistics:  # (a spawned rank: they came pickled, the registry did not)
+            run_table.register(stat)
         self._start_run(self._setup_target(pl_module), stage)
 
     def _setup_target(self, pl_module: pl.LightningModule) -> nn.Module:

@@ -10,6 +10,7 @@ PUBLIC = {
     "ScaleMonitor",
     "ScalePair",
     "ScaleTrackingInterpreter",
+    "Statistic",
     "analyse_module",
     "capture",
     "coord_check",

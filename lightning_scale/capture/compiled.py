@@ -46,6 +46,7 @@ from lightning_scale.capture.forward_swap import CompiledCallSwap, ForwardSwap
 from lightning_scale.capture.instrument import Instrumented, instrument_graph
 from lightning_scale.record import recorder as recording
 from lightning_scale.record.recorder import BACKWARD, FORWARD
+from lightning_scale.record.settings import Settings
 from lightning_scale.record.stats import host_op
 from lightning_scale.record.stats.host_op import RecordLayout, record_size
 from lightning_scale.record.stats.traceable import PackedLayout, packed_size
@@ -249,7 +250,8 @@ class CompiledRoute:
         module: the captured module (labels are paths in it).
         groups: statistic groups of each row (``Recorder.groups``: every group is traceable).
         labels: where the labels go (a capture's ``CompiledLabels``; new by default).
-        compiled_stats: ``Settings.compiled_stats``: which statistics ops the graphs take.
+        compiled_stats: ``Settings.compiled_stats``: which statistics ops the graphs take (None:
+            as the environment says now: a route made outside ``capture``).
     """
 
     def __init__(
@@ -257,11 +259,11 @@ class CompiledRoute:
         module: nn.Module,
         groups: Sequence[str] = ("moments", "range"),
         labels: Optional[CompiledLabels] = None,
-        compiled_stats: str = "auto",
+        compiled_stats: Optional[str] = None,
     ) -> None:
         self.module = module
         self.groups = tuple(groups)
-        self.compiled_stats = compiled_stats
+        self.compiled_stats = Settings.from_env().compiled_stats if compiled_stats is None else compiled_stats
         self.labels = CompiledLabels(module) if labels is None else labels
         self.compile_seconds = 0.0  # spent compiling the instrumented graphs (the user's backend included)
         self.targets = compiled_modules(module)

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, fx
 
 from lightning_scale.capture.compiled_labels import returned_input
+from lightning_scale.record.settings import Settings
 from lightning_scale.record.stats.host_op import host_record, host_records, record_size, uses_host_op
 from lightning_scale.record.stats.traceable import packed_record
 
@@ -117,7 +118,7 @@ def instrument_graph(
     example_inputs: Sequence[Any],
     groups: Tuple[str, ...],
     stand_ins: Optional[Dict[str, str]] = None,
-    compiled_stats: str = "auto",
+    compiled_stats: Optional[str] = None,
 ) -> Optional[Instrumented]:
     """A copy of ``gm`` with the packed statistics of each node of ``names`` (floating,
     nonempty), concatenated into one extra output, and ``Probe`` on each node with a
@@ -139,9 +140,8 @@ def instrument_graph(
     output = graph.output(outputs)  # (first: a probe replaces the node in it too)
     by_name = {n.name: n for n in placeholders}
     at = [n if n in returned else by_name.get((stand_ins or {}).get(n.name, ""), n) for n in nodes]
-    host = all(
-        uses_host_op(_example(a, inputs).device, compiled_stats) for a in at
-    )  # (decided once, from the examples)
+    choice = Settings.from_env().compiled_stats if compiled_stats is None else compiled_stats  # (None: a direct call)
+    host = all(uses_host_op(_example(a, inputs).device, choice) for a in at)  # (decided once, from the examples)
     batch = _graph_inputs(at, returned) if host else []
     rest = set(range(len(at))) - set(batch)
     order = batch + sorted(rest)  # (rows: the graph inputs first)

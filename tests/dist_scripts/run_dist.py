@@ -40,6 +40,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_scale import ScaleMonitor
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from user_statistics import MEAN_ABS, PEAK_SQ  # noqa: E402
+
 
 class Block(nn.Module):
     def __init__(self, d_in: int, d_out: int, act: bool) -> None:
@@ -185,6 +188,7 @@ def fit(out: Path, strategy_name: str, mode: str, world: int, capture: str, call
             ScaleMonitor(
                 every_n_steps=None,
                 steps=[0, 1] if mode.startswith("branch") else [0],
+                statistics=["std", MEAN_ABS, PEAK_SQ],
                 histograms=False,
                 figure=False,
                 code=False,

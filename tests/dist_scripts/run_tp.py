@@ -42,9 +42,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_dist import fits_in_turn, full_state  # noqa: E402
 
 from lightning_scale import ScaleMonitor  # noqa: E402
+from user_statistics import MEAN_ABS, PEAK_SQ  # noqa: E402
 
 VOCAB, D, H, HEADS, T = 32, 16, 32, 4, 6
-STATISTICS = ["std", "absmax", "count", "zeros", "underflow_e4m3", "below_normal_e4m3", "underflow_e5m2"]
+STATISTICS = [
+    "std",
+    "absmax",
+    "count",
+    "zeros",
+    "underflow_e4m3",
+    "below_normal_e4m3",
+    "underflow_e5m2",
+    MEAN_ABS,
+    PEAK_SQ,
+]
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from torch import Tensor
 from lightning_scale.record import stats
 from lightning_scale.record.stats import host_op
 from lightning_scale.record.stats.channels import channel_row
+from lightning_scale.record.settings import Settings
 from lightning_scale.record.stats.host_op import ENV, RecordLayout, host_record, record_size, uses_host_op
 from lightning_scale.record.stats.traceable import PackedLayout, packed_record, traceable_record
 from lightning_scale.record.stats.traceable_channels import traceable_channel_row
@@ -149,16 +150,17 @@ def test_inductor_keeps_the_op_as_one_call_and_compiles_once() -> None:
     torch._dynamo.reset()
 
 
-def test_environment_variable_chooses_the_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_environment_variable_chooses_the_ops() -> None:
     for value, cpu in (("", True), ("auto", True), ("HOST", True), ("ops", False)):
-        monkeypatch.setenv(ENV, value)
-        assert uses_host_op(CPU) is cpu, value
-        assert uses_host_op(torch.device("meta")) is False, value
-    monkeypatch.setenv(ENV, "fast")
+        choice = Settings.from_env({ENV: value}).compiled_stats
+        assert uses_host_op(CPU, choice) is cpu, value
+        assert uses_host_op(torch.device("meta"), choice) is False, value
     with pytest.raises(
-        ValueError, match=r"`LIGHTNING_SCALE_COMPILED_STATS` must be one of auto, host, ops, got 'fast'"
+        ValueError, match=r"`LIGHTNING_SCALE_COMPILED_STATS` must be one of auto, host, ops; got 'fast'"
     ):
-        uses_host_op(CPU)
+        Settings.from_env({ENV: "fast"})
+    with pytest.raises(ValueError, match=r"`LIGHTNING_SCALE_COMPILED_STATS` must be one of auto, host, ops, got 'x'"):
+        uses_host_op(CPU, "x")
 
 
 def test_a_second_import_finds_the_op_defined_once() -> None:

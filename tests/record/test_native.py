@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_scale.record import native, stats
+from lightning_scale.record.settings import Settings
 from lightning_scale.record.stats import formats
 
 from test_stats_property import check_against_reference, fields, sample
@@ -45,9 +46,10 @@ def fresh(monkeypatch, tmp_path):
     """A module state that has tried nothing yet, and an empty cache."""
     monkeypatch.setattr(native, "_loaded", None)
     monkeypatch.setattr(native, "_reason", None)
-    monkeypatch.setenv("LIGHTNING_SCALE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv(native.ENV, raising=False)
-    return tmp_path
+    saved = dict(native._config)
+    native.configure(True, str(tmp_path / "cache"))  # (as Settings.apply gives it)
+    yield tmp_path
+    native._config.update(saved)
 
 
 @needs_compiler
@@ -146,6 +148,7 @@ def test_statistics_with_the_kernel_match_float64_and_torch_kernels(x, groups):
 
 def test_switched_off_by_the_environment(fresh, monkeypatch):
     monkeypatch.setenv(native.ENV, "0")
+    Settings.from_env().apply()  # (where the core is entered)
     assert native.load() is None
     assert f"{native.ENV}=0" in native.status()
     assert native.sums(torch.randn(10_000)) is None
@@ -248,6 +251,8 @@ def test_two_processes_building_at_once_both_load(tmp_path):
         package.__path__ = [{os.path.dirname(os.path.dirname(native.__path__[0]))!r}]
         sys.modules["lightning_scale"] = package
         from lightning_scale.record import native
+        from lightning_scale.record.settings import Settings
+        Settings.from_env().apply()
         assert native.load() is not None, native.status()
         print(native.load().path)
         """

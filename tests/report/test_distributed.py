@@ -180,14 +180,23 @@ def _std(*tensors: Tensor) -> float:
     return float(torch.cat([t.flatten() for t in tensors]).std())
 
 
+def _user(*tensors: Tensor) -> Dict[str, float]:
+    """The user statistics (``user_statistics.py``) of the concatenated tensors."""
+    a = torch.cat([t.flatten() for t in tensors]).abs()
+    return {"mean_abs": float(a.mean()), "peak_sq": float(a.max()) ** 2}
+
+
 def _expected(ref: Dict[str, Tuple[List[Tensor], List[Optional[Tensor]]]]) -> Dict[str, float]:
-    """Pooled std per tag: every rank's tensors concatenated; a parameter's value is one
-    tensor (each rank holds it whole), its gradients are each rank's local one."""
+    """Pooled std and user statistics per tag: every rank's tensors concatenated; a parameter's
+    value is one tensor (each rank holds it whole), its gradients are each rank's local one."""
     out: Dict[str, float] = {}
     for label, (values, grads) in ref.items():
-        out[f"scale/fwd/{label}"] = _std(values[0]) if label in PARAMETERS else _std(*values)
+        own = values[:1] if label in PARAMETERS else values
+        out[f"scale/fwd/{label}"] = _std(*own)
+        out.update({f"{k}/fwd/{label}": v for k, v in _user(*own).items()})
         if grads[0] is not None:
             out[f"scale/bwd/{label}"] = _std(*grads)  # type: ignore[misc]
+            out.update({f"{k}/bwd/{label}": v for k, v in _user(*grads).items()})  # type: ignore[misc]
     return out
 
 

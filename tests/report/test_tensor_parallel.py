@@ -174,6 +174,7 @@ def _expected(t: Tensor) -> Dict[str, Tuple[float, float]]:
     ambiguous = a <= AMBIGUOUS * float(a.max())
     nonzero, n, slack = a > 0, t.numel(), float(ambiguous.double().sum()) / t.numel()
     exact = {"std": float(t.std()), "absmax": float(a.max()), "count": n}
+    exact.update(mean_abs=float(a.mean()), peak_sq=float(a.max()) ** 2)  # (the user statistics)
     counts = {"zeros": ~nonzero, **{name: nonzero & (a < bound) for name, bound in BOUNDS.items()}}
     out = {stat: (value, value) for stat, value in exact.items()}
     for name, found in counts.items():

@@ -11,14 +11,14 @@ from __future__ import annotations
 import importlib
 import itertools
 import threading
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from lightning_scale.record.stats.table import ALL, BUILTIN, CHANNEL, TABLE, Field, FieldFn, Statistic, USER_PREFIX
 
-__all__ = ["Layout", "check", "is_user", "layout", "register", "registered", "resolve"]
+__all__ = ["Layout", "Resolved", "check", "is_user", "layout", "register", "registered", "resolve"]
 
 
 _lock = threading.Lock()
@@ -28,7 +28,9 @@ _REGISTRY: Dict[str, Statistic] = {}  # group key -> user statistic
 def register(stat: Statistic) -> str:
     """Make a user statistic known to this process's computations under a group key (its
     ``group``: ``user:<name>``, or ``user:<name>#<k>`` where another statistic of the same
-    name was registered first), and return the key. Registering it again returns the same key.
+    name was registered first), and return the key. Registering it again returns the same key,
+    also in another process (a statistic that arrives pickled, in a spawned rank: its key is
+    kept, so that every rank's groups agree).
 
     Raises:
         ValueError: ``stat`` is a built-in statistic, or its name is a built-in's.
@@ -38,7 +40,11 @@ def register(stat: Statistic) -> str:
     if stat.name in BUILTIN or stat.name in CHANNEL:
         raise ValueError(f"Statistic {stat.name!r}: the name is a built-in statistic's; choose another")
     with _lock:
-        if _REGISTRY.get(stat.group) is stat:
+        held = _REGISTRY.get(stat.group)
+        if held is stat:
+            return stat.group
+        if held is None and stat.group.startswith(USER_PREFIX):  # (its own key: kept in a new process too)
+            _REGISTRY[stat.group] = stat
             return stat.group
         base = f"{USER_PREFIX}{stat.name}"
         candidates = itertools.chain([base], (f"{base}#{i}" for i in itertools.count(2)))
@@ -148,9 +154,18 @@ def layout(groups: Iterable[str] = ()) -> Layout:
 # What a user asks for: names, import paths, Statistic objects.
 
 
-def resolve(statistics: Optional[Sequence[object]], arg: str = "statistics") -> Tuple[List[str], List[str]]:
-    """(the statistic names to log, the groups that compute them: "moments" and the built-in
-    groups they read, sorted, then the user statistics' keys) of what a user asks for: built-in
+class Resolved(NamedTuple):
+    """What a user asked for, resolved: the names to log, the groups that compute them
+    ("moments" and the built-in groups they read, sorted, then the user statistics' keys) and
+    the user statistics themselves (registered again in a new process: ``register``)."""
+
+    names: List[str]
+    groups: List[str]
+    user: List[Statistic]
+
+
+def resolve(statistics: Optional[Sequence[object]], arg: str = "statistics") -> Resolved:
+    """``Resolved`` of what a user asks for: built-in
     names (``ALL``), ``Statistic`` objects, or dotted import paths of ``Statistic`` objects
     (``"my_package.stats.mean_abs"``: how LightningCLI YAML names one). None: ``["std"]``.
     User statistics are checked (``check``) and registered (``register``).
@@ -160,7 +175,7 @@ def resolve(statistics: Optional[Sequence[object]], arg: str = "statistics") -> 
             twice or taken by a built-in, or a user statistic that cannot work (``check``).
     """
     if statistics is None:
-        return ["std"], ["moments"]
+        return Resolved(["std"], ["moments"], [])
     what = "a non-empty list of statistic names, `Statistic`s or their import paths"
     if isinstance(statistics, (str, Statistic)) or not isinstance(statistics, Sequence):
         raise ValueError(f"`{arg}` must be {what}, or None, got {statistics!r} ({type(statistics).__name__})")
@@ -172,7 +187,8 @@ def resolve(statistics: Optional[Sequence[object]], arg: str = "statistics") -> 
     if twice:
         raise ValueError(f"`{arg}` must name each statistic once, got {names} (repeated: {twice})")
     builtin = sorted({"moments", *(s.group for s in chosen if s.builtin)})
-    return names, builtin + sorted(register(check(s)) for s in chosen if not s.builtin)
+    user = sorted((s for s in chosen if not s.builtin), key=lambda s: register(check(s)))
+    return Resolved(names, builtin + [s.group for s in user], user)
 
 
 def _resolved(item: object, arg: str) -> Statistic:

@@ -20,7 +20,9 @@ the fields of the user statistics a run logs, in the order of their groups
 
 from __future__ import annotations
 
+import importlib
 import math
+import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Mapping, Optional, Tuple
 
@@ -148,9 +150,23 @@ class Statistic:
         """What the dashboard needs to show and rank it (stored with a run's node list)."""
         return {"axis": self.axis, "worse": self.worse, "unscale": self.unscale, "doc": self.doc}
 
+    def __reduce__(self) -> object:
+        """Pickled by reference where it is a module's global (found in the module its ``value``
+        was defined in): its functions may then be lambdas, and a spawned rank imports the very
+        object; by value otherwise (its functions must then be picklable)."""
+        module = sys.modules.get(getattr(self.value, "__module__", None) or "")
+        for attr, held in vars(module).items() if module is not None else ():
+            if held is self:
+                return (_by_reference, (module.__name__, attr))
+        return super().__reduce__()
+
     def __repr__(self) -> str:
         kind = f"group={self.group!r}" if self.builtin else f"sums={list(self.sums)}, maxes={list(self.maxes)}"
         return f"Statistic({self.name!r}, {kind})"
+
+
+def _by_reference(module: str, attr: str) -> "Statistic":
+    return getattr(importlib.import_module(module), attr)
 
 
 def _identifier(arg: str, name: object) -> str:
