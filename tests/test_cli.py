@@ -92,7 +92,7 @@ def test_yaml_lists_and_nulls_reach_scale_monitor_as_lists_and_none() -> None:
 
 def test_a_bad_yaml_value_is_a_value_error_naming_the_argument() -> None:
     parser = _parser()
-    with pytest.raises(ValueError, match=r"`statistics` must name each item once, got \['std', 'std'\]"):
+    with pytest.raises(ValueError, match=r"`statistics` must name each statistic once, got \['std', 'std'\]"):
         _build(parser, "monitor:\n  statistics: [std, std]\n")
     with pytest.raises(ValueError, match=r"`anomaly_factor` must be a finite number above 1, got inf"):
         _build(parser, "monitor:\n  anomaly_factor: .inf\n")
@@ -105,5 +105,20 @@ def test_yaml_names_the_block_kurtosis_and_channel_statistics() -> None:
     monitor = _build(parser, f"monitor:\n  statistics: [{', '.join(names)}]\n")
     assert monitor.statistics == names
     assert monitor.groups == ["blocks", "channels", "kurtosis", "moments"]
-    with pytest.raises(ValueError, match=r"`statistics` must be .*'channel_max_ratio'.*got \['channel_ratio'\]"):
+    with pytest.raises(ValueError, match=r"`statistics` has an unknown statistic 'channel_ratio'; .*'channel_max_ratio'"):
         _build(parser, "monitor:\n  statistics: [channel_ratio]\n")
+
+
+def test_yaml_names_a_user_statistic_by_its_import_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``Statistic`` object from YAML: its dotted import path, resolved at construction."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent / "dist_scripts"))
+    import user_statistics
+
+    parser = _parser()
+    monitor = _build(parser, "monitor:\n  statistics: [std, user_statistics.MEAN_ABS, user_statistics.PEAK_SQ]\n")
+    assert monitor.statistics == ["std", "mean_abs", "peak_sq"]
+    assert monitor.groups == ["moments", user_statistics.MEAN_ABS.group, user_statistics.PEAK_SQ.group]
+    with pytest.raises(ValueError, match=r"`statistics`: 'user_statistics.torch' is a module, not a `lightning_scale"):
+        _build(parser, "monitor:\n  statistics: [user_statistics.torch]\n")
+    with pytest.raises(ValueError, match=r"`statistics`: cannot import 'no_such_module.MEAN_ABS' \(ModuleNotFound"):
+        _build(parser, "monitor:\n  statistics: [no_such_module.MEAN_ABS]\n")

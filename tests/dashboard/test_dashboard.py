@@ -145,6 +145,7 @@ def test_records_hold_every_node_whatever_max_tags(tmp_path: Path) -> None:
     from lightning_scale.record import stats
     from lightning_scale.report.event_file import EventFile
     from lightning_scale.report.tensorboard import ScaleWriter
+    from lightning_scale.report.values import StepValues
 
     labels = [f"blocks.{i // 4}.fc/op_{i % 4}" for i in range(30)]
     file = EventFile(str(tmp_path), warn=pytest.fail)
@@ -156,7 +157,7 @@ def test_records_hold_every_node_whatever_max_tags(tmp_path: Path) -> None:
         records[..., stats.FIELDS.index("m2")] = torch.rand(30, 2, dtype=torch.float64) * 7
         records[..., stats.FIELDS.index("absmax")] = torch.rand(30, 2, dtype=torch.float64) * 3
         records[5, 1, 0] = 0.0  # node 5 has no gradient
-        writer.write(step, labels, records, aliases={labels[1]: labels[0]})
+        writer.write(step, labels, StepValues(records), aliases={labels[1]: labels[0]})
         writer.flush()
         written[step] = records
     file.close()

@@ -226,15 +226,16 @@ def what_ifs(x: Tensor, groups: Collection[str], size: int) -> Dict[str, Tensor]
 
 def user_values(x: Tensor, stat: table.Statistic) -> List[Tensor]:
     """A user statistic's fields of ``x`` (its ``fields`` order: sums, then maxes), float64
-    0-dim tensors: each sum of float32 row sums (float64 for float64 ``x``) added in float64,
-    each max of the function's values."""
+    0-dim tensors. Each function is applied to the values in float32 (float64 for float64
+    ``x``); each sum is of float32 row sums (float64 for float64 ``x``) added in float64,
+    each max the function's largest value (NaN with a NaN)."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     out = []
     for fn in stat.sums.values():
-        rows = [fn(r).to(acc).sum(1) for r in _rows_of(x)]
+        rows = [fn(r.to(acc)).to(acc).sum(1) for r in _rows_of(x)]
         out.append(torch.cat(rows).double().sum() if len(rows) > 1 else rows[0].double().sum())
     for fn in stat.maxes.values():
-        out.append(fn(x).amax().double())
+        out.append(fn(x.to(acc)).amax().double())
     return out
 
 

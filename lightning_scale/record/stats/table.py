@@ -71,7 +71,8 @@ class Statistic:
     Args:
         name: the statistic's name, as logged (``<name>/fwd/<node>``, ``<name>/bwd/<node>``).
         sums: name -> an elementwise function of the tensor (the same shape out; a boolean
-            result counts) whose sum over the elements is kept. Accumulated as the built-in
+            result counts) whose sum over the elements is kept. Functions are applied to the
+            values in float32 (float64 for float64 tensors) and accumulated as the built-in
             sums are: float32 partial sums of bounded rows, added in float64; NaN and Inf
             values of the function propagate as in a float sum.
         maxes: name -> an elementwise function whose maximum over the elements is kept
