@@ -239,7 +239,7 @@ class Recorder:
         (the blocks of a strided last dimension, user statistics)."""
         entry = self._buffer.take(x.device)
         fields = entry if not self._user_groups else entry[: len(stats.FIELDS)]  # (the kernel's columns)
-        left = kernels.record_into(x, self._groups, fields) | set(self._user_groups)
+        left = kernels.record_into(x, self._groups, fields)  # (user statistics: left to the reference)
         if left:
             cols, values = stats.reference.columns(x, left, self.layout)
             entry[cols] = values

@@ -66,8 +66,10 @@ from lightning_scale.record.stats.layout import Grid, dense_order, row_grid, str
 from lightning_scale.record.triton_blocks import block_sums, round_to_grid
 from lightning_scale.record.triton_moments import merge_higher, tile_moments, unit_scale
 
-__all__ = ["GPU_BLOCK", "INTERPRETER_BLOCK", "interpreted", "record_into", "tile_index"]
+__all__ = ["GPU_BLOCK", "GROUPS", "INTERPRETER_BLOCK", "interpreted", "record_into", "tile_index"]
 
+#: The groups the kernel covers; ``record_into`` returns the others asked for (the reference's).
+GROUPS = frozenset({"moments", "range", "formats", "fp8", "blocks", "kurtosis"})
 GPU_BLOCK = 4096
 INTERPRETER_BLOCK = 65536
 _BC = 256  # row length of a tile: float32 sums along it, float64 across rows
@@ -395,9 +397,9 @@ def record_into(x: Tensor, groups: Collection[str], row: Tensor, block: Optional
     tensor of ``len(FIELDS)`` contiguous elements on ``x``'s device; fields of groups not
     asked for are NaN. Two launches (``fp8``: four, two reads of ``x``); no host read.
 
-    Returns the asked groups it left NaN for the reference (``stats.reference``):
-    ``blocks`` where ``x`` is read in place with a strided last dimension (a transpose) or
-    rows at no single stride (a slice of a middle dimension), else none.
+    Returns the asked groups it left NaN for the reference (``stats.reference``): those it
+    does not cover (``GROUPS``), and ``blocks`` where ``x`` is read in place with a strided last
+    dimension (a transpose) or rows at no single stride (a slice of a middle dimension).
 
     Args:
         block: elements per tile, a power of two >= 256 (default ``GPU_BLOCK``, or
@@ -427,4 +429,7 @@ def record_into(x: Tensor, groups: Collection[str], row: Tensor, block: Optional
     if fp8:
         _fp8_kernel[(programs,)](t, part8, scale, *args, BR=br, BC=bc, PW=_PW8, BF16=bf16, **warps)
         _fp8_finish_kernel[(1,)](part8, row[_FP80:], scale, programs, CH=_CH, PW=_PW8)
-    return frozenset({"blocks"} & set(groups)) - ({"blocks"} if blocks else set())
+    left = set(groups) - GROUPS  # (groups it does not cover: user statistics, new ones)
+    if "blocks" in groups and not blocks:
+        left.add("blocks")
+    return frozenset(left)

@@ -166,7 +166,7 @@ def record_of(
     wanted = {"moments", *groups} - {"channels"}
     if not host_reads and kernels.uses_triton(x, kernel):
         row = torch.full((lay.width,), math.nan, dtype=torch.float64, device=x.device)
-        left = kernels.record_into(x, wanted, row[: len(FIELDS)]) | {g for g in wanted if run_table.is_user(g)}
+        left = kernels.record_into(x, wanted, row[: len(FIELDS)])  # (the groups it does not cover: the reference's)
         if left:  # (groups the kernel left: blocks of a strided last dim, user statistics)
             cols, values = reference.columns(x, left, lay)
             row[cols] = values

@@ -37,6 +37,7 @@ from lightning_scale.record.stats.layout import DEVICE_SCRATCH_FLOOR, SCRATCH_FL
 from lightning_scale.record.stats.outliers import moments_row
 
 __all__ = [
+    "GROUP_FIELDS",
     "ROW_FIELDS",
     "extra_fields",
     "extra_values",
@@ -210,18 +211,31 @@ def formats(x: Tensor) -> Dict[str, Tensor]:
     return out
 
 
-def what_ifs(x: Tensor, groups: Collection[str], size: int) -> Dict[str, Tensor]:
-    """The ``fp8``, ``blocks`` and ``kurtosis`` fields of ``groups``, reading ``x`` ``size``
-    elements at a time (in a compiled graph: the whole tensor, one traced copy of the ops)."""
-    out: Dict[str, Tensor] = {}
-    if "fp8" in groups:
-        out.update(zip(FP8_FIELDS, fp8_fields_in_pieces(x, sum64, size)))
-    if "blocks" in groups:
-        out.update(zip(GROUPS["blocks"], block_fields(x, size)))
-    if "kurtosis" in groups:
-        row = moments_row(x, size)  # (count, mean, m2, m3, m4) of the finite elements
-        out["m3"], out["m4"] = row[3], row[4]
-    return out
+def _fp8(x: Tensor, size: int) -> Dict[str, Tensor]:
+    return dict(zip(FP8_FIELDS, fp8_fields_in_pieces(x, sum64, size)))
+
+
+def _blocks(x: Tensor, size: int) -> Dict[str, Tensor]:
+    return dict(zip(GROUPS["blocks"], block_fields(x, size)))
+
+
+def _kurtosis(x: Tensor, size: int) -> Dict[str, Tensor]:
+    row = moments_row(x, size)  # (count, mean, m2, m3, m4) of the finite elements
+    return {"m3": row[3], "m4": row[4]}
+
+
+#: The reference of each built-in group beyond moments and range: its fields of a tensor, read
+#: ``size`` elements at a time (in a compiled graph: the whole tensor, one traced copy of the
+#: ops). A new group is one entry here (and its fields in ``table.TABLE``).
+GROUP_FIELDS: Dict[str, Callable[[Tensor, int], Dict[str, Tensor]]] = {
+    "formats": lambda x, size: formats(x),
+    "fp8": _fp8,
+    "blocks": _blocks,
+    "kurtosis": _kurtosis,
+}
+#: The groups read piece by piece (their fields merge over pieces by their declared merges);
+#: the others read a large tensor in pieces of their own.
+_PIECEWISE = frozenset({"formats"})
 
 
 def user_values(x: Tensor, stat: table.Statistic) -> List[Tensor]:
@@ -246,8 +260,10 @@ def extra_fields(groups: Collection[str], layout: run_table.Layout = BASE) -> Tu
 
 def extra_values(x: Tensor, groups: Collection[str], layout: run_table.Layout, size: int) -> List[Tensor]:
     """The values of ``extra_fields(groups, layout)`` of ``x``, float64 0-dim tensors."""
-    values = dict(formats(x)) if "formats" in groups else {}
-    values.update(what_ifs(x, groups, size))
+    values: Dict[str, Tensor] = {}
+    for group in groups:
+        if group in GROUP_FIELDS:
+            values.update(GROUP_FIELDS[group](x, size))
     for stat in layout.user:
         if stat.group in groups:
             values.update(zip(stat.fields, user_values(x, stat)))
@@ -290,17 +306,28 @@ def _extras(
     if len(parts) == 1:
         return extra_values(x, groups, layout, size)
     values: Dict[str, Tensor] = {}
-    if "formats" in groups:
-        each = [formats(p) for p in parts]
-        values = {k: torch.stack([e[k] for e in each]).sum() for k in each[0] if k != "min_nonzero"}
-        values["min_nonzero"] = torch.stack([e["min_nonzero"] for e in each]).amin()
-    values.update(what_ifs(x, groups, size))  # (they read in pieces of their own)
+    for group in groups:
+        if group in _PIECEWISE:
+            each = [GROUP_FIELDS[group](p, size) for p in parts]
+            values.update({k: _merged(k, [e[k] for e in each]) for k in each[0]})
+        elif group in GROUP_FIELDS:
+            values.update(GROUP_FIELDS[group](x, size))
     for stat in layout.user:
         if stat.group in groups:
-            each = torch.stack([torch.stack(user_values(p, stat)) for p in parts])  # [parts, fields]
+            each_user = torch.stack([torch.stack(user_values(p, stat)) for p in parts])  # [parts, fields]
             k = len(stat.sums)
-            values.update(zip(stat.fields, [*each[:, :k].sum(0).unbind(), *each[:, k:].amax(0).unbind()]))
+            values.update(zip(stat.fields, [*each_user[:, :k].sum(0).unbind(), *each_user[:, k:].amax(0).unbind()]))
     return [values[name].double() for name in extra_fields(groups, layout)]
+
+
+_MERGE = {f.name: f.merge for f in table.TABLE}
+
+
+def _merged(name: str, parts: List[Tensor]) -> Tensor:
+    """A field of pieces merged by its declared merge (``table.TABLE``: a sum, a min or a max)."""
+    stacked = torch.stack(parts)
+    merge = _MERGE[name]
+    return stacked.amin() if merge == "min" else stacked.amax() if merge == "max" else stacked.sum()
 
 
 def record(x: Tensor, groups: Collection[str] = ("moments",), layout: run_table.Layout = BASE) -> Tensor:
