@@ -1,0 +1,165 @@
+"""``lightning-scale compare RUN_A RUN_B``: two runs node by node, as a table or as JSON.
+
+The comparison itself is ``dashboard.compare`` (the SCALES dashboard's Compare view computes
+the same); this module reads the two runs (``dashboard.event_reader.read_run``: a run's
+directory, or a log directory holding exactly one run) and prints.
+
+Example::
+
+    lightning-scale compare lightning_logs/bf16 lightning_logs/fp8 --step 500
+    lightning-scale compare runs/a runs/b --json | jq .first_divergence
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import List, Tuple
+
+import numpy as np
+
+from lightning_scale.dashboard.compare import THRESHOLD, Comparison, compare, difference_key
+from lightning_scale.dashboard.event_reader import read_run
+
+__all__ = ["add_compare", "run", "table"]
+
+#: Differences of at most this many statistics are columns of the table (else the magnitudes only).
+MAX_COLUMNS = 5
+_LISTED = 8  # labels named in "only in A" / "only in B" lines
+
+
+def add_compare(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Register ``compare`` on the command's subparsers."""
+    p = sub.add_parser(
+        "compare",
+        help="compare two runs node by node: matched nodes, differences, the first divergence",
+        description="Compare run B against run A node by node (matched by label) at one pair of tracked steps: "
+        "the difference of log2 std and of every statistic both runs logged per node and direction, the first "
+        f"node whose log2 std differs by more than --threshold octaves (default {THRESHOLD}; forward in "
+        "execution order, then backward in reverse), and the nodes only one run logged. A RUN is a run's "
+        "directory or a log directory holding exactly one run.",
+    )
+    p.add_argument("run_a", metavar="RUN_A")
+    p.add_argument("run_b", metavar="RUN_B")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument(
+        "--step",
+        type=int,
+        help="each run's latest tracked step at or before N (default: the latest step both runs tracked)",
+        metavar="N",
+    )
+    when.add_argument("--steps", type=_pair, help="step A of run A against step B of run B", metavar="A,B")
+    p.add_argument("--prefix", default="", help='tag prefix: "" training (default), "val_" validation')
+    p.add_argument("--threshold", type=float, default=THRESHOLD, help="octaves of std that make a divergence")
+    p.add_argument("--top", type=int, default=20, help="rows of the table, largest difference first (0: all)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(run=run)
+
+
+def _pair(text: str) -> Tuple[int, int]:
+    parts = text.split(",")
+    try:
+        if len(parts) == 2:
+            return int(parts[0]), int(parts[1])
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"must be two steps A,B, got {text!r}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Read both runs, compare, print; returns the exit status (0)."""
+    if args.top < 0:
+        raise ValueError(f"`--top` must be 0 (every row) or a positive number of rows, got {args.top}")
+    name_a, a = read_run(args.run_a, args.prefix)
+    name_b, b = read_run(args.run_b, args.prefix)
+    cmp = compare(a, b, step=args.step, steps=args.steps, threshold=args.threshold)
+    if args.json:
+        body = {"a": {"run": args.run_a, "step": cmp.step_a}, "b": {"run": args.run_b, "step": cmp.step_b}}
+        print(json.dumps({**body, **cmp.to_json()}, allow_nan=False))
+    else:
+        print("\n".join(table(cmp, args.run_a, args.run_b, args.top)))
+    return 0
+
+
+def table(cmp: Comparison, run_a: str, run_b: str, top: int = 20) -> List[str]:
+    """The readable report: steps, matched nodes, the first divergence, then the node
+    directions ranked by ``|difference of log2 std|`` (``top`` of them; 0: all)."""
+    lines = [
+        f"A: {run_a} at step {cmp.step_a}",
+        f"B: {run_b} at step {cmp.step_b} ({cmp.how})",
+        f"nodes: {len(cmp.labels)} matched, {len(cmp.only_a)} only in A, {len(cmp.only_b)} only in B",
+    ]
+    lines += [f"  only in {w}: {_names(labels)}" for w, labels in (("A", cmp.only_a), ("B", cmp.only_b)) if labels]
+    also = [f"only A logged {', '.join(cmp.only_a_stats)}"] if cmp.only_a_stats else []
+    also += [f"only B logged {', '.join(cmp.only_b_stats)}"] if cmp.only_b_stats else []
+    lines.append(f"statistics compared: {', '.join(cmp.stats)}" + (f" ({'; '.join(also)})" if also else ""))
+    lines += [_divergence(cmp), ""]
+    return lines + _rows(cmp, top)
+
+
+def _names(labels: List[str]) -> str:
+    more = len(labels) - _LISTED
+    return ", ".join(labels[:_LISTED]) + (f", and {more} more" if more > 0 else "")
+
+
+def _divergence(cmp: Comparison) -> str:
+    div = cmp.first_divergence
+    if div is None:
+        return f"first divergence: none (every matched node's |Δ log2 std| <= {cmp.threshold:g} octaves)"
+    what = "forward" if div.direction == "fwd" else "backward"
+    return (
+        f"first divergence (|Δ log2 std| > {cmp.threshold:g} octaves; forward in execution order, then backward): "
+        f"{div.node} {what}, {_signed(div.difference)} octaves (std {div.a:.4g} in A, {div.b:.4g} in B)"
+    )
+
+
+def _rows(cmp: Comparison, top: int) -> List[str]:
+    shown = cmp.stats if len(cmp.stats) <= MAX_COLUMNS else [s for s in cmp.stats if difference_key(s) != s]
+    head = ["#", "node", "dir", "log2 std A", "log2 std B", *[f"Δ {difference_key(s)}" for s in shown]]
+    std = cmp.diff("std")
+    pairs = [(i, d) for i in range(len(cmp.labels)) for d in (0, 1) if not _missing(cmp, i, d)]
+    keys = np.array([-abs(std[i, d]) if not math.isnan(std[i, d]) else math.inf for i, d in pairs])
+    order = np.argsort(keys, kind="stable")[: top or None]
+    div = cmp.first_divergence
+    body = []
+    for rank, k in enumerate(order, 1):
+        i, d = pairs[k]
+        first = div is not None and div.node == cmp.labels[i] and div.direction == ("fwd", "bwd")[d]
+        log_a, log_b = (_log2(cmp.a[i, d, cmp.stats.index("std")]), _log2(cmp.b[i, d, cmp.stats.index("std")]))
+        cells = [str(rank), cmp.labels[i], ("fwd", "bwd")[d], _num(log_a), _num(log_b)]
+        cells += [_signed(cmp.diff(s)[i, d]) for s in shown]
+        body.append(cells + (["<- first divergence"] if first else []))
+    note = f"node directions ranked by |Δ log2 std|, largest first: {len(order)} of {len(pairs)}"
+    if len(shown) < len(cmp.stats):
+        note += f"; the differences of {len(cmp.stats) - len(shown)} more statistics are in --json"
+    return [note, *_aligned([head, *body])]
+
+
+def _missing(cmp: Comparison, i: int, d: int) -> bool:
+    return bool(np.isnan(cmp.a[i, d]).all() and np.isnan(cmp.b[i, d]).all())
+
+
+def _log2(v: float) -> float:
+    return math.log2(v) if v > 0 else (-math.inf if v == 0 else math.nan)
+
+
+def _num(v: float) -> str:
+    return "-" if math.isnan(v) else f"{v:.2f}"
+
+
+def _signed(v: float) -> str:
+    return "-" if math.isnan(v) else f"{v:+.2f}"
+
+
+def _aligned(rows: List[List[str]]) -> List[str]:
+    """Columns padded to their widest cell: text left, numbers right."""
+    widths = [max(len(r[c]) for r in rows if c < len(r)) for c in range(max(map(len, rows)))]
+    out = []
+    for r in rows:
+        cells = [
+            cell.ljust(w) if c in (1, 2) or c >= len(rows[0]) else cell.rjust(w)
+            for c, (cell, w) in enumerate(zip(r, widths))
+        ]
+        out.append("  ".join(cells).rstrip())
+    return out
