@@ -30,7 +30,7 @@ import numpy as np
 from lightning_scale.dashboard.data import DIRS, RunData
 from lightning_scale.dashboard.tables import LOG2_STATS
 
-__all__ = ["THRESHOLD", "Comparison", "Divergence", "align", "compare", "delta", "difference_key", "listed"]
+__all__ = ["THRESHOLD", "Comparison", "Divergence", "align", "compare", "delta", "difference_key", "listed", "matched"]
 
 #: Octaves of std (``|log2 std of B - log2 std of A|``) beyond which a node direction diverges.
 THRESHOLD = 0.5
@@ -184,6 +184,22 @@ def _span(steps: Sequence[int]) -> str:
     return f"{len(steps)} steps, {steps[0]}..{steps[-1]}"
 
 
+def matched(a: RunData, b: RunData, names: Tuple[str, str] = ("A", "B")) -> List[str]:
+    """The labels both runs logged, in run A's execution order.
+
+    Raises:
+        ValueError: there is none.
+    """
+    in_b = set(b.labels)
+    labels = [label for label in a.labels if label in in_b]
+    if not labels:
+        raise ValueError(
+            f"runs {names[0]} and {names[1]} have no node in common ({names[0]} logged {len(a.labels)} nodes, "
+            f"e.g. {a.labels[:3]}; {names[1]} logged {len(b.labels)}, e.g. {b.labels[:3]})"
+        )
+    return labels
+
+
 def compare(
     a: RunData,
     b: RunData,
@@ -207,13 +223,7 @@ def compare(
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
         raise ValueError(f"`threshold` must be a positive number of octaves, got {threshold!r}")
     step_a, step_b, how = align(a, b, step, steps, names)
-    in_b = set(b.labels)
-    labels = [label for label in a.labels if label in in_b]
-    if not labels:
-        raise ValueError(
-            f"runs {names[0]} and {names[1]} have no node in common ({names[0]} logged {len(a.labels)} nodes, "
-            f"e.g. {a.labels[:3]}; {names[1]} logged {len(b.labels)}, e.g. {b.labels[:3]})"
-        )
+    labels, in_b = matched(a, b, names), set(b.labels)
     stats = sorted(set(a.stats) & set(b.stats), key=lambda s: (s != "std", s))
     va, vb = _at(a, step_a, labels, stats), _at(b, step_b, labels, stats)
     diff = delta(va, vb, np.array([s in LOG2_STATS for s in stats], dtype=bool))

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from lightning_scale.dashboard import headroom
-from lightning_scale.dashboard.compare import THRESHOLD, Comparison, compare, delta, listed
+from lightning_scale.dashboard.compare import THRESHOLD, Comparison, compare, delta, listed, matched
 from lightning_scale.dashboard.data import DIRS, RunData
 from lightning_scale.dashboard.layout import module_group
 from lightning_scale.dashboard.tables import LOG2_STATS
@@ -158,10 +158,7 @@ def _over_steps(a: RunData, b: RunData, stat: str, names: _Names) -> Tuple[List[
             f"runs {names[0]} and {names[1]} tracked no step in common: the difference over steps needs steps both "
             "tracked"
         )
-    in_b = set(b.labels)
-    labels = [label for label in a.labels if label in in_b]
-    if not labels:
-        raise ValueError(f"runs {names[0]} and {names[1]} have no node in common")
+    labels = matched(a, b, names)
     _check_stat(stat, sorted(set(a.stats) & set(b.stats)))
 
     def values(run: RunData) -> np.ndarray:

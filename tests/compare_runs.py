@@ -5,7 +5,7 @@ layer's weights scaled at initialisation, ``torch.compile``, the statistics logg
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -17,8 +17,8 @@ from lightning_scale import ScaleMonitor
 from lightning_scale.tools.models import GPT, GPTConfig, synthetic_tokens
 
 VOCAB, SEQ, STEPS = 32, 8, 3
-#: The layer whose weights ``fit(scaled=...)`` multiplies: the second block's MLP input layer.
-SCALED_LAYER = "model.blocks.1.mlp.fc1"
+#: The layer whose weights ``fit(scaled=...)`` multiplies: the second block's MLP output layer.
+SCALED_LAYER = "model.blocks.1.mlp.fc2"
 
 
 class TinyGPT(pl.LightningModule):
@@ -54,8 +54,10 @@ def fit(
     statistics: Sequence[str] = ("std", "absmax"),
     every_n_steps: int = 1,
     steps: int = STEPS,
+    module: Callable[..., pl.LightningModule] = TinyGPT,
 ) -> Path:
-    """Train ``TinyGPT`` for ``steps`` steps under ``ScaleMonitor`` into ``root/name``; the run's directory."""
+    """Train ``module(compile_backend, scaled)`` (a ``TinyGPT``) for ``steps`` steps under
+    ``ScaleMonitor`` into ``root/name``; the run's directory."""
     x, y = synthetic_tokens(32, SEQ, VOCAB)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -68,5 +70,5 @@ def fit(
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(TinyGPT(compile_backend, scaled), DataLoader(TensorDataset(x, y), batch_size=8))
+    trainer.fit(module(compile_backend, scaled), DataLoader(TensorDataset(x, y), batch_size=8))
     return root / name
