@@ -93,20 +93,14 @@ class Comparison:
         by ``difference_key``); None where missing or not finite."""
         keys = [difference_key(s) for s in self.stats]
         a, b, diff = listed(self.a), listed(self.b), listed(self.difference)
-        logged = ~(np.isnan(self.a).all(-1) & np.isnan(self.b).all(-1))  # [nodes, 2]
+        logged = (~(np.isnan(self.a).all(-1) & np.isnan(self.b).all(-1))).tolist()  # [nodes][2]
         out = []
-        for i, label in enumerate(self.labels):
-            for d, name in enumerate(DIRS):
-                if logged[i, d]:
-                    out.append(
-                        {
-                            "node": label,
-                            "direction": name,
-                            "a": dict(zip(self.stats, a[i][d])),
-                            "b": dict(zip(self.stats, b[i][d])),
-                            "difference": dict(zip(keys, diff[i][d])),
-                        }
-                    )
+        for label, a_i, b_i, diff_i, logged_i in zip(self.labels, a, b, diff, logged):
+            for name, a_d, b_d, diff_d, here in zip(DIRS, a_i, b_i, diff_i, logged_i):
+                if here:
+                    row = {"node": label, "direction": name, "a": dict(zip(self.stats, a_d))}
+                    row.update(b=dict(zip(self.stats, b_d)), difference=dict(zip(keys, diff_d)))
+                    out.append(row)
         return out
 
     def summary(self) -> Dict[str, Any]:

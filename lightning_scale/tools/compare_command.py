@@ -13,9 +13,11 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import math
-from typing import List, Tuple
+from typing import Iterator, List, Tuple
 
 import numpy as np
 
@@ -71,15 +73,30 @@ def run(args: argparse.Namespace) -> int:
     """Read both runs, compare, print; returns the exit status (0)."""
     if args.top < 0:
         raise ValueError(f"`--top` must be 0 (every row) or a positive number of rows, got {args.top}")
-    name_a, a = read_run(args.run_a, args.prefix)
-    name_b, b = read_run(args.run_b, args.prefix)
+    _, a = read_run(args.run_a, args.prefix)
+    _, b = read_run(args.run_b, args.prefix)
     cmp = compare(a, b, step=args.step, steps=args.steps, threshold=args.threshold)
-    if args.json:
-        body = {"a": {"run": args.run_a, "step": cmp.step_a}, "b": {"run": args.run_b, "step": cmp.step_b}}
-        print(json.dumps({**body, **cmp.to_json()}, allow_nan=False))
-    else:
-        print("\n".join(table(cmp, args.run_a, args.run_b, args.top)))
+    with _collector_paused():
+        if args.json:
+            body = {"a": {"run": args.run_a, "step": cmp.step_a}, "b": {"run": args.run_b, "step": cmp.step_b}}
+            print(json.dumps({**body, **cmp.to_json()}, allow_nan=False))
+        else:
+            print("\n".join(table(cmp, args.run_a, args.run_b, args.top)))
     return 0
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's garbage collector off while the rows are built: tens of thousands of small dicts
+    set off its full passes, each over every object of the imported modules (torch's, Lightning's),
+    ~0.5 s at 10,000 nodes; the rows hold no reference cycles."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def table(cmp: Comparison, run_a: str, run_b: str, top: int = 20) -> List[str]:

@@ -65,8 +65,9 @@ def test_an_eager_and_a_compiled_run_match_without_divergence(
     label of the eager fx route plus the compiled module's own output; the values agree to
     rounding."""
     torch._dynamo.reset()
-    compiled = compare_runs.fit(tmp_path, "compiled", compile_backend="aot_eager")
+    compiled = compare_runs.fit(tmp_path, "compiled", compile_backend="aot_eager", steps=1)  # (one compile)
     out = compared(capsys, eager, compiled)
+    assert out["steps"] == {"a": 0, "b": 0, "how": "the latest step both runs tracked"}
     assert out["only_a"] == [] and out["only_b"] == ["model/gpt"]
     assert out["matched"] / (out["matched"] + len(out["only_b"])) >= 0.95
     assert out["first_divergence"] is None
