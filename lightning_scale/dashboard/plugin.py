@@ -150,23 +150,35 @@ class ScalesPlugin(base_plugin.TBPlugin):
         self, request: Request, compute: Callable[[data.RunData, data.RunData, Dict[str, str], Any], Any]
     ) -> wrappers.Response:
         """As ``_respond``, for run ``run`` (A) against run ``other`` (B)."""
-        from tensorboard import plugin_util
 
         args = request.args
         run, other, prefix = args.get("run", ""), args.get("other", ""), args.get("prefix", "")
         try:
-            ctx, eid = plugin_util.context(request.environ), plugin_util.experiment_id(request.environ)
-            listed = data.list_runs(self._provider, ctx, eid)
-            if prefix not in listed.get(other, []):
-                with_prefix = [r for r, p in listed.items() if prefix in p]
-                raise ValueError(
-                    f"`other` must name a run with node statistics under prefix {prefix!r} to compare with "
-                    f"(runs: {with_prefix}), got {other!r}"
-                )
+            self._check_other(request, other, prefix)
             body = compute(self._load(request, run, prefix), self._load(request, other, prefix), args, (run, other))
         except ValueError as e:
             return http_util.Respond(request, {"error": str(e)}, "application/json", code=400)
         return http_util.Respond(request, _dumps(body), "application/json")
+
+    def _check_other(self, request: Request, other: str, prefix: str) -> None:
+        """``other`` must be a run with node statistics under ``prefix``: its node list is looked
+        up first (listing every run's scalars takes ~0.3 s a 2,000-node run), then its scalars."""
+        from tensorboard import plugin_util
+        from tensorboard.data.provider import RunTagFilter
+
+        ctx, eid = plugin_util.context(request.environ), plugin_util.experiment_id(request.environ)
+        tags = self._provider.list_tensors(
+            ctx, experiment_id=eid, plugin_name=metadata.PLUGIN_NAME, run_tag_filter=RunTagFilter(runs=[other])
+        ).get(other, {})
+        if f"{prefix}{metadata.TAG}" in tags:
+            return
+        runs = data.list_runs(self._provider, ctx, eid)
+        if prefix not in runs.get(other, []):
+            with_prefix = [r for r, p in runs.items() if prefix in p]
+            raise ValueError(
+                f"`other` must name a run with node statistics under prefix {prefix!r} to compare with "
+                f"(runs: {with_prefix}), got {other!r}"
+            )
 
     @wrappers.Request.application
     def _compare(self, request: Request) -> wrappers.Response:

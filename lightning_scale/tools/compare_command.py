@@ -22,6 +22,7 @@ from typing import Iterator, List, Tuple
 import numpy as np
 
 from lightning_scale.dashboard.compare import THRESHOLD, Comparison, compare, difference_key
+from lightning_scale.dashboard.data import DIRS
 from lightning_scale.dashboard.event_reader import read_run
 
 __all__ = ["add_compare", "run", "table"]
@@ -134,31 +135,29 @@ def _divergence(cmp: Comparison) -> str:
 def _rows(cmp: Comparison, top: int) -> List[str]:
     shown = cmp.stats if len(cmp.stats) <= MAX_COLUMNS else [s for s in cmp.stats if difference_key(s) != s]
     head = ["#", "node", "dir", "log2 std A", "log2 std B", *[f"Δ {difference_key(s)}" for s in shown]]
-    std = cmp.diff("std")
-    pairs = [(i, d) for i in range(len(cmp.labels)) for d in (0, 1) if not _missing(cmp, i, d)]
-    keys = np.array([-abs(std[i, d]) if not math.isnan(std[i, d]) else math.inf for i, d in pairs])
-    order = np.argsort(keys, kind="stable")[: top or None]
-    div = cmp.first_divergence
-    body = []
-    for rank, k in enumerate(order, 1):
-        i, d = pairs[k]
-        first = div is not None and div.node == cmp.labels[i] and div.direction == ("fwd", "bwd")[d]
-        log_a, log_b = (_log2(cmp.a[i, d, cmp.stats.index("std")]), _log2(cmp.b[i, d, cmp.stats.index("std")]))
-        cells = [str(rank), cmp.labels[i], ("fwd", "bwd")[d], _num(log_a), _num(log_b)]
-        cells += [_signed(cmp.diff(s)[i, d]) for s in shown]
+    where = np.argwhere(~(np.isnan(cmp.a).all(-1) & np.isnan(cmp.b).all(-1)))  # (node, dir) either run logged
+    size = np.abs(cmp.diff("std")[where[:, 0], where[:, 1]])
+    order = np.argsort(-np.nan_to_num(size, nan=-1.0), kind="stable")[: top or None]  # largest first, NaN last
+    log_a, log_b = _log2_std(cmp.a, cmp.stats), _log2_std(cmp.b, cmp.stats)
+    diffs = {s: cmp.diff(s) for s in shown}
+    div, body = cmp.first_divergence, []
+    for rank, (i, d) in enumerate(where[order].tolist(), 1):
+        cells = [str(rank), cmp.labels[i], DIRS[d], _num(log_a[i, d]), _num(log_b[i, d])]
+        cells += [_signed(diffs[s][i, d]) for s in shown]
+        first = div is not None and (div.node, div.direction) == (cmp.labels[i], DIRS[d])
         body.append(cells + (["<- first divergence"] if first else []))
-    note = f"node directions ranked by |Δ log2 std|, largest first: {len(order)} of {len(pairs)}"
+    note = f"node directions ranked by |Δ log2 std|, largest first: {len(order)} of {len(where)}"
     if len(shown) < len(cmp.stats):
         note += f"; the differences of {len(cmp.stats) - len(shown)} more statistics are in --json"
     return [note, *_aligned([head, *body])]
 
 
-def _missing(cmp: Comparison, i: int, d: int) -> bool:
-    return bool(np.isnan(cmp.a[i, d]).all() and np.isnan(cmp.b[i, d]).all())
-
-
-def _log2(v: float) -> float:
-    return math.log2(v) if v > 0 else (-math.inf if v == 0 else math.nan)
+def _log2_std(values: np.ndarray, stats: List[str]) -> np.ndarray:
+    """``[nodes, 2]`` log2 std (a std of 0: -inf; NaN where not logged, or std not compared)."""
+    if "std" not in stats:
+        return np.full(values.shape[:2], math.nan)
+    with np.errstate(divide="ignore"):
+        return np.log2(values[..., stats.index("std")])
 
 
 def _num(v: float) -> str:

@@ -4,10 +4,11 @@ bad input's message; and ``event_reader`` against TensorBoard's own reader on a 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 import pytest
@@ -254,3 +255,43 @@ def test_a_truncated_or_corrupt_event_file_ends_where_tensorboard_stops(real_run
         partial = event_reader.read_runs(cut)["."][""]
         assert partial.steps == whole.steps[:-1]
         np.testing.assert_array_equal(partial.values, whole.values[:-1])
+
+
+def test_the_plugins_compare_routes_answer_json_and_one_message_for_a_bad_run(tmp_path: Path) -> None:
+    """The routes on a real data provider over two synthetic runs (the same records: no
+    difference), and a run B that is not there, or has nothing under the prefix."""
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from werkzeug.test import Client
+
+    from lightning_scale.dashboard.plugin import ScalesPlugin
+    from lightning_scale.tools import synthetic
+
+    for name in ("a", "b"):
+        synthetic.main(["--nodes", "12", "--steps", "3", "--logdir", str(tmp_path / name)])
+    mux = plugin_event_multiplexer.EventMultiplexer(size_guidance={"scalars": 0, "tensors": 0})
+    mux.AddRunsFromDirectory(str(tmp_path))
+    mux.Reload()
+    context = base_plugin.TBContext(data_provider=data_provider.MultiplexerDataProvider(mux, str(tmp_path)))
+    apps = ScalesPlugin(context).get_plugin_apps()
+
+    def get(route: str, status: int = 200, **params: str) -> Dict[str, Any]:
+        response = Client(apps[route]).get(route, query_string=params)
+        assert response.status_code == status, response.get_data(as_text=True)
+        return json.loads(response.get_data(as_text=True))
+
+    body = get("/compare", run="a", other="b", step="60")
+    assert (body["matched"], body["step_a"], body["step_b"], body["first_divergence"]) == (12, 50, 50, None)
+    assert {n["label"] for n in body["nodes"]} == set(synthetic.labels_of(12))
+    assert all(n["fwd"][2] == 0.0 and n["bwd"][2] == 0.0 for n in body["nodes"])
+    heat = get("/compare_heatmap", run="a", other="b", stat="absmax")
+    assert heat["steps"] == [0, 50, 100] and heat["stat"] == "Δ log2 absmax" and heat["fwd"][0] == [0.0] * 3
+    series = get("/compare_series", run="a", other="b", label=synthetic.labels_of(12)[3])
+    assert series["series"]["Δ log2 std/bwd"] == [0.0] * 3
+    assert get("/compare", 400, run="a", other="nope")["error"] == (
+        "`other` must name a run with node statistics under prefix '' to compare with (runs: ['a', 'b']), got 'nope'"
+    )
+    assert get("/compare", 400, run="a", other="b", prefix="val_")["error"].startswith(
+        "`other` must name a run with node statistics under prefix 'val_' to compare with (runs: []"
+    )
+    assert get("/compare", 400, run="a", other="b", stat="zeros")["error"].startswith("`stat` must be one of the")
