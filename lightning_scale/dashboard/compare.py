@@ -213,6 +213,16 @@ def compare(
     Raises:
         ValueError: ``threshold`` not a positive number; the steps cannot be aligned
             (``align``); the runs have no node in common.
+
+    Example::
+
+        >>> import numpy as np
+        >>> std = np.ones((1, 2, 2, 1))  # one step, two nodes, forward and backward, one statistic
+        >>> a = RunData(["x", "fc/linear"], set(), [0], ["std"], std)
+        >>> b = RunData(["x", "fc/linear"], set(), [0], ["std"], std * np.array([1.0, 8.0]).reshape(1, 2, 1, 1))
+        >>> div = compare(a, b).first_divergence
+        >>> div.node, div.direction, div.difference
+        ('fc/linear', 'fwd', 3.0)
     """
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
         raise ValueError(f"`threshold` must be a positive number of octaves, got {threshold!r}")

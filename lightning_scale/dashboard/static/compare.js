@@ -1,6 +1,6 @@
 // Compare: run A (the toolbar's run) against run B (picked beside it), node by node, at a pair
 // of steps the server aligns (/compare). The profile draws both runs on each matched node's
-// row (A a ring, B a dot, a line between them; forward blue, backward orange) on the axis of
+// row (A a ring, B a dot, a line between them where apart; forward blue, backward orange) on the axis of
 // the Profile view, format edges kept, with B − A beside each row; node directions whose
 // log2 std differs by more than the threshold are shaded and the first divergence is marked.
 // The side panel ranks the node directions by |B − A|. "Difference over steps" draws B − A at
@@ -39,18 +39,18 @@ function summary(data) {
     · <span class="divergence-note">${first}</span> <span class="note">(threshold ${data.threshold} octaves of std: forward in execution order, then backward)</span></div>`;
 }
 
-function row(n, x, width, first) {
+function row(n, x, width, first, y, index) {
   let out = '';
   for (const d of DIRS) {
     const [a, b] = n[d];
-    if (finite(a) && finite(b)) out += `<line class="gap ${d}" x1="${x(a)}" x2="${x(b)}" y1="7" y2="7"/>`;
+    if (finite(a) && finite(b) && Math.abs(x(a) - x(b)) >= 2) out += `<line class="gap ${d}" x1="${x(a)}" x2="${x(b)}" y1="7" y2="7"/>`;
     if (finite(a)) out += `<circle class="run-a ${d}" cx="${x(a)}" cy="7" r="4"/>`;
     if (finite(b)) out += `<circle class="run-b ${d}" cx="${x(b)}" cy="7" r="3"/>`;
   }
-  const diffs = DIRS.map((d) => `<tspan class="${d}${n.diverges[DIRS.indexOf(d)] ? ' diverges' : ''}">${signed(n[d][2])}</tspan>`).join(' ');
-  const classes = `cmp-node${n.param ? ' param' : ''}${n.diverges.some(Boolean) ? ' diverges' : ''}${first ? ' first' : ''}`;
-  return `<g class="${classes}" data-label="${esc(n.label)}" data-fwd-a="${n.fwd[0] ?? ''}" data-fwd-b="${n.fwd[1] ?? ''}" data-bwd-a="${n.bwd[0] ?? ''}" data-bwd-b="${n.bwd[1] ?? ''}" data-fwd-diff="${n.fwd[2] ?? ''}" data-bwd-diff="${n.bwd[2] ?? ''}">
-    <rect class="hit" x="0" y="0" width="${width}" height="${ROW}"/><text class="label" x="14" y="11">${first ? '▶ ' : ''}${n.param ? '◆ ' : ''}${esc(n.label)}</text>${out}<text class="diff" x="${width - DIFF_W + 8}" y="11">${diffs}</text></g>`;
+  const diverges = n.diverges.some(Boolean);
+  const classes = `cmp-node${n.param ? ' param' : ''}${diverges ? ' diverges' : ''}${first ? ' first' : ''}`;
+  return `<g class="${classes}" transform="translate(0,${y})" data-index="${index}" data-label="${esc(n.label)}" data-fwd-a="${n.fwd[0] ?? ''}" data-fwd-b="${n.fwd[1] ?? ''}" data-bwd-a="${n.bwd[0] ?? ''}" data-bwd-b="${n.bwd[1] ?? ''}" data-fwd-diff="${n.fwd[2] ?? ''}" data-bwd-diff="${n.bwd[2] ?? ''}">
+    <rect class="hit" x="0" y="0" width="${width}" height="${ROW}"/><text class="label" x="14" y="11">${first ? '▶ ' : ''}${n.param ? '◆ ' : ''}${esc(n.label)}</text>${out}<text class="diff" x="${width - DIFF_W + 8}" y="11">${signed(n.fwd[2])} ${signed(n.bwd[2])}</text></g>`;
 }
 
 function tooltip(n, data) {
@@ -85,7 +85,7 @@ export function drawCompare(root, side, data) {
     }
     if (collapsed.has(group)) continue;
     visible.push(n);
-    body += `<g transform="translate(0,${y})" data-index="${visible.length - 1}">${row(n, x, width, div && div.node === n.label)}</g>`;
+    body += row(n, x, width, div && div.node === n.label, y, visible.length - 1);
     y += ROW;
   }
   const height = y + 10;
@@ -100,7 +100,7 @@ export function drawCompare(root, side, data) {
   const tip = root.querySelector('.tip');
   const svg = root.querySelector('svg.compare');
   svg.addEventListener('mousemove', (e) => {
-    const g = e.target.closest('g[data-index]');
+    const g = e.target.closest('g.cmp-node');
     if (!g) { tip.hidden = true; return; }
     tip.innerHTML = tooltip(visible[+g.dataset.index], data);
     Object.assign(tip.style, { left: `${e.pageX + 12}px`, top: `${e.pageY + 12}px` });
