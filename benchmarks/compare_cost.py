@@ -244,6 +244,10 @@ def section(cost: CompareCost) -> str:
         row("the same, printing the table", "table"),
         row("of which: reading both runs (`dashboard/event_reader.py`)", "read"),
         "",
+        "The whole process is the import of the package (`lightning_scale/__init__.py` imports the callback, so "
+        "Lightning and torch) and the command's own work; the comparison imports torch itself (the statistics' "
+        "metadata lives beside the torch code).",
+        "",
         f"The Compare view at {VIEW_NODES} nodes x {cost.steps} steps, against the Profile view (wall time: a real "
         "`tensorboard --load_fast=false` and headless Chromium; server: one route's answer over HTTP with both runs "
         "already read; drawing: from a move of the step slider to the view drawn with every node, a fresh fetch "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -45,11 +46,13 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, Any]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cmd = [sys.executable, str(RUN_DIST), str(out), "ddp", "on"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     state: Dict[str, Any] = {"out": out, "proc": proc}
     yield state
-    if proc.poll() is None:
-        proc.kill()
+    if proc.poll() is None:  # the launcher's own process group: the other rank goes too
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
 
 

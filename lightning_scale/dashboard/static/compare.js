@@ -63,7 +63,7 @@ function ranking(side, data) {
   const what = data.log2 ? `log2 ${esc(data.stat)}` : esc(data.stat);
   const rows = data.ranked.map((r, i) => `<tr class="ranked-row${r.diverges ? ' diverges' : ''}${r.first ? ' first' : ''}" data-label="${esc(r.label)}" data-dir="${r.dir}" data-difference="${r.difference ?? ''}">
     <td>${i + 1}</td><td class="lbl" title="${esc(r.label)}">${esc(r.label)}</td><td class="${r.dir}">${r.dir}</td><td>${fmt(r.a)}</td><td>${fmt(r.b)}</td><td class="delta">${signed(r.difference)}</td><td class="first-mark">${r.first ? '◀ first' : ''}</td></tr>`).join('');
-  side.innerHTML = `<h4>Largest differences (B − A of ${what})</h4><p class="note">${data.ranked.length} of ${data.total} node directions; shaded: |Δ log2 std| &gt; ${data.threshold}</p>
+  side.innerHTML = `<h4>Largest differences (B − A of ${what})</h4><p class="note">${data.ranked.length} of ${data.total} node directions; in red: |Δ log2 std| &gt; ${data.threshold} (a divergence)</p>
     <table class="compare-ranked"><tr><th>#</th><th>node</th><th>dir</th><th>A</th><th>B</th><th>B − A</th><th></th></tr>${rows}</table>`;
 }
 
