@@ -1,8 +1,9 @@
 """Reading a run's SCALES records straight from its event files: the command-line tools' fast path.
 
 TensorBoard's event multiplexer (``logdir.LogDir``, the dashboard's reader) parses and
-checksums every event of a run, the per-node scalars included: ~70 us a scalar value here,
-minutes for a run of thousands of nodes over a hundred tracked steps. The records hold
+checksums every event of a run, the per-node scalars included: 21 s of CPU time here for a
+run of 10,000 nodes over 100 tracked steps with ``ScaleMonitor``'s default ``max_tags=1000``
+(this reader: 0.2 s, the same values), minutes without the cap. The records hold
 every node's statistics anyway, so this reader reads each event file once, finds the events
 that carry the ``scales`` plugin's tensors by their tag in the raw bytes, parses and
 checksums only those, and builds the ``RunData`` with ``data.from_records``, the
