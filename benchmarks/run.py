@@ -4,9 +4,10 @@ Step time of every variant at three GPT sizes (interleaved rounds), untracked an
 steps in a real Trainer fit loop, whole fits with ``ScaleMonitor()``'s defaults, peak memory
 in fresh processes, and capture time of a 12-layer GPT, and the accelerator path's cost of
 one record per statistic group and kernel (Triton's fused kernel or torch's;
-``kernel_ops``), and the compiled route's cost on a compiled GPT (``compiled_cost``).
-Prints a markdown page and writes it to ``--out``. ``--quick`` runs a few rounds of
-everything, to check the suite itself (minutes matter on a 2-core machine).
+``kernel_ops``), the compiled route's cost on a compiled GPT (``compiled_cost``), and the run
+comparison's: the command and the Compare view (``compare_cost``). Prints a markdown page and
+writes it to ``--out``. ``--quick`` runs a few rounds of everything, to check the suite itself
+(minutes matter on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import workload  # noqa: F401 - first: puts the checkout's package on sys.path
 import anomaly_cost
 import breakdown
 import capture_time
+import compare_cost
 import compiled_cost
 import format_bytes
 import kernel_ops
@@ -224,6 +226,17 @@ def compiled_route(quick: bool) -> str:
     return compiled_cost.section(cost)
 
 
+def run_comparison(quick: bool) -> str:
+    """The run comparison's section (``compare_cost``): the command at 10,000 nodes, the Compare view at 2,000."""
+    try:
+        cost = compare_cost.measure(quick=quick)
+    except Exception as err:  # noqa: BLE001 - e.g. no Chromium for the view: say so, keep the suite
+        title = "## The run comparison (`lightning-scale compare`, the Compare view)"
+        return f"{title}\n\nNot measured: {type(err).__name__}: {str(err).splitlines()[0][:300]}"
+    _log(cost.line())
+    return compare_cost.section(cost)
+
+
 def row_labels() -> Dict[str, str]:
     """Variant -> row label, in table order: the Trainer fit rows after the tracked ones."""
     ours = [k for k in VARIANTS if k not in ("reference", "interpreter")]
@@ -275,9 +288,10 @@ def main(argv: List[str]) -> int:
     except Exception as err:  # noqa: BLE001 - e.g. transformers missing: the page says so
         res.probe_missing = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     compiled_section = compiled_route(args.quick)
+    compare_section = run_comparison(args.quick)
     res.seconds = time.perf_counter() - start
     res.load = (load_start, load_average())
-    text = render.page(res) + "\n\n" + kernel_section + "\n\n" + compiled_section + "\n"
+    text = render.page(res) + "\n\n" + kernel_section + "\n\n" + compiled_section + "\n\n" + compare_section + "\n"
     print(text)
     if args.out:
         with open(args.out, "w") as f:

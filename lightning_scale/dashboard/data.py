@@ -19,7 +19,7 @@ import numpy as np
 
 from lightning_scale.dashboard import metadata
 
-__all__ = ["RunData", "fingerprint", "list_runs", "load"]
+__all__ = ["RunData", "fingerprint", "from_records", "list_runs", "load"]
 
 DIRS = ("fwd", "bwd")
 # Written by the writer but derived from others or not per node: not shown as statistics.
@@ -181,13 +181,17 @@ def load(provider: Any, ctx: Any, eid: str, run: str, prefix: str) -> RunData:
     ratios = {t[len("update_ratio/") :]: s for t, s in _read_scalars(provider, ctx, eid, run, ratio_tags).items()}
     extra = {"ratios": ratios, "code": _code(provider, ctx, eid, run, prefix)}
     if records and docs.get(prefix):
-        return _from_records(docs[prefix], _read_tensors(provider, ctx, eid, run, records), extra)
+        return from_records(docs[prefix], _read_tensors(provider, ctx, eid, run, records), extra)
     return _from_scalars(provider, ctx, eid, run, prefix, scalar_tags, docs, extra)
 
 
-def _from_records(docs: List[Tuple[int, Dict[str, Any]]], read: Dict[str, Any], extra: Dict[str, Any]) -> RunData:
+def from_records(docs: List[Tuple[int, Dict[str, Any]]], read: Dict[str, Any], extra: Dict[str, Any]) -> RunData:
     """Every records datum placed by the node list in force at its step (the latest list's
-    labels first, then labels only older lists have)."""
+    labels first, then labels only older lists have).
+
+    ``docs``: ``[(step, node list document), ...]`` sorted by step; ``read``: ``{records tag:
+    [datum, ...]}``, each datum with ``.step`` and ``.numpy`` (TensorBoard's ``TensorDatum``);
+    ``extra``: further ``RunData`` fields (``ratios``, ``code``)."""
     latest = docs[-1][1]
     labels = list(latest["labels"])
     known = set(labels)

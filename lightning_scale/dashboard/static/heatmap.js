@@ -127,11 +127,13 @@ export function drawSeries(root, s, stat = 'std', log2 = true) {
   root.querySelector('.close').addEventListener('click', () => { root.hidden = true; });
 }
 
-export function drawHeatmap(root, data, query) {
+// opts (the Compare view's difference heatmap): { route: the series route a click fetches,
+// colourOf: a colour per value, legend: the legend's HTML }.
+export function drawHeatmap(root, data, query, opts = {}) {
   const cw = Math.max(6, Math.min(28, Math.floor(360 / Math.max(data.steps.length, 1))));
   const log2 = data.log2 !== false, stat = data.stat || 'std';
   const [lo, hi] = log2 ? [0, 0] : range(data);
-  const colourOf = log2 ? colour : (v) => linearColour(v, lo, hi);
+  const colourOf = opts.colourOf || (log2 ? colour : (v) => linearColour(v, lo, hi));
   const what = log2 ? `log2 ${stat}` : stat;
   const params = new Set(data.params);
   const labelW = Math.ceil(Math.max(120, ...data.labels.map((l) => textWidth(`${params.has(l) ? '◆ ' : ''}${l}`, '10px Roboto, Arial, sans-serif'))) + 12);
@@ -144,7 +146,7 @@ export function drawHeatmap(root, data, query) {
     return `<div class="hm-block${k % 2 ? ' odd' : ''}" data-group="${esc(b.group)}"><div class="hm-band" data-group="${esc(b.group)}">${folded ? '▸' : '▾'} ${esc(b.group)} <span class="count">${b.rows.length} node${b.rows.length > 1 ? 's' : ''}</span></div>${folded ? '' : `<div class="hm-rows" style="grid-template-columns:${labelW}px ${gridW}px ${gridW}px;column-gap:12px">${`<div class="hm-labels">${labels}</div>`}${canvases}</div>`}</div>`;
   }).join('');
   const axis = stepAxis(data, cw);
-  root.innerHTML = `<div class="legend">${log2 ? legend(what) : linearLegend(lo, hi, stat)}</div>
+  root.innerHTML = `<div class="legend">${opts.legend || (log2 ? legend(what) : linearLegend(lo, hi, stat))}</div>
     <div class="hm-head" style="grid-template-columns:${labelW}px ${gridW}px ${gridW}px;column-gap:12px"><div class="hm-corner">node · ${data.labels.length} rows, ${parts.length} blocks (click a band to fold it)</div><div class="hm-dir"><b>forward</b><div class="steps">${axis}</div></div><div class="hm-dir"><b>backward</b><div class="steps">${axis}</div></div></div>
     <div class="hm">${html}</div><div class="series-box" hidden></div><div class="tip" hidden></div>`;
   const bar = document.querySelector('.toolbar');
@@ -175,12 +177,12 @@ export function drawHeatmap(root, data, query) {
     if (band) {
       const g = band.dataset.group;
       if (collapsed.has(g)) collapsed.delete(g); else collapsed.add(g);
-      drawHeatmap(root, data, query);
+      drawHeatmap(root, data, query, opts);
       return;
     }
     const at = cell(e);
     if (!at) return;
-    const s = await get('series', { ...query, label: data.labels[at.i] });
+    const s = await get(opts.route || 'series', { ...query, label: data.labels[at.i] });
     drawSeries(root.querySelector('.series-box'), s, stat, log2);
   });
 }

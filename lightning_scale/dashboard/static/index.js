@@ -5,10 +5,12 @@ import { drawProfile, drawRatios } from './profile.js';
 import { drawHeatmap } from './heatmap.js';
 import { drawWorst } from './worst.js';
 import { drawCode } from './code.js';
+import { drawCompare, drawCompareHeatmap } from './compare.js';
 
-const VIEWS = ['profile', 'heatmap', 'worst', 'code'];
-const TITLES = { profile: 'Profile', heatmap: 'Heatmap', worst: 'Worst nodes', code: 'Code' };
-const state = { run: null, prefix: '', view: 'profile', step: null, steps: [], by: 'fp16', regex: '', stat: 'std', format: 'fp16', only: false };
+const VIEWS = ['profile', 'heatmap', 'worst', 'code', 'compare'];
+const TITLES = { profile: 'Profile', heatmap: 'Heatmap', worst: 'Worst nodes', code: 'Code', compare: 'Compare' };
+const state = { run: null, prefix: '', view: 'profile', step: null, steps: [], by: 'fp16', regex: '', stat: 'std', format: 'fp16', only: false, other: null, compareShow: 'profile' };
+let runs = {};
 const FORMAT_NAMES = ['fp16', 'bf16', 'e4m3', 'e5m2'];
 const RANK_BY = [...FORMAT_NAMES, 'drift', 'fp8'];
 
@@ -27,6 +29,8 @@ function shell() {
       <label><input id="only" type="checkbox"> show only nodes outside <span id="only-format">fp16</span></label></span>
       <span id="worst-controls" hidden><label>Rank by <select id="by">${RANK_BY.map((b) => `<option>${b}</option>`).join('')}</select></label>
       <label>Filter <input id="regex" placeholder="regex, e.g. attn"></label></span>
+      <span id="compare-controls" hidden><label>with run B <select id="other"></select></label>
+      <label>Show <select id="compare-show"><option value="profile">profile and ranking</option><option value="heatmap">difference over steps</option></select></label></span>
       <span id="status"></span>
     </div><div class="main"><div id="view"></div><div id="side"></div></div>`;
 }
@@ -48,8 +52,10 @@ async function show() {
   const view = $('view');
   document.querySelectorAll('.tab').forEach((b) => b.classList.toggle('active', b.dataset.view === state.view));
   $('worst-controls').hidden = state.view !== 'worst';
-  $('stat-control').hidden = state.view !== 'profile' && state.view !== 'heatmap';
-  $('step-control').hidden = state.view === 'heatmap';  // the heatmap shows every step
+  $('stat-control').hidden = !['profile', 'heatmap', 'compare'].includes(state.view);
+  const overSteps = state.view === 'heatmap' || (state.view === 'compare' && state.compareShow === 'heatmap');
+  $('step-control').hidden = overSteps;  // the heatmaps show every step
+  $('compare-controls').hidden = state.view !== 'compare';
   $('profile-controls').hidden = state.view !== 'profile';
   $('side').innerHTML = '';
   $('status').textContent = 'loading…';
@@ -69,6 +75,8 @@ async function show() {
       setSteps(data.steps, data.step);
       fillRankBy(data.rankable);
       drawWorst(view, data);
+    } else if (state.view === 'compare') {
+      await showCompare(view);
     } else {
       const data = await get('code', { ...query(), step: state.step });
       drawCode(view, data);
@@ -77,6 +85,35 @@ async function show() {
   } catch (e) {
     view.innerHTML = `<p class="error">${esc(e.message)}</p>`;
     $('status').textContent = '';
+  }
+}
+
+// Run B: the other runs with data under the picked prefix (none: the view says so).
+function fillOthers() {
+  const names = Object.keys(runs).filter((r) => r !== state.run && (runs[r] || []).includes(state.prefix));
+  if (!names.includes(state.other)) state.other = names[0] ?? null;
+  $('other').innerHTML = names.map((r) => `<option${r === state.other ? ' selected' : ''}>${esc(r)}</option>`).join('');
+}
+
+async function showCompare(view) {
+  fillOthers();
+  if (!state.other) throw new Error('Compare needs a second run: this log directory holds no other run with node statistics for this data. Log another run (e.g. a second version) under the same --logdir.');
+  const ask = (route, stat) => get(route, { ...query(), other: state.other, stat, ...(route === 'compare' ? { step: state.step } : {}) });
+  const route = state.compareShow === 'heatmap' ? 'compare_heatmap' : 'compare';
+  let data;
+  try {
+    data = await ask(route, state.stat);
+  } catch (e) {  // a statistic one of the runs did not log (picked in another view) falls back to std
+    if (state.stat === 'std' || !e.message.includes('`stat`')) throw e;
+    state.stat = 'std';
+    data = await ask(route, 'std');
+  }
+  fillStats(data.stats);
+  if (route === 'compare_heatmap') {
+    drawCompareHeatmap(view, data, { ...query(), other: state.other, stat: state.stat });
+  } else {
+    setSteps(data.steps, data.step);
+    drawCompare(view, $('side'), data);
   }
 }
 
@@ -126,7 +163,7 @@ function fillPrefixes(runs) {
 
 export async function render() {
   shell();
-  const runs = await get('runs');
+  runs = await get('runs');
   const names = Object.keys(runs);
   if (!names.length) {
     $('view').innerHTML = '<p class="note">No scales logged yet: add <code>ScaleMonitor()</code> to the Trainer\'s callbacks.</p>';
@@ -143,6 +180,8 @@ export async function render() {
   $('stat').addEventListener('change', () => { state.stat = $('stat').value; show(); });
   $('format').addEventListener('change', () => { state.format = $('format').value; $('only-format').textContent = state.format; show(); });
   $('only').addEventListener('change', () => { state.only = $('only').checked; show(); });
+  $('other').addEventListener('change', () => { state.other = $('other').value; state.step = null; show(); });
+  $('compare-show').addEventListener('change', () => { state.compareShow = $('compare-show').value; show(); });
   let timer = null;
   $('regex').addEventListener('input', () => { clearTimeout(timer); timer = setTimeout(() => { state.regex = $('regex').value; show(); }, 250); });
   await show();

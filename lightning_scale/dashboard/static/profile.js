@@ -48,7 +48,7 @@ function edgeLabels(x, lo, hi, left, right) {
   return { labels, rows: Math.max(0, ...labels.map((l) => l.row + 1)) };
 }
 
-function header(x, lo, hi, log, stat, width, labelW) {
+export function header(x, lo, hi, log, stat, width, labelW) {
   const marks = log ? edgeLabels(x, lo, hi, labelW, width) : { labels: [], rows: 0 };
   const height = marks.rows * 12 + 20;
   let svg = '';
@@ -65,7 +65,7 @@ function header(x, lo, hi, log, stat, width, labelW) {
 }
 
 // Every 4 octaves on the log2 axis; round numbers on a linear one.
-function axisTicks(lo, hi, log) {
+export function axisTicks(lo, hi, log) {
   if (!log) return ticks(lo, hi, 8);
   const out = [];
   for (let t = Math.ceil(lo / 4) * 4; t <= hi; t += 4) out.push(t);
