@@ -124,6 +124,7 @@ class FrameGraph:
     stand_ins: Dict[str, str] = field(default_factory=dict)
     # node -> recorded node that returned the same tensor: the compiled route logs its row twice
     copies: Dict[str, str] = field(default_factory=dict)
+    code: Optional[breaks.CodeKey] = None  # the code dynamo compiled into the graph (``breaks.running_frame``)
     _roots: Optional[List[str]] = field(default=None, init=False, repr=False, compare=False)
     _anchors: Optional[Dict[str, Tuple[int, str]]] = field(default=None, init=False, repr=False, compare=False)
 

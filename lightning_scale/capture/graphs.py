@@ -85,6 +85,9 @@ class Capture:
         aliases: label -> label of a node with provably identical statistics (views of a
             single-use tensor); these are not computed twice.
         reason: why auto chose this mode.
+        eager_branches: dynamo traces ``torch.compiler.is_compiling()`` as False, as the
+            user's eager forward sees it (``eager.eager_branches``); set by the fidelity
+            probe where the plain dynamo route changes the forward.
     """
 
     mode: str
@@ -95,12 +98,13 @@ class Capture:
     fallbacks: Dict[str, str] = field(default_factory=dict)
     aliases: Dict[str, str] = field(default_factory=dict)
     reason: str = ""
+    eager_branches: bool = False
     _taken: Dict[str, int] = field(default_factory=dict)
     _fns: List[Callable[..., Any]] = field(default_factory=list)
     _unit_fns: List[Tuple[str, Callable[..., Any]]] = field(default_factory=list)
     _compiled: Optional[Callable[..., Any]] = None
     _labeller: frames.Labeller = field(default_factory=frames.Labeller)
-    _tables: Dict[Tuple[int, Tuple[str, ...]], Dict[str, str]] = field(default_factory=dict)
+    _tables: Dict[Tuple[int, Tuple[str, ...], bool], Dict[str, str]] = field(default_factory=dict)
     _module_paths: Optional[Dict[int, str]] = None
     _tensor_names: Optional[Dict[int, List[str]]] = None
     _breaks: List[str] = field(default_factory=list)
@@ -134,11 +138,12 @@ class Capture:
         """The labels given so far to dynamo nodes (unique across graphs and frames)."""
         return self._labeller
 
-    def frame_table(self, key: Tuple[int, Tuple[str, ...]]) -> Optional[Dict[str, str]]:
-        """The node -> label table of (a frame graph's id, the scope that runs it), if made."""
+    def frame_table(self, key: Tuple[int, Tuple[str, ...], bool]) -> Optional[Dict[str, str]]:
+        """The node -> label table of (a frame graph's id, the scope that runs it, whether it
+        runs the owner's call itself), if made."""
         return self._tables.get(key)
 
-    def add_frame_table(self, key: Tuple[int, Tuple[str, ...]], table: Dict[str, str]) -> None:
+    def add_frame_table(self, key: Tuple[int, Tuple[str, ...], bool], table: Dict[str, str]) -> None:
         self._tables[key] = table
 
     def add_graph(self, gm: fx.GraphModule, labels: Dict[str, str]) -> None:
@@ -282,6 +287,8 @@ class Capture:
             parts.append(f"leaf modules={len(self.leaves)}")
         if self.fallbacks:
             parts.append("fx fallbacks: " + ", ".join(f"{k} ({v})" for k, v in self.fallbacks.items()))
+        if self.eager_branches:
+            parts.append("torch.compiler.is_compiling() traced as False")
         if self.reason:
             parts.append(self.reason)
         meshes = tensor_parallel.meshes_of(self.module)
