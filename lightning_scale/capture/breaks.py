@@ -30,6 +30,8 @@ from torch import fx
 __all__ = [
     "break_frames",
     "code_key",
+    "compiling_code",
+    "compiling_resume_frame",
     "module_called",
     "module_stack",
     "resumed_module_frames",
@@ -213,3 +215,24 @@ def _call_codes(cls: type) -> frozenset:
             if fn is None:
                 break
     return frozenset(out)
+
+
+def compiling_resume_frame() -> bool:
+    """Whether dynamo is compiling the continuation of a frame after a graph break."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx().f_code.co_name.startswith("torch_dynamo_resume_in")
+    except Exception:  # noqa: BLE001 - a dynamo internal; without it inputs are labelled
+        return False
+
+
+def compiling_code() -> Any:
+    """The code object of the frame dynamo is compiling (a resume function after a graph
+    break has its own); None where dynamo's internals do not say."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx().f_code
+    except Exception:  # noqa: BLE001 - a dynamo internal
+        return None

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, fx, nn
 
 from lightning_scale.capture import breaks, frames
-from lightning_scale.capture.labels import view_aliases
+from lightning_scale.capture.labels import function_name, view_aliases
 
 __all__ = ["MODULE_OUTPUT", "CompiledLabels", "graph_op", "own_output", "same_tensor"]
 
@@ -29,7 +29,7 @@ def graph_op(node: fx.Node) -> str:
     """The op part of a node's label: a method's or function's name (``linear``)."""
     if node.op == "call_method":
         return str(node.target)
-    return getattr(node.target, "__name__", str(node.target)).strip("_") or "op"
+    return function_name(node.target) or getattr(node.target, "__name__", str(node.target)).strip("_") or "op"
 
 
 class CompiledLabels:
@@ -85,7 +85,7 @@ class CompiledLabels:
         """The sites, module outputs and view aliases of a graph dynamo hands over (call this
         from the backend: whether the graph resumes after a graph break is read then)."""
         inputs = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
-        sites = frames.node_sites(gm, graph_op, resume=frames.compiling_resume_frame())
+        sites = frames.node_sites(gm, graph_op, resume=breaks.compiling_resume_frame())
         # inputs other than parameters and buffers were produced outside the graph, and are
         # recorded there (by the capture around the compiled module)
         sites = [s for s in sites if s.is_attr or s.name not in inputs]
@@ -97,7 +97,7 @@ class CompiledLabels:
         copies = {n: s for n, s in same.items() if s not in views}
         views.update({n: s for n, s in same.items() if s in views})
         own = own_output(gm, reason) + outputs
-        code = breaks.code_key(frames.compiling_code())
+        code = breaks.code_key(breaks.compiling_code())
         return frames.FrameGraph(gm, sites, own, views, stand_ins, copies, code=code)
 
     def scope(self, graph: frames.FrameGraph, args: Tuple[Any, ...], depth: int = 1) -> Tuple[str, ...]:

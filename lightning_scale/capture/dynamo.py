@@ -24,11 +24,11 @@ from typing import Any, Callable, Dict, Iterator, List, Set, Tuple
 import torch
 from torch import fx, nn
 
-from lightning_scale.capture import breaks, eager, frames
+from lightning_scale.capture import breaks, eager, float8, frames
 from lightning_scale.capture.compiled_labels import own_output
 from lightning_scale.capture.forward_swap import ForwardSwap
 from lightning_scale.capture.interpreter import instrument
-from lightning_scale.capture.labels import view_aliases
+from lightning_scale.capture.labels import function_name, view_aliases
 from lightning_scale.capture.tensor_parallel import TensorParallelGraph, new_forward, parallel_mesh
 from lightning_scale.record import recorder
 
@@ -91,7 +91,7 @@ def _op(node: fx.Node) -> str:
         return str(target)
     if target is frames.exact_checkpoint:
         return "checkpoint"
-    return getattr(target, "__name__", str(target)).strip("_") or "op"
+    return function_name(target) or getattr(target, "__name__", str(target)).strip("_") or "op"
 
 
 def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
@@ -100,7 +100,8 @@ def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
         return instrument(body, names, observer=frames.observe_node)
 
     bodies = frames.exact_checkpoints(gm, body_fn)
-    sites = frames.node_sites(gm, _op, resume=frames.compiling_resume_frame())
+    sites = frames.node_sites(gm, _op, resume=breaks.compiling_resume_frame())
+    sites = float8.with_cast_sites(gm, sites)  # (torchao's float8 casts: nodes of their own)
     reason = getattr(gm, "compile_subgraph_reason", None)
     outputs = own_output(gm, reason) + frames.module_outputs(gm, complete=not getattr(reason, "graph_break", True))
     for prefix, body in bodies:
@@ -111,7 +112,7 @@ def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
     names = {s.name: s.name for s in sites}
     views = view_aliases(gm, {k: v for k, v in names.items() if "." not in k})
     graph = frames.FrameGraph(
-        gm, sites, outputs, {**tp.aliases, **views}, code=breaks.code_key(frames.compiling_code())
+        gm, sites, outputs, {**tp.aliases, **views}, code=breaks.code_key(breaks.compiling_code())
     )
     fn = instrument(
         gm, {k: k for k in names if "." not in k}, observer=tp.observer(frames.observe_node, frames.skip_node)
@@ -140,7 +141,7 @@ def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
 def _foreign_inputs(cap: "Capture", gm: fx.GraphModule, sites: List[frames.NodeSite]) -> Set[str]:
     """Placeholders of ``gm`` that are neither module attributes nor the captured module's
     own inputs: values of a frame resumed after a graph break, or of a frame called from one."""
-    code = frames.compiling_code()
+    code = breaks.compiling_code()
     forward = getattr(inspect.unwrap(type(cap.module).forward), "__code__", None)
     if code is None or code is forward:
         return set()

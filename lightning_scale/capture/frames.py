@@ -30,8 +30,8 @@ from lightning_scale.record import recorder
 __all__ = [
     "FrameGraph",
     "Labeller",
-    "compiling_code",
     "exact_checkpoint",
+    "label_of",
     "module_paths",
     "observe_node",
     "skip_node",
@@ -271,12 +271,17 @@ def module_outputs(
     complete: bool = True,
 ) -> List[Tuple[Optional[str], str, str]]:
     """(root, path, node) for each module call that ends inside ``gm``: its last node whose
-    value leaves the module. Modules called more than once in the graph are left out;
+    value leaves the module (nodes dynamo adds to rebuild Python objects, with no metadata,
+    such as torchao's ``Float8LinearConfig``, are no part of it). Modules called more than
+    once in the graph are left out;
     ``complete=False`` (the graph ends at a graph break) leaves out a region that ends the
     graph and only reaches its output when the module may continue in the next graph: unless
     the break fell after the call returned (``breaks.returned_before_break``)."""
     at_break = None if complete else breaks.break_frames(gm)
-    computing = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    dynamo = parse is _site_path  # (fx nodes have no example values)
+    computing = [
+        n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr") and (not dynamo or n.meta)
+    ]
     order = {n: i for i, n in enumerate(computing)}
     spans: Dict[str, List[fx.Node]] = {}
     for node in computing:
@@ -410,6 +415,11 @@ def table_for(graph: FrameGraph, scope: Tuple[str, ...], labeller: Labeller) -> 
     return {s.name: table[s.name] for s in graph.sites}
 
 
+def label_of(name: str) -> Optional[str]:
+    """The label the running graph's table gives node ``name`` (None: no graph runs, or no label)."""
+    return _TABLES[-1].get(name) if _TABLES else None
+
+
 @contextmanager
 def running(table: Dict[str, str]) -> Iterator[None]:
     """Context of one graph call: ``observe_node`` resolves through ``table``."""
@@ -418,24 +428,3 @@ def running(table: Dict[str, str]) -> Iterator[None]:
         yield
     finally:
         _TABLES.pop()
-
-
-def compiling_resume_frame() -> bool:
-    """Whether dynamo is compiling the continuation of a frame after a graph break."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        return InstructionTranslator.current_tx().f_code.co_name.startswith("torch_dynamo_resume_in")
-    except Exception:  # noqa: BLE001 - a dynamo internal; without it inputs are labelled
-        return False
-
-
-def compiling_code() -> Any:
-    """The code object of the frame dynamo is compiling (a resume function after a graph
-    break has its own); None where dynamo's internals do not say."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        return InstructionTranslator.current_tx().f_code
-    except Exception:  # noqa: BLE001 - a dynamo internal
-        return None

@@ -46,7 +46,7 @@ from typing import (
 import torch
 from torch import fx, nn
 
-from lightning_scale.capture import coverage, frames, tensor_parallel
+from lightning_scale.capture import coverage, frames, summary, tensor_parallel
 from lightning_scale.capture.compiled import CompiledRoute, compiled_modules
 from lightning_scale.capture.compiled_labels import CompiledLabels
 from lightning_scale.capture.dynamo import MODULE_KEY, WeakBackend, opaque_module_paths, tracked_forward
@@ -286,7 +286,10 @@ class Capture:
         if self.leaves:
             parts.append(f"leaf modules={len(self.leaves)}")
         if self.fallbacks:
-            parts.append("fx fallbacks: " + ", ".join(f"{k} ({v})" for k, v in self.fallbacks.items()))
+            parts.append(summary.fallback_line(self.fallbacks))
+        converted = summary.converted_line(self.module)
+        if converted:
+            parts.append(converted)
         if self.eager_branches:
             parts.append("torch.compiler.is_compiling() traced as False")
         if self.reason:
@@ -390,7 +393,7 @@ def _capture(
             raise CaptureError(f"torch.fx could not trace {type(module).__name__}: {why}") from err
         return Capture("dynamo", module, reason=f"auto: fx failed ({why})")
     if mode == "auto" and cap.fallbacks:
-        reason = "auto: fx needed fallbacks for " + ", ".join(cap.fallbacks)
+        reason = "auto: fx needed fallbacks for " + summary.names(list(cap.fallbacks))
         return Capture("dynamo", module, fallbacks=cap.fallbacks, reason=reason)
     cap.reason = "fx requested" if mode == "fx" else "auto: fx traced the whole model"
     return cap

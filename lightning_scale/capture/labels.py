@@ -18,7 +18,7 @@ from typing import Callable, Dict, Optional, Set, Tuple
 import torch
 from torch import fx, nn
 
-__all__ = ["TUPLE_OPS", "indexed_item", "label_graph", "view_aliases"]
+__all__ = ["TUPLE_OPS", "function_name", "indexed_item", "label_graph", "view_aliases"]
 
 
 def _op_name(node: fx.Node, root: Optional[nn.Module]) -> str:
@@ -28,6 +28,18 @@ def _op_name(node: fx.Node, root: Optional[nn.Module]) -> str:
         return str(node.target)
     target = node.target
     return getattr(target, "__name__", str(target)).strip("_") or "op"
+
+
+def function_name(target: object) -> Optional[str]:
+    """The name of the ``torch.autograd.Function`` behind dynamo's trampoline call of it
+    (``trampoline_autograd_apply``: ``fn_cls.apply`` in a closure), e.g. torchao's
+    ``matmul_with_hp_or_float8_args``; None for any other target."""
+    code = getattr(target, "__code__", None)
+    cells = dict(zip(code.co_freevars, getattr(target, "__closure__", None) or ())) if code is not None else {}
+    fn_cls = cells["fn_cls"].cell_contents if "fn_cls" in cells else None
+    if isinstance(fn_cls, type) and issubclass(fn_cls, torch.autograd.Function):
+        return fn_cls.__name__
+    return None
 
 
 def _module_type(m: nn.Module) -> type:
