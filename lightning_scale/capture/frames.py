@@ -24,7 +24,7 @@ import torch
 from torch import fx, nn
 
 from lightning_scale.capture import breaks
-from lightning_scale.capture.labels import indexed_item
+from lightning_scale.capture.labels import indexed_item, indexing_name, is_indexing, subscript_source
 from lightning_scale.record import recorder
 
 __all__ = [
@@ -204,14 +204,28 @@ def _innermost_local(node: fx.Node) -> Tuple[Optional[str], str]:
 
 
 def _op_site(node: fx.Node, op_name: Callable[[fx.Node], str]) -> NodeSite:
-    """An op's site; an item of a tuple output sits where its source does, as ``source[i]``."""
+    """An op's site; an item of a tuple output sits where its source does, as ``source[i]``;
+    a slice or index is named as written (``pos[:T]``: ``labels.subscript_source``), else
+    after its source and index (``x[0]``)."""
     item = indexed_item(node, lambda n: isinstance(n.meta.get("example_value"), (tuple, list)))
     source = node if item is None else item[0]
     root, path = _innermost_local(source)
-    site = NodeSite(node.name, root, path, op_name(source), _source(source))
+    op = op_name(source)
+    if item is None and is_indexing(node):
+        op = subscript_source(str(node.meta.get("stack_trace") or "")) or indexing_name(node, _dynamo_name_of)
+    site = NodeSite(node.name, root, path, op, _source(source))
     if item is not None:
         site.origin, site.index = source.name, item[1]
     return site
+
+
+def _dynamo_name_of(node: fx.Node) -> str:
+    """A dynamo node's short name: an attribute's path under its frame local, an input's name,
+    else the variable dynamo named it after (``h_1`` -> ``h``)."""
+    site = _placeholder_site(node) if node.op == "placeholder" else None
+    if site is not None:
+        return site.path if site.is_attr else site.op
+    return re.sub(r"_\d+$", "", node.name)
 
 
 def _under_transform(gm: fx.GraphModule) -> Set[fx.Node]:
