@@ -20,7 +20,11 @@ from typing import Any, Callable, Dict, Optional, Set, Tuple
 import torch
 from torch import fx, nn
 
+#: ``node.meta`` key of an indexing node's line of the user's source code (set by ``tracer.DeepTracer``)
+SOURCE_LINE = "lightning_scale_source_line"
+
 __all__ = [
+    "SOURCE_LINE",
     "TUPLE_OPS",
     "function_name",
     "index_text",
@@ -28,6 +32,7 @@ __all__ = [
     "indexing_name",
     "is_indexing",
     "label_graph",
+    "line_subscript",
     "subscript_source",
     "view_aliases",
 ]
@@ -163,6 +168,20 @@ def subscript_source(trace: str) -> Optional[str]:
     return None
 
 
+def line_subscript(line: str, index: str) -> Optional[str]:
+    """The subscript of a line of source code whose index is written ``index`` (as
+    ``index_text`` renders it), or the line's only subscript: ``h = x + self.pos[:T]`` ->
+    ``pos[:T]``; None where the line has none such, or several."""
+    try:
+        tree = ast.parse(line.strip().rstrip(":") or "None")
+    except SyntaxError:
+        return None
+    subscripts = [n for n in ast.walk(tree) if isinstance(n, ast.Subscript)]
+    written = [re.sub(r"^\((.*)\)$", r"\1", ast.unparse(n.slice)) for n in subscripts]  # ((:, -1): a tuple)
+    same = [n for n, w in zip(subscripts, written) if w == index] or (subscripts if len(subscripts) == 1 else [])
+    return re.sub(r"^self\.", "", ast.unparse(same[0])) if len(same) == 1 else None
+
+
 def index_text(index: Any, name_of: Callable[[fx.Node], str]) -> str:
     """``index`` as written in a subscript: ``0``, ``:T``, ``..., :64``, ``:, -1``; a node by
     ``name_of`` (``x.shape[1]``)."""
@@ -255,7 +274,9 @@ def label_graph(
             base = labels[item[0].name] + item[1]  # (unique: its source's label is)
         elif is_indexing(node):
             path = ".".join(p for p in (scope, _module_path(node)) if p)
-            text = indexing_name(node, functools.partial(_fx_name_of, path=path, labels=labels))
+            name_of = functools.partial(_fx_name_of, path=path, labels=labels)
+            written = line_subscript(str(node.meta.get(SOURCE_LINE, "")), index_text(node.args[1], name_of))
+            text = written or indexing_name(node, name_of)
             base = f"{path}/{text}" if path else text
         else:
             base = _base_label(node, root, scope)
