@@ -4,7 +4,7 @@ Runs every case of ``tests/capture/test_models.py`` (Hugging Face GPT-2 with and
 checkpointing, BERT, T5, Llama, Mixtral, OLMoE with router logits, Wav2Vec2 with
 SpecAugment, Mamba; Lightning's demo
 Transformer; unit-scaling's modules; LSTM and GRU language models, a model drawing from
-numpy's generator, one branching on ``torch.compiler.is_compiling()``, ConvNeXt-style
+numpy's generator, one branching on ``torch.compiler.is_dynamo_compiling()``, ConvNeXt-style
 blocks; all from tiny configs) outside a Trainer:
 
 - capture with ``capture(..., "auto")``, then run the fidelity probe on the first step's

@@ -7,21 +7,40 @@ where each node was computed (``node.meta["stack_trace"]``); both list the user'
 outermost first (torch's own frames are left out). A module call is still running at the
 break when the break's frames agree, line for line, with the node's frames up to the frame
 that made the call; otherwise it had returned, and its last node is its output.
+
+Also here: the frame that runs a graph (``running_frame``) and whether it is a module's own
+call (``module_called``). A module whose caller ran eagerly (a frame dynamo skipped, or code
+at a graph break) is compiled as a frame of its own: what that frame's graph returns is the
+module's output, and ``self`` in it is the module, also for torch's own modules
+(``nn.Embedding.forward`` compiled on its own).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import re
+from types import FrameType
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import fx
 
-__all__ = ["break_frames", "module_stack", "resumed_module_frames", "returned_before_break"]
+__all__ = [
+    "break_frames",
+    "code_key",
+    "compiling_code",
+    "compiling_resume_frame",
+    "module_called",
+    "module_stack",
+    "resumed_module_frames",
+    "returned_before_break",
+    "running_frame",
+]
 
 Frame = Tuple[str, int]  # (file, line)
+CodeKey = Tuple[str, str, int]  # (file, function, first line) of a code object: dynamo's compiled code keeps them
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _TRACE_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 # A node's module stack as the capture reads it: dynamo's ``nn_module_stack``, or one with the
@@ -139,3 +158,81 @@ def resumed_module_frames(gm: fx.GraphModule) -> None:
         stack = dict(module_stack(node))
         if not any(str(p) == path for p, _ in stack.values()):
             node.meta[_STACK] = {path: (path, None), **stack}
+
+
+# ---------------------------------------------------------------------------------------
+# The frame that runs a graph, and whether it is a module's own call
+
+_RESUMED = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
+
+
+def code_key(code: Any) -> Optional[CodeKey]:
+    """(file, function, first line) of a code object (None: none)."""
+    return None if code is None else (code.co_filename, code.co_name, code.co_firstlineno)
+
+
+def running_frame(start: Optional[FrameType], key: Optional[CodeKey]) -> Optional[FrameType]:
+    """The first frame from ``start`` outwards that runs the code whose ``code_key`` is ``key``
+    (the code dynamo compiled into the graph now running); None where none does."""
+    frame = start
+    for _ in range(64):
+        if frame is None or key is None:
+            return None
+        if code_key(frame.f_code) == key:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def module_called(frame: Optional[FrameType], paths: Dict[int, str]) -> Optional[str]:
+    """The path (``paths``: id -> path) of the module whose own call ``frame`` runs: its
+    class's ``forward`` or ``__call__`` (or a function they wrap: a decorated ``forward``), or
+    dynamo's resume of one after a graph break; None for any other frame."""
+    if frame is None:
+        return None
+    code = frame.f_code
+    first = code.co_varnames[0] if code.co_argcount else "self"
+    module = frame.f_locals.get(first, frame.f_locals.get("self"))
+    path = paths.get(id(module))
+    if path is None:
+        return None
+    resumed = _RESUMED.match(code.co_name)
+    name = resumed.group(1) if resumed else code.co_name
+    return path if (code.co_filename, name) in _call_codes(type(module)) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _call_codes(cls: type) -> frozenset:
+    """(file, function) of a module class's ``forward`` and ``__call__``, and of what they wrap."""
+    out = set()
+    for attr in ("forward", "__call__"):
+        fn = getattr(cls, attr, None)
+        for _ in range(16):
+            code = getattr(fn, "__code__", None)
+            if code is not None:
+                out.add((code.co_filename, code.co_name))
+            fn = getattr(fn, "__wrapped__", None)
+            if fn is None:
+                break
+    return frozenset(out)
+
+
+def compiling_resume_frame() -> bool:
+    """Whether dynamo is compiling the continuation of a frame after a graph break."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx().f_code.co_name.startswith("torch_dynamo_resume_in")
+    except Exception:  # noqa: BLE001 - a dynamo internal; without it inputs are labelled
+        return False
+
+
+def compiling_code() -> Any:
+    """The code object of the frame dynamo is compiling (a resume function after a graph
+    break has its own); None where dynamo's internals do not say."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx().f_code
+    except Exception:  # noqa: BLE001 - a dynamo internal
+        return None

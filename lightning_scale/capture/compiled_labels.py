@@ -16,10 +16,10 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 from torch import Tensor, fx, nn
 
-from lightning_scale.capture import frames
-from lightning_scale.capture.labels import view_aliases
+from lightning_scale.capture import breaks, frames
+from lightning_scale.capture.labels import function_name, view_aliases
 
-__all__ = ["MODULE_OUTPUT", "CompiledLabels", "graph_op", "same_tensor"]
+__all__ = ["MODULE_OUTPUT", "CompiledLabels", "graph_op", "own_output", "same_tensor"]
 
 #: Key prefix of a module output in ``CompiledLabels.labels`` (no graph node of its own).
 MODULE_OUTPUT = "<module>"
@@ -29,7 +29,7 @@ def graph_op(node: fx.Node) -> str:
     """The op part of a node's label: a method's or function's name (``linear``)."""
     if node.op == "call_method":
         return str(node.target)
-    return getattr(node.target, "__name__", str(node.target)).strip("_") or "op"
+    return function_name(node.target) or getattr(node.target, "__name__", str(node.target)).strip("_") or "op"
 
 
 class CompiledLabels:
@@ -85,7 +85,7 @@ class CompiledLabels:
         """The sites, module outputs and view aliases of a graph dynamo hands over (call this
         from the backend: whether the graph resumes after a graph break is read then)."""
         inputs = {n.name for n in gm.graph.nodes if n.op == "placeholder"}
-        sites = frames.node_sites(gm, graph_op, resume=frames.compiling_resume_frame())
+        sites = frames.node_sites(gm, graph_op, resume=breaks.compiling_resume_frame())
         # inputs other than parameters and buffers were produced outside the graph, and are
         # recorded there (by the capture around the compiled module)
         sites = [s for s in sites if s.is_attr or s.name not in inputs]
@@ -96,14 +96,16 @@ class CompiledLabels:
         # (the eager recorder logs such a node under its own label, a copy of its source's record)
         copies = {n: s for n, s in same.items() if s not in views}
         views.update({n: s for n, s in same.items() if s in views})
-        own = _own_output(gm, reason) + outputs
-        return frames.FrameGraph(gm, sites, own, views, stand_ins, copies)
+        own = own_output(gm, reason) + outputs
+        code = breaks.code_key(breaks.compiling_code())
+        return frames.FrameGraph(gm, sites, own, views, stand_ins, copies, code=code)
 
     def scope(self, graph: frames.FrameGraph, args: Tuple[Any, ...], depth: int = 1) -> Tuple[str, ...]:
         """(owner path, path per root local) of the modules running ``graph`` now, from the
         tensors in ``args`` and the user frame ``depth`` frames above the caller."""
         known = frames.anchored_roots(graph.anchors(), args, self._tensors)
-        caller = frames.calling_frame(sys._getframe(depth + 1))
+        start = sys._getframe(depth + 1)
+        caller = breaks.running_frame(start, graph.code) or frames.calling_frame(start)
         return frames.scope_of(caller, graph.roots(), self._paths, known)
 
     def table(self, graph: frames.FrameGraph, scope: Tuple[str, ...]) -> Dict[str, str]:
@@ -244,7 +246,7 @@ def _run_time_value(node: fx.Node) -> Any:
     return theirs if isinstance(theirs, Tensor) else own
 
 
-def _own_output(gm: fx.GraphModule, reason: Any) -> List[Tuple[Optional[str], str, str]]:
+def own_output(gm: fx.GraphModule, reason: Any) -> List[Tuple[Optional[str], str, str]]:
     """The compiled module's own output (path ``""`` under the module running the graph), when
     the graph is the whole call (no graph break): the tensor it returns, or of several (a
     model's loss and logits) the last it computes, as the uncompiled dynamo route takes it."""

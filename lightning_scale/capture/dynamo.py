@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import re
 import sys
 import warnings
@@ -23,11 +24,12 @@ from typing import Any, Callable, Dict, Iterator, List, Set, Tuple
 import torch
 from torch import fx, nn
 
-from lightning_scale.capture import frames
+from lightning_scale.capture import breaks, eager, float8, frames
+from lightning_scale.capture.compiled_labels import own_output
 from lightning_scale.capture.forward_swap import ForwardSwap
 from lightning_scale.capture.interpreter import instrument
-from lightning_scale.capture.labels import view_aliases
-from lightning_scale.capture.tensor_parallel import TensorParallelGraph, parallel_mesh
+from lightning_scale.capture.labels import function_name, view_aliases
+from lightning_scale.capture.tensor_parallel import TensorParallelGraph, new_forward, parallel_mesh
 from lightning_scale.record import recorder
 
 # The backend reads and extends the state of a ``graphs.Capture`` (which imports this
@@ -48,8 +50,10 @@ _CONFIG = {
     for k, v in (("nested_graph_breaks", True), ("trace_numpy", False), ("allow_rnn", True))
     if hasattr(torch._dynamo.config, k)
 }
+_TORCH_DIR = os.path.dirname(torch.__file__)
 MODULE_KEY = "<module>"  # label-dict key prefix of module outputs (no graph node of their own)
 COMPILED_KEY = "<compiled>"  # key prefix of compiled submodules' outputs (recorded, not a node)
+EAGER_KEY = "<eager>"  # key prefix of parameters recorded by a module call outside the graphs (``eager``)
 
 
 class WeakBackend:
@@ -87,7 +91,7 @@ def _op(node: fx.Node) -> str:
         return str(target)
     if target is frames.exact_checkpoint:
         return "checkpoint"
-    return getattr(target, "__name__", str(target)).strip("_") or "op"
+    return function_name(target) or getattr(target, "__name__", str(target)).strip("_") or "op"
 
 
 def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
@@ -96,9 +100,10 @@ def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
         return instrument(body, names, observer=frames.observe_node)
 
     bodies = frames.exact_checkpoints(gm, body_fn)
-    sites = frames.node_sites(gm, _op, resume=frames.compiling_resume_frame())
+    sites = frames.node_sites(gm, _op, resume=breaks.compiling_resume_frame())
+    sites = float8.with_cast_sites(gm, sites)  # (torchao's float8 casts: nodes of their own)
     reason = getattr(gm, "compile_subgraph_reason", None)
-    outputs = frames.module_outputs(gm, complete=not getattr(reason, "graph_break", True))
+    outputs = own_output(gm, reason) + frames.module_outputs(gm, complete=not getattr(reason, "graph_break", True))
     for prefix, body in bodies:
         sites += frames.node_sites(body, _op, prefix)
         outputs += frames.module_outputs(body, prefix)
@@ -106,7 +111,9 @@ def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
     sites = [s for s in sites if s.name not in tp.hidden]  # (DTensors: conversions are aliases, replicas once)
     names = {s.name: s.name for s in sites}
     views = view_aliases(gm, {k: v for k, v in names.items() if "." not in k})
-    graph = frames.FrameGraph(gm, sites, outputs, {**tp.aliases, **views})
+    graph = frames.FrameGraph(
+        gm, sites, outputs, {**tp.aliases, **views}, code=breaks.code_key(breaks.compiling_code())
+    )
     fn = instrument(
         gm, {k: k for k in names if "." not in k}, observer=tp.observer(frames.observe_node, frames.skip_node)
     )
@@ -118,9 +125,15 @@ def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
         if cap is None or recorder.active() is None:
             return fn(*args)
         known = frames.anchored_roots(anchors, args, cap.tensor_paths())
-        scope = frames.scope_of(frames.calling_frame(sys._getframe(1)), roots, cap.module_paths(), known)
-        with frames.running(_table(cap, graph, scope)):
-            return fn(*args)
+        start = sys._getframe(1)
+        caller = breaks.running_frame(start, graph.code) or frames.calling_frame(start)
+        scope = frames.scope_of(caller, roots, cap.module_paths(), known)
+        own = bool(scope[0]) and breaks.module_called(caller, cap.module_paths()) == scope[0]
+        tp.begin(args)
+        with frames.running(_table(cap, graph, scope, own)):
+            out = fn(*args)
+        tp.left(out)
+        return out
 
     return run
 
@@ -128,7 +141,7 @@ def _instrumented(cap: "Capture", gm: fx.GraphModule) -> Callable[..., Any]:
 def _foreign_inputs(cap: "Capture", gm: fx.GraphModule, sites: List[frames.NodeSite]) -> Set[str]:
     """Placeholders of ``gm`` that are neither module attributes nor the captured module's
     own inputs: values of a frame resumed after a graph break, or of a frame called from one."""
-    code = frames.compiling_code()
+    code = breaks.compiling_code()
     forward = getattr(inspect.unwrap(type(cap.module).forward), "__code__", None)
     if code is None or code is forward:
         return set()
@@ -136,9 +149,12 @@ def _foreign_inputs(cap: "Capture", gm: fx.GraphModule, sites: List[frames.NodeS
     return {n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name not in attrs}
 
 
-def _table(cap: "Capture", graph: frames.FrameGraph, scope: Tuple[str, ...]) -> Dict[str, str]:
-    """Observed node -> label for ``graph`` run by ``scope``; registers new labels in ``cap``."""
-    key = (id(graph), scope)
+def _table(cap: "Capture", graph: frames.FrameGraph, scope: Tuple[str, ...], own: bool) -> Dict[str, str]:
+    """Observed node -> label for ``graph`` run by ``scope``; registers new labels in ``cap``.
+    ``own``: the graph runs the call of the module ``scope[0]`` itself, so its own output
+    (``compiled_labels.own_output``: a graph compiled per block after its caller broke) is
+    that module's."""
+    key = (id(graph), scope, own)
     known = cap.frame_table(key)
     if known is not None:
         return known
@@ -151,7 +167,8 @@ def _table(cap: "Capture", graph: frames.FrameGraph, scope: Tuple[str, ...]) -> 
         source = table.get(node)
         if (
             source is None
-            or full in ("", scope[0])
+            or full == ""
+            or (full == scope[0] and not (own and root is None and not path))
             or full in cap.labeller
             or full in cap.aliases
             or cap.has_label(full)
@@ -166,6 +183,42 @@ def _table(cap: "Capture", graph: frames.FrameGraph, scope: Tuple[str, ...]) -> 
     observed = {k: v for k, v in table.items() if v not in cap.aliases}
     cap.add_frame_table(key, observed)
     return observed
+
+
+def _eagerly_hooked(root: nn.Module) -> List[nn.Module]:
+    """The modules hooked on a tracked call (``eager.EagerCalls``): torch's own module classes
+    (``nn.LayerNorm``, ``nn.Dropout``, ...) below ``root``, not inside opaque ones (compiled
+    modules and RNNs: recorded at their output). Called outside a graph (in a frame dynamo
+    skipped), such a module has no frame dynamo compiles, unless it has hooks: then dynamo
+    compiles its ``forward`` as a frame of its own (``trace_rules.check_verbose``: "inbuilt
+    nn.Module.forward allowed - module has hooks"), whose graph records it and names its
+    output (``compiled_labels.own_output``); where even that does not run (a function under
+    ``torch.compiler.disable``), the hook records the output itself. A module of the user's
+    called outside a graph is compiled as a frame of its own anyway. Hooks only on torch's
+    classes: a hook makes dynamo trace a module through ``__call__`` where it would trace its
+    ``forward``, which breaks the graph in some user modules (transformers' kernel-hub
+    wrappers read a ``ContextVar``)."""
+    opaque = _opaque_modules(root)
+    out: List[nn.Module] = []
+
+    def walk(m: nn.Module) -> None:
+        for child in m.children():
+            if any(child is o for o in opaque):
+                continue
+            if _torch_module(child):
+                out.append(child)
+            walk(child)
+
+    walk(root)
+    return out
+
+
+def _torch_module(m: nn.Module) -> bool:
+    """A module of one of torch's own classes that computes (not a container)."""
+    if isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        return False
+    code = getattr(inspect.unwrap(type(m).forward), "__code__", None)
+    return code is not None and code.co_filename.startswith(_TORCH_DIR)
 
 
 def opaque_module_paths(cap: "Capture") -> List[str]:
@@ -208,8 +261,9 @@ def opaque_compiled(cap: "Capture") -> Iterator[None]:
 def _recorded_at_output(forward: Callable[..., Any], label: str) -> Callable[..., Any]:
     @torch.compiler.disable
     def run(*args: Any, **kwargs: Any) -> Any:
-        out = forward(*args, **kwargs)
-        recorder.observe(out[0] if isinstance(out, tuple) and out else out, label)  # (an RNN's: output, state)
+        with eager.as_compiled():  # (a compiled module runs the user's compiled code)
+            out = forward(*args, **kwargs)
+        recorder.observe(eager.first_tensor(out), label)  # (an RNN's: output, state)
         return out
 
     return run
@@ -232,9 +286,10 @@ _DYNAMO_WARNINGS = (
 
 
 @contextlib.contextmanager
-def _dynamo_settings() -> Iterator[None]:
+def _dynamo_settings(eager_branches: bool) -> Iterator[None]:
     originals = {name: vars(nn.Module)[name] for name in _HOOK_METHODS}
-    with warnings.catch_warnings(), torch._dynamo.config.patch(**_CONFIG):
+    branches = eager.eager_branches() if eager_branches else contextlib.nullcontext()
+    with warnings.catch_warnings(), torch._dynamo.config.patch(**_CONFIG), branches:
         for message in _DYNAMO_WARNINGS:
             warnings.filterwarnings(
                 "ignore", message=re.escape(message), category=UserWarning, module=r"torch\._dynamo"
@@ -249,16 +304,28 @@ def _dynamo_settings() -> Iterator[None]:
 
 
 def tracked_forward(cap: "Capture", compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """``compiled`` under the capture's dynamo settings, compiled submodules opaque."""
+    """``compiled`` under the capture's dynamo settings, compiled submodules opaque, module
+    calls outside the graphs recorded at their output (``eager.EagerCalls``)."""
 
-    breaks = torch._dynamo.utils.counters["graph_break"]
+    counted = torch._dynamo.utils.counters["graph_break"]
+    calls = eager.EagerCalls(
+        cap.module_paths(),
+        cap.has_label,
+        lambda key, label: cap.add_graph(eager.empty_graph(), {key: label}),
+        MODULE_KEY,
+        EAGER_KEY,
+        record=parallel_mesh(cap.module) is None,  # (tensor parallelism: placements known in graphs only)
+    )
+    hooked: List[nn.Module] = []
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        before = set(breaks)
+        before = set(counted)
+        hooked[:] = hooked or _eagerly_hooked(cap.module)
+        new_forward()
         try:
-            with opaque_compiled(cap), _dynamo_settings():
+            with opaque_compiled(cap), calls.hooked(hooked), _dynamo_settings(cap.eager_branches):
                 return compiled(*args, **kwargs)
         finally:  # graph-break reasons, for the coverage report
-            cap.add_graph_breaks(str(k).splitlines()[0][:160] for k in breaks if k not in before)
+            cap.add_graph_breaks(str(k).splitlines()[0][:160] for k in counted if k not in before)
 
     return run

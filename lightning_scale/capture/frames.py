@@ -24,14 +24,14 @@ import torch
 from torch import fx, nn
 
 from lightning_scale.capture import breaks
-from lightning_scale.capture.labels import indexed_item
+from lightning_scale.capture.labels import indexed_item, indexing_name, is_indexing, subscript_source
 from lightning_scale.record import recorder
 
 __all__ = [
     "FrameGraph",
     "Labeller",
-    "compiling_code",
     "exact_checkpoint",
+    "label_of",
     "module_paths",
     "observe_node",
     "skip_node",
@@ -124,6 +124,7 @@ class FrameGraph:
     stand_ins: Dict[str, str] = field(default_factory=dict)
     # node -> recorded node that returned the same tensor: the compiled route logs its row twice
     copies: Dict[str, str] = field(default_factory=dict)
+    code: Optional[breaks.CodeKey] = None  # the code dynamo compiled into the graph (``breaks.running_frame``)
     _roots: Optional[List[str]] = field(default=None, init=False, repr=False, compare=False)
     _anchors: Optional[Dict[str, Tuple[int, str]]] = field(default=None, init=False, repr=False, compare=False)
 
@@ -203,14 +204,28 @@ def _innermost_local(node: fx.Node) -> Tuple[Optional[str], str]:
 
 
 def _op_site(node: fx.Node, op_name: Callable[[fx.Node], str]) -> NodeSite:
-    """An op's site; an item of a tuple output sits where its source does, as ``source[i]``."""
+    """An op's site; an item of a tuple output sits where its source does, as ``source[i]``;
+    a slice or index is named as written (``pos[:T]``: ``labels.subscript_source``), else
+    after its source and index (``x[0]``)."""
     item = indexed_item(node, lambda n: isinstance(n.meta.get("example_value"), (tuple, list)))
     source = node if item is None else item[0]
     root, path = _innermost_local(source)
-    site = NodeSite(node.name, root, path, op_name(source), _source(source))
+    op = op_name(source)
+    if item is None and is_indexing(node):
+        op = subscript_source(str(node.meta.get("stack_trace") or "")) or indexing_name(node, _dynamo_name_of)
+    site = NodeSite(node.name, root, path, op, _source(source))
     if item is not None:
         site.origin, site.index = source.name, item[1]
     return site
+
+
+def _dynamo_name_of(node: fx.Node) -> str:
+    """A dynamo node's short name: an attribute's path under its frame local, an input's name,
+    else the variable dynamo named it after (``h_1`` -> ``h``)."""
+    site = _placeholder_site(node) if node.op == "placeholder" else None
+    if site is not None:
+        return site.path if site.is_attr else site.op
+    return re.sub(r"_\d+$", "", node.name)
 
 
 def _under_transform(gm: fx.GraphModule) -> Set[fx.Node]:
@@ -270,12 +285,17 @@ def module_outputs(
     complete: bool = True,
 ) -> List[Tuple[Optional[str], str, str]]:
     """(root, path, node) for each module call that ends inside ``gm``: its last node whose
-    value leaves the module. Modules called more than once in the graph are left out;
+    value leaves the module (nodes dynamo adds to rebuild Python objects, with no metadata,
+    such as torchao's ``Float8LinearConfig``, are no part of it). Modules called more than
+    once in the graph are left out;
     ``complete=False`` (the graph ends at a graph break) leaves out a region that ends the
     graph and only reaches its output when the module may continue in the next graph: unless
     the break fell after the call returned (``breaks.returned_before_break``)."""
     at_break = None if complete else breaks.break_frames(gm)
-    computing = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    dynamo = parse is _site_path  # (fx nodes have no example values)
+    computing = [
+        n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr") and (not dynamo or n.meta)
+    ]
     order = {n: i for i, n in enumerate(computing)}
     spans: Dict[str, List[fx.Node]] = {}
     for node in computing:
@@ -409,6 +429,11 @@ def table_for(graph: FrameGraph, scope: Tuple[str, ...], labeller: Labeller) -> 
     return {s.name: table[s.name] for s in graph.sites}
 
 
+def label_of(name: str) -> Optional[str]:
+    """The label the running graph's table gives node ``name`` (None: no graph runs, or no label)."""
+    return _TABLES[-1].get(name) if _TABLES else None
+
+
 @contextmanager
 def running(table: Dict[str, str]) -> Iterator[None]:
     """Context of one graph call: ``observe_node`` resolves through ``table``."""
@@ -417,24 +442,3 @@ def running(table: Dict[str, str]) -> Iterator[None]:
         yield
     finally:
         _TABLES.pop()
-
-
-def compiling_resume_frame() -> bool:
-    """Whether dynamo is compiling the continuation of a frame after a graph break."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        return InstructionTranslator.current_tx().f_code.co_name.startswith("torch_dynamo_resume_in")
-    except Exception:  # noqa: BLE001 - a dynamo internal; without it inputs are labelled
-        return False
-
-
-def compiling_code() -> Any:
-    """The code object of the frame dynamo is compiling (a resume function after a graph
-    break has its own); None where dynamo's internals do not say."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        return InstructionTranslator.current_tx().f_code
-    except Exception:  # noqa: BLE001 - a dynamo internal
-        return None

@@ -46,7 +46,7 @@ from typing import (
 import torch
 from torch import fx, nn
 
-from lightning_scale.capture import coverage, frames, tensor_parallel
+from lightning_scale.capture import coverage, frames, summary, tensor_parallel
 from lightning_scale.capture.compiled import CompiledRoute, compiled_modules
 from lightning_scale.capture.compiled_labels import CompiledLabels
 from lightning_scale.capture.dynamo import MODULE_KEY, WeakBackend, opaque_module_paths, tracked_forward
@@ -86,6 +86,9 @@ class Capture:
         aliases: label -> label of a node with provably identical statistics (views of a
             single-use tensor); these are not computed twice.
         reason: why auto chose this mode.
+        eager_branches: dynamo traces ``torch.compiler.is_compiling()`` as False, as the
+            user's eager forward sees it (``eager.eager_branches``); set by the fidelity
+            probe where the plain dynamo route changes the forward.
     """
 
     mode: str
@@ -96,12 +99,13 @@ class Capture:
     fallbacks: Dict[str, str] = field(default_factory=dict)
     aliases: Dict[str, str] = field(default_factory=dict)
     reason: str = ""
+    eager_branches: bool = False
     _taken: Dict[str, int] = field(default_factory=dict)
     _fns: List[Callable[..., Any]] = field(default_factory=list)
     _unit_fns: List[Tuple[str, Callable[..., Any]]] = field(default_factory=list)
     _compiled: Optional[Callable[..., Any]] = None
     _labeller: frames.Labeller = field(default_factory=frames.Labeller)
-    _tables: Dict[Tuple[int, Tuple[str, ...]], Dict[str, str]] = field(default_factory=dict)
+    _tables: Dict[Tuple[int, Tuple[str, ...], bool], Dict[str, str]] = field(default_factory=dict)
     _module_paths: Optional[Dict[int, str]] = None
     _tensor_names: Optional[Dict[int, List[str]]] = None
     _breaks: List[str] = field(default_factory=list)
@@ -135,11 +139,12 @@ class Capture:
         """The labels given so far to dynamo nodes (unique across graphs and frames)."""
         return self._labeller
 
-    def frame_table(self, key: Tuple[int, Tuple[str, ...]]) -> Optional[Dict[str, str]]:
-        """The node -> label table of (a frame graph's id, the scope that runs it), if made."""
+    def frame_table(self, key: Tuple[int, Tuple[str, ...], bool]) -> Optional[Dict[str, str]]:
+        """The node -> label table of (a frame graph's id, the scope that runs it, whether it
+        runs the owner's call itself), if made."""
         return self._tables.get(key)
 
-    def add_frame_table(self, key: Tuple[int, Tuple[str, ...]], table: Dict[str, str]) -> None:
+    def add_frame_table(self, key: Tuple[int, Tuple[str, ...], bool], table: Dict[str, str]) -> None:
         self._tables[key] = table
 
     def add_graph(self, gm: fx.GraphModule, labels: Dict[str, str]) -> None:
@@ -283,7 +288,12 @@ class Capture:
         if self.leaves:
             parts.append(f"leaf modules={len(self.leaves)}")
         if self.fallbacks:
-            parts.append("fx fallbacks: " + ", ".join(f"{k} ({v})" for k, v in self.fallbacks.items()))
+            parts.append(summary.fallback_line(self.fallbacks))
+        converted = summary.converted_line(self.module)
+        if converted:
+            parts.append(converted)
+        if self.eager_branches:
+            parts.append("torch.compiler.is_compiling() traced as False")
         if self.reason:
             parts.append(self.reason)
         meshes = tensor_parallel.meshes_of(self.module)
@@ -388,7 +398,7 @@ def _capture(
             raise CaptureError(f"torch.fx could not trace {type(module).__name__}: {why}") from err
         return Capture("dynamo", module, reason=f"auto: fx failed ({why})")
     if mode == "auto" and cap.fallbacks:
-        reason = "auto: fx needed fallbacks for " + ", ".join(cap.fallbacks)
+        reason = "auto: fx needed fallbacks for " + summary.names(list(cap.fallbacks))
         return Capture("dynamo", module, fallbacks=cap.fallbacks, reason=reason)
     cap.reason = "fx requested" if mode == "fx" else "auto: fx traced the whole model"
     return cap

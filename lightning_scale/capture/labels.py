@@ -11,14 +11,31 @@ computed.
 
 from __future__ import annotations
 
+import ast
+import functools
 import operator
 import re
-from typing import Callable, Dict, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
 from torch import fx, nn
 
-__all__ = ["TUPLE_OPS", "indexed_item", "label_graph", "view_aliases"]
+#: ``node.meta`` key of an indexing node's line of the user's source code (set by ``tracer.DeepTracer``)
+SOURCE_LINE = "lightning_scale_source_line"
+
+__all__ = [
+    "SOURCE_LINE",
+    "TUPLE_OPS",
+    "function_name",
+    "index_text",
+    "indexed_item",
+    "indexing_name",
+    "is_indexing",
+    "label_graph",
+    "line_subscript",
+    "subscript_source",
+    "view_aliases",
+]
 
 
 def _op_name(node: fx.Node, root: Optional[nn.Module]) -> str:
@@ -28,6 +45,18 @@ def _op_name(node: fx.Node, root: Optional[nn.Module]) -> str:
         return str(node.target)
     target = node.target
     return getattr(target, "__name__", str(target)).strip("_") or "op"
+
+
+def function_name(target: object) -> Optional[str]:
+    """The name of the ``torch.autograd.Function`` behind dynamo's trampoline call of it
+    (``trampoline_autograd_apply``: ``fn_cls.apply`` in a closure), e.g. torchao's
+    ``matmul_with_hp_or_float8_args``; None for any other target."""
+    code = getattr(target, "__code__", None)
+    cells = dict(zip(code.co_freevars, getattr(target, "__closure__", None) or ())) if code is not None else {}
+    fn_cls = cells["fn_cls"].cell_contents if "fn_cls" in cells else None
+    if isinstance(fn_cls, type) and issubclass(fn_cls, torch.autograd.Function):
+        return fn_cls.__name__
+    return None
 
 
 def _module_type(m: nn.Module) -> type:
@@ -110,6 +139,96 @@ def indexed_item(node: fx.Node, is_tuple: Callable[[fx.Node], bool]) -> Optional
     return (source, f"[{index}]") if is_tuple(source) else None
 
 
+# ---------------------------------------------------------------------------------------
+# Slices and indexing: ``pos[:T]``, ``x[0]``, ``qkv[..., :64]``
+
+
+def is_indexing(node: fx.Node) -> bool:
+    """A ``getitem`` that indexes or slices (not an item of a tuple output: ``indexed_item``)."""
+    return node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2
+
+
+def subscript_source(trace: str) -> Optional[str]:
+    """The subscript an op was computed by, as written (``self.pos[:T]`` -> ``pos[:T]``), from
+    its stack trace's last frame where the frame marks the expression (dynamo's ``^^^``):
+    the first subscript of the marked text (the outermost, leftmost); None where not found."""
+    lines = trace.rstrip("\n").split("\n")
+    if len(lines) < 2 or not re.fullmatch(r"\s*[\^~]+\s*", lines[-1]):
+        return None
+    marks = lines[-1]
+    start, end = len(marks) - len(marks.lstrip()), len(marks.rstrip())
+    text = lines[-2][start:end]
+    for candidate in (text, f"({text})"):
+        try:
+            tree = ast.parse(candidate.strip(), mode="eval")
+        except SyntaxError:
+            continue
+        found = next((n for n in ast.walk(tree) if isinstance(n, ast.Subscript)), None)
+        return re.sub(r"^self\.", "", ast.unparse(found)) if found is not None else None
+    return None
+
+
+def line_subscript(line: str, index: str) -> Optional[str]:
+    """The subscript of a line of source code whose index is written ``index`` (as
+    ``index_text`` renders it), or the line's only subscript: ``h = x + self.pos[:T]`` ->
+    ``pos[:T]``; None where the line has none such, or several."""
+    try:
+        tree = ast.parse(line.strip().rstrip(":") or "None")
+    except SyntaxError:
+        return None
+    subscripts = [n for n in ast.walk(tree) if isinstance(n, ast.Subscript)]
+    written = [re.sub(r"^\((.*)\)$", r"\1", ast.unparse(n.slice)) for n in subscripts]  # ((:, -1): a tuple)
+    same = [n for n, w in zip(subscripts, written) if w == index] or (subscripts if len(subscripts) == 1 else [])
+    return re.sub(r"^self\.", "", ast.unparse(same[0])) if len(same) == 1 else None
+
+
+def index_text(index: Any, name_of: Callable[[fx.Node], str]) -> str:
+    """``index`` as written in a subscript: ``0``, ``:T``, ``..., :64``, ``:, -1``; a node by
+    ``name_of`` (``x.shape[1]``)."""
+    if isinstance(index, tuple):
+        return ", ".join(index_text(i, name_of) for i in index)
+    if isinstance(index, slice):
+        parts = [index_text(v, name_of) if v is not None else "" for v in (index.start, index.stop, index.step)]
+        return ":".join(parts[:2]) + (f":{parts[2]}" if parts[2] else "")
+    if index is Ellipsis:
+        return "..."
+    if isinstance(index, fx.Node):
+        return name_of(index)
+    return repr(index)
+
+
+def indexing_name(node: fx.Node, name_of: Callable[[fx.Node], str]) -> str:
+    """``source[index]`` for an indexing ``getitem`` node, its source named by ``name_of``."""
+    source, index = node.args
+    return f"{name_of(source) if isinstance(source, fx.Node) else repr(source)}[{index_text(index, name_of)}]"
+
+
+def _fx_name_of(node: fx.Node, path: str, labels: Dict[str, str], depth: int = 0) -> str:
+    """A short expression for an fx node as the op at module ``path`` sees it: an input's
+    name, an attribute's path under ``path`` (``pos``), ``x.shape``, ``x.size(1)``, a slice's
+    own text, a child module's output by its name (``qkv``), an op of ``path`` by its op."""
+
+    def name(n: fx.Node) -> str:
+        return _fx_name_of(n, path, labels, depth + 1) if depth < 4 else n.name
+
+    def under(target: str) -> str:
+        return target[len(path) + 1 :] if path and target.startswith(path + ".") else target
+
+    if node.op == "placeholder":
+        return str(node.target)
+    if node.op == "get_attr":
+        return under(str(node.target))
+    if node.op == "call_function" and node.target is getattr and len(node.args) == 2:
+        return f"{name(node.args[0])}.{node.args[1]}" if isinstance(node.args[0], fx.Node) else node.name
+    if node.op == "call_method" and node.target == "size" and node.args and isinstance(node.args[0], fx.Node):
+        return f"{name(node.args[0])}.size({', '.join(map(repr, node.args[1:]))})"
+    if is_indexing(node) and isinstance(node.args[0], fx.Node):
+        return indexing_name(node, name)
+    label = labels.get(node.name, node.name)
+    where, _, op = label.rpartition("/")
+    return under(where) if where and where != path else op
+
+
 def _fx_tuple(root: Optional[nn.Module]) -> Callable[[fx.Node], bool]:
     """Whether an fx node (no example values) returns a tuple: a leaf module, or a ``TUPLE_OPS`` op."""
 
@@ -153,6 +272,12 @@ def label_graph(
         item = indexed_item(node, is_tuple)
         if item is not None and item[0].name in labels:
             base = labels[item[0].name] + item[1]  # (unique: its source's label is)
+        elif is_indexing(node):
+            path = ".".join(p for p in (scope, _module_path(node)) if p)
+            name_of = functools.partial(_fx_name_of, path=path, labels=labels)
+            written = line_subscript(str(node.meta.get(SOURCE_LINE, "")), index_text(node.args[1], name_of))
+            text = written or indexing_name(node, name_of)
+            base = f"{path}/{text}" if path else text
         else:
             base = _base_label(node, root, scope)
         count = taken.get(base, 0)

@@ -20,9 +20,14 @@ by node, what each value is:
 * a plain input of a graph that is not the model's own input (a value from before a graph
   break) has the placement that the parallel layers of the graph declare for it: a
   ``from_local`` of it, directly or through ops of one such input (``RowwiseParallel``'s
-  input hook: ``Shard(-1)``). Where none does, its placement is unknown, and so is that of
-  every plain tensor computed from it and no shard: those nodes are not recorded on any
-  rank (``UNKNOWN``: the coverage line and one warning name them), never half counted.
+  input hook: ``Shard(-1)``). Where none does, it has the placement its value had where it
+  left an earlier graph of the same forward (``left``: a replica, or a shard); a value no
+  graph returned (the model's own input where an FSDP2 unit's hooks broke the graph before
+  it, a tensor made by eager code at a break) descends from no parallel layer's output while
+  no local shard has left a graph of the forward: a replica. Else its placement is unknown,
+  and so is that of every plain tensor computed from it and no shard: those nodes are not
+  recorded on any rank (``UNKNOWN``: the coverage line and one warning name them), never
+  half counted.
 
 A graph that computes no DTensor (all of it after a graph break) takes the mesh of the
 model's parallel layers. Nothing here compares values across ranks: the placements decide.
@@ -30,6 +35,8 @@ model's parallel layers. Nothing here compares values across ranks: the placemen
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -44,6 +51,7 @@ __all__ = [
     "local_tensor",
     "mesh_line",
     "meshes_of",
+    "new_forward",
     "parallel_mesh",
 ]
 
@@ -51,6 +59,39 @@ _CONVERSIONS = {"from_local", "to_local", "redistribute", "full_tensor"}
 _SHARD, _REPLICA, _UNKNOWN = "shard", "replica", "unknown"  # a plain node's placement
 #: why a node is recorded on no rank (``Recorder.skipped``)
 UNKNOWN = "placement unknown (computed from a value of before a graph break that no parallel layer declares)"
+#: plain tensors a graph of this forward returned, by id: (a weak reference to it, its placement there)
+_LEFT: Dict[int, Tuple[Any, str]] = {}
+_SHARD_LEFT: List[bool] = [False]  # whether a graph of this forward returned a local shard
+
+
+def new_forward() -> None:
+    """A tracked forward starts: no value has left a graph of it yet."""
+    _LEFT.clear()
+    _SHARD_LEFT[0] = False
+
+
+def _arriving(x: Any) -> str:
+    """The placement of a plain value that enters a graph from before a graph break: the one
+    it had where a graph of this forward returned it; else (made by eager code, or the
+    model's input) a replica while no shard has left a graph, unknown after one has."""
+    entry = _LEFT.get(id(x)) if isinstance(x, Tensor) else None
+    if entry is not None and entry[0]() is x:
+        return entry[1]
+    return _UNKNOWN if _SHARD_LEFT[0] else _REPLICA
+
+
+def _leaving(x: Tensor, kind: str) -> None:
+    _LEFT[id(x)] = (weakref.ref(x), kind)
+    _SHARD_LEFT[0] = _SHARD_LEFT[0] or kind == _SHARD
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """The placements of a graph's plain nodes for one set of input placements."""
+
+    status: Dict[str, str]
+    replicas: frozenset
+    unknown: frozenset
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -104,8 +145,9 @@ class TensorParallelGraph:
         reduced: conversion -> the ``Partial`` node whose reduced value it holds.
         hidden: conversions that are neither (``from_local`` of a tensor with other users:
             its gradient is this user's partial sum); not nodes of the model, not labelled.
-        replicas: plain-tensor nodes every rank of ``mesh`` holds whole and equal.
-        unknown: plain-tensor nodes whose placement is unknown: recorded on no rank.
+        replicas: plain-tensor nodes every rank of ``mesh`` holds whole and equal (before a
+            call places the inputs no parallel layer declares: ``begin``).
+        unknown: plain-tensor nodes whose placement is unknown: recorded on no rank (idem).
     """
 
     def __init__(self, gm: fx.GraphModule, mesh: Any = None, inputs: Set[str] = frozenset()) -> None:
@@ -116,11 +158,48 @@ class TensorParallelGraph:
         self.replicas: Set[str] = set()
         self.unknown: Set[str] = set()
         self.hidden: Set[str] = set()
+        self._open: List[Tuple[int, str]] = []  # (argument index, name) of inputs placed at run time
         if self.mesh is None:
             return
         self.aliases, self.reduced = _conversion_aliases(gm)
         self.hidden = {n.name for n in gm.graph.nodes if _is_conversion(n) and n.name not in self.aliases}
-        self.replicas, self.unknown = _plain_placements(gm, inputs)
+        self._gm = gm
+        unknown = {name: _UNKNOWN for name in inputs}
+        self._start = {**unknown, **_declared(gm, _statuses(gm, unknown))}
+        index = {n.name: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+        self._open = [(index[n], n) for n in sorted(inputs) if self._start[n] == _UNKNOWN and n in index]
+        returned = gm.graph.output_node().args[0]
+        self._returned = (
+            [a.name if isinstance(a, fx.Node) else None for a in returned]
+            if isinstance(returned, (tuple, list))
+            else []
+        )
+        self._cache: Dict[Tuple[str, ...], _Placed] = {}
+        self._now = self._placed(tuple(_UNKNOWN for _ in self._open))
+        self.replicas, self.unknown = set(self._now.replicas), set(self._now.unknown)
+
+    def _placed(self, kinds: Tuple[str, ...]) -> _Placed:
+        if kinds not in self._cache:
+            status = _statuses(self._gm, {**self._start, **{n: k for (_, n), k in zip(self._open, kinds)}})
+            replicas = frozenset(n for n, s in status.items() if s == _REPLICA)
+            self._cache[kinds] = _Placed(status, replicas, frozenset(n for n, s in status.items() if s == _UNKNOWN))
+        return self._cache[kinds]
+
+    def begin(self, args: Tuple[Any, ...]) -> None:
+        """A call with ``args``: the inputs no parallel layer of the graph declares take the
+        placement they had where they left an earlier graph (``_arriving``)."""
+        if self._open:
+            self._now = self._placed(tuple(_arriving(args[i]) if i < len(args) else _UNKNOWN for i, _ in self._open))
+
+    def left(self, out: Any) -> None:
+        """The call returned ``out`` (the graph's outputs, in order): its plain tensors keep
+        their placement for the graphs after a break."""
+        if self.mesh is None or not isinstance(out, (tuple, list)):
+            return
+        for name, value in zip(self._returned, out):
+            kind = self._now.status.get(name) if name is not None else None
+            if kind is not None and isinstance(value, Tensor) and not is_distributed(value):
+                _leaving(value, kind)
 
     def observer(
         self, observe: Callable[..., None], skip: Callable[[Any, str, str], None]
@@ -134,11 +213,12 @@ class TensorParallelGraph:
         if self.mesh is None:
             return observe
         mesh, reduced = self.mesh, dict(self.reduced)
-        replicas, unknown, partial = frozenset(self.replicas), frozenset(self.unknown), frozenset(reduced.values())
+        partial = frozenset(reduced.values())
 
         @torch.compiler.disable
         def run(x: Any, name: str) -> None:
-            if name in unknown:
+            replicas = self._now.replicas
+            if name in self._now.unknown:
                 skip(x, name, UNKNOWN)
                 return
             if name in partial or (name in replicas and not first_of_replicas(mesh)):
@@ -173,15 +253,6 @@ def _conversion_aliases(gm: fx.GraphModule) -> Tuple[Dict[str, str], Dict[str, s
         if not _partial(src) or not _partial(node):
             aliases[node.name] = src.name
     return aliases, reduced
-
-
-def _plain_placements(gm: fx.GraphModule, inputs: Set[str]) -> Tuple[Set[str], Set[str]]:
-    """(replicas, unknown) among the plain-tensor nodes (see the module docstring): ``inputs``
-    start unknown, unless a parallel layer declares their placement."""
-    start = {name: _UNKNOWN for name in inputs}
-    start.update(_declared(gm, _statuses(gm, start)))
-    status = _statuses(gm, start)
-    return {n for n, s in status.items() if s == _REPLICA}, {n for n, s in status.items() if s == _UNKNOWN}
 
 
 def _statuses(gm: fx.GraphModule, start: Dict[str, str]) -> Dict[str, str]:

@@ -11,10 +11,13 @@ trace error into what failed, in which module, at which source line.
 
 from __future__ import annotations
 
+import linecache
 import math
-from collections import OrderedDict
+import operator
 import os
+import sys
 import traceback
+from collections import OrderedDict
 import warnings
 from types import FunctionType, ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
@@ -22,9 +25,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, U
 import torch
 from torch import fx, nn
 
+from lightning_scale.capture.labels import SOURCE_LINE
 from lightning_scale.capture.module_state import forked_rng, guarded
 
 __all__ = ["DEFAULT_LEAF_TYPES", "DeepTracer", "SideEffectError", "failure_reason", "trace_module"]
+
+_SKIPPED = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: Modules kept as leaves by default: fx cannot trace them (control flow on proxies),
 #: tracing would drop their buffer updates (BatchNorm's ``num_batches_tracked``), or their
@@ -139,7 +145,10 @@ class DeepTracer(fx.Tracer):
                 f"{kind} {getattr(target, '__name__', target)} runs under a grad or autocast mode switched "
                 "inside forward (torch.no_grad, autocast, ...), which a graph does not record"
             )
-        return super().create_node(kind, target, *args, **kwargs)
+        node = super().create_node(kind, target, *args, **kwargs)
+        if kind == "call_function" and target is operator.getitem:
+            node.meta[SOURCE_LINE] = _user_line()  # (a slice is named as written: ``labels.line_subscript``)
+        return node
 
     def trace(
         self, root: Union[nn.Module, Callable[..., Any]], concrete_args: Optional[Dict[str, Any]] = None
@@ -150,6 +159,14 @@ class DeepTracer(fx.Tracer):
             graph._tracer_extras = {}
         graph._tracer_extras["target_to_function"] = self.target_to_function
         return graph
+
+
+def _user_line() -> str:
+    """The line of the user's code (outside torch and this package) that is being traced."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIPPED):
+        frame = frame.f_back
+    return linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() if frame is not None else ""
 
 
 def _grad_modes() -> Tuple[Any, ...]:

@@ -137,6 +137,11 @@ class Recorder:
         if x.requires_grad and torch.is_grad_enabled():
             self._hook_gradient(slot, x)
 
+    def observe_gradient(self, key: Hashable, grad: Tensor) -> None:
+        """Record ``grad`` as ``key``'s gradient (backward) now: a gradient-side tensor no hook
+        hands over (torchao's float8 cast of a layer's output gradient, made in its backward)."""
+        self._on_grad(self.slot(key), grad)
+
     def _hook_gradient(self, slot: int, x: Tensor) -> None:
         if not x.is_leaf:
             x.register_hook(functools.partial(self._on_grad, slot))

@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Literal, Optional, Tuple
+from typing import Any, Callable, Dict, List, Literal, Optional, Tuple
 
 from torch import nn
 
 from lightning_scale.capture import Capture, fidelity
 
-__all__ = ["ONE_BACKWARD_STRATEGIES", "CaptureCheck", "Verification", "Verify", "check_capture"]
+__all__ = ["EAGER_BRANCHES", "ONE_BACKWARD_STRATEGIES", "CaptureCheck", "Verification", "Verify", "check_capture"]
 
 #: Strategies whose backward hooks expect one backward per forward (the probe runs two).
 ONE_BACKWARD_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
 
 CheckKind = Literal["verified", "switched", "failed", "interrupted"]
+#: The dynamo route as the user's eager forward branches (``Capture.eager_branches``).
+EAGER_BRANCHES = "dynamo with is_compiling() false"
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,7 @@ def check_capture(
     other (a capture of it from ``build(route)``). ``eager``, ``args``, ``kwargs``: the
     user's forward and the step's inputs; ``agree`` turns this rank's verdict into every
     rank's. Never raises: every failure is an outcome."""
-    other = "fx" if cap.mode == "dynamo" else "dynamo"
-    routes = [(cap.mode, lambda: cap), (other, lambda: build(other))]
+    routes = _routes(cap, build)
     name = type(target).__name__
     try:
         outcome = fidelity.verify(target, eager, routes, args, kwargs, agree)
@@ -86,8 +87,26 @@ def check_capture(
             f"would change training ({outcome.describe()}); pass `verify_capture=False` to track it anyway"
         )
         return CaptureCheck("failed", cap, None, why)
-    line = f"ScaleMonitor: capture of {name} verified ({outcome.describe()}); tracking with {outcome.capture.mode}"
+    route = outcome.verdicts[-1].route
+    line = f"ScaleMonitor: capture of {name} verified ({outcome.describe()}); tracking with {route}"
     return CaptureCheck("switched" if outcome.switched else "verified", cap, outcome.capture, line)
+
+
+def _routes(cap: Capture, build: Callable[[str], Capture]) -> List[Tuple[str, Callable[[], Capture]]]:
+    """The routes the probe tries, ``cap``'s first: fx, and dynamo, then dynamo with
+    ``is_compiling()`` traced as False (``EAGER_BRANCHES``: only where dynamo changes the
+    forward, as a model that branches on it does: it may cost graph breaks elsewhere)."""
+
+    def made(mode: str) -> Callable[[], Capture]:
+        return (lambda: cap) if cap.mode == mode else (lambda: build(mode))
+
+    def eager_branches() -> Capture:
+        variant = build("dynamo")
+        variant.eager_branches = True
+        return variant
+
+    dynamo = [("dynamo", made("dynamo")), (EAGER_BRANCHES, eager_branches)]
+    return dynamo + [("fx", made("fx"))] if cap.mode == "dynamo" else [("fx", made("fx")), *dynamo]
 
 
 class Verification:

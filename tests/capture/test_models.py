@@ -237,7 +237,8 @@ class Gate(nn.Module):
 
 
 class CompileAware(nn.Module):
-    """Takes another path while TorchDynamo compiles it, as transformers' Mamba does."""
+    """Takes another path while TorchDynamo traces it, asked as such (``is_dynamo_compiling``:
+    the probe's dynamo variant with ``is_compiling()`` false, which puts Mamba's scan back, keeps it)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -247,7 +248,7 @@ class CompileAware(nn.Module):
 
     def forward(self, ids: Tensor, labels: Tensor) -> Tensor:
         h = self.embed(ids)
-        h = h * (1 + 2**-20) if torch.compiler.is_compiling() else h  # (another algorithm: other rounding)
+        h = h * (1 + 2**-20) if torch.compiler.is_dynamo_compiling() else h  # (another algorithm: other rounding)
         h = self.gate(h)
         return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
 
@@ -312,7 +313,12 @@ CASES: Dict[str, Tuple[Callable[[], nn.Module], Callable[[nn.Module, Tensor], Te
 # alone, would not match.
 PROBED: Dict[str, Tuple[Callable[[], nn.Module], Callable[[nn.Module, Tensor], Tensor], List[str]]] = {
     "is-compiling-branch": (CompileAware, plain_loss, ["gate", "head"]),
-    "mamba": (mamba, lm_loss, ["backbone.layers.0.mixer", "lm_head"]),
+    # (the probe tracks it with dynamo, `is_compiling()` false: the mixers' projections are tagged)
+    "mamba": (
+        mamba,
+        lm_loss,
+        [f"backbone.layers.0.mixer.{p}" for p in ("in_proj", "x_proj", "out_proj")] + ["lm_head"],
+    ),
 }
 
 
@@ -409,7 +415,7 @@ def test_training_is_bit_identical_and_warns_about_nothing(tmp_path: Any, name: 
 
 
 def test_the_probe_switches_to_the_route_that_keeps_the_forward(tmp_path: Any) -> None:
-    """Dynamo makes `is_compiling()` true: the probe sees the loss differ and tracks with fx
+    """Dynamo makes `is_dynamo_compiling()` true: the probe sees the loss differ and tracks with fx
     (the data-dependent gate a leaf); without the probe, dynamo's forward trains differently."""
     make, loss, _ = PROBED["is-compiling-branch"]
     plain, _, _ = fit(tmp_path, "plain", make, loss, monitor=False)
@@ -427,7 +433,7 @@ class CompileAwareTask(Task):
         loss = self.loss_fn(self.model, ids)
         if ids.sum() < 0:  # data-dependent: fx fails on the captured module itself
             loss = -loss
-        return loss * (1 + 2**-20) if torch.compiler.is_compiling() else loss
+        return loss * (1 + 2**-20) if torch.compiler.is_dynamo_compiling() else loss
 
 
 def test_a_model_no_route_reproduces_trains_untracked_with_one_warning(tmp_path: Any) -> None:

@@ -99,26 +99,35 @@ class Broken(MLP):
 
     def __init__(self, after: str) -> None:
         super().__init__()
-        self.after, self.head = after, nn.Linear(8, 4)
+        self.after, self.head, self.side = after, nn.Linear(8, 4), nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
         if self.after == "fc1":
             torch._dynamo.graph_break()
+        if self.after == "fc1, eagerly":
+            return self.side(torch.relu(_eagerly_doubled(h)))
         h = self.fc2(self.act(h))
         if self.after == "fc2":
             torch._dynamo.graph_break()
         return self.head(h)
 
 
-@pytest.mark.parametrize("after, skipped", [("fc1", []), ("fc2", ["head/linear"])])
+@torch.compiler.disable
+def _eagerly_doubled(h: torch.Tensor) -> torch.Tensor:
+    return 2 * h  # (eager code at a graph break: a value no graph returned)
+
+
+@pytest.mark.parametrize("after, skipped", [("fc1", []), ("fc2", []), ("fc1, eagerly", ["relu", "side/linear"])])
 def test_inputs_from_before_a_graph_break_take_the_declared_placement_or_are_skipped(
     mesh: DeviceMesh, after: str, skipped: "list[str]"
 ) -> None:
     """After the break that follows fc1, fc2's input hook declares the GELU's input a shard:
     the GELU is recorded. After the one that follows fc2, nothing in the head's graph (no
-    DTensor at all: it takes the parallel layers' mesh) declares its input: the head's output
-    is recorded on no rank, and ``skipped`` says why, forward and backward."""
+    DTensor at all: it takes the parallel layers' mesh) declares its input, which left fc2's
+    graph a replica: the head is recorded (once per tensor-parallel group). A value made by
+    eager code after fc1's local shard left its graph may be that shard's: what is computed
+    from it is recorded on no rank, and ``skipped`` says why, forward and backward."""
     torch.manual_seed(0)
     model = Broken(after)
     parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
@@ -132,5 +141,8 @@ def test_inputs_from_before_a_graph_break_take_the_declared_placement_or_are_ski
     assert rec.skipped == why
     records = rec.records(cap.node_labels, cap.aliases)
     counts = {label: stats.summarise(row[0], ["count"])["count"] for label, row in zip(cap.node_labels, records)}
+    if skipped:
+        assert counts["relu"] == counts["side/linear"] == 0 and counts["fc1/linear"] == 3 * 16
+        return
     assert counts["act/gelu"] == 3 * 16 and counts["fc2/linear"] == 3 * 8 and counts["head.weight"] == 4 * 8
-    assert counts["head/linear"] == (0 if skipped else 3 * 4)
+    assert counts["head/linear"] == 3 * 4

@@ -8,9 +8,11 @@ gelu - fc2 rowwise - head), ``brk`` and ``tail`` (``mlp`` with a dynamo graph br
 after fc2: ``BreakMLP``), ``attn``
 (embedding - head-sharded q, k, v colwise - attention - out rowwise - head) or ``sp``
 (sequence parallel: ``mlp`` with LayerNorms before fc1 and after fc2 and a ``loss_parallel``
-loss, see ``SequenceParallelMLP``); CALLBACK ``on`` or ``off``; LOCAL ``1``
-(``use_local_output=True``, the default) or ``0`` (DTensor outputs, taken back to local
-tensors by the model). Lightning's launcher re-runs this script for the other ranks.
+loss, see ``SequenceParallelMLP``) or ``blocks`` (embedding - two residual MLP blocks, each an
+FSDP2 unit when DP > 1 - LayerNorm - head, the last three outside the plan: ``Blocks``);
+CALLBACK ``on`` or ``off``; LOCAL ``1`` (``use_local_output=True``, the default) or ``0``
+(DTensor outputs, taken back to local tensors by the model). Lightning's launcher re-runs
+this script for the other ranks.
 
 Writes to ``OUT/MODEL_CALLBACK``: ``init.pt`` (initial parameters), ``batch_rank<r>.pt`` (each
 rank's first batch), ``params.pt`` (full parameters after training), ``logs/`` (TensorBoard,
@@ -162,11 +164,48 @@ class SequenceParallelMLP(nn.Module):
         }
 
 
+class Block(nn.Module):
+    """A residual MLP block: fc1 column-parallel, fc2 row-parallel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(D, H)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(H, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + _local(self.fc2(self.act(_local(self.fc1(x)))))
+
+
+class Blocks(nn.Module):
+    """Embedding - two residual blocks - LayerNorm - head: the embedding, the final norm and
+    the head are outside the tensor-parallel plan; with DP > 1 each block is an FSDP2 unit of
+    its own (``fully_shard`` per block, then the root), as a transformer is sharded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+    @staticmethod
+    def plan(local: bool) -> dict:
+        layers = {f"blocks.{i}.fc1": ColwiseParallel(use_local_output=local) for i in range(2)}
+        return {**layers, **{f"blocks.{i}.fc2": RowwiseParallel(use_local_output=local) for i in range(2)}}
+
+
 class Module(pl.LightningModule):
     def __init__(self, out: Path, model: str, local: bool) -> None:
         super().__init__()
         self.out, self.local = out, local
-        models = {"mlp": MLP, "attn": Attention, "sp": SequenceParallelMLP}
+        models = {"mlp": MLP, "attn": Attention, "sp": SequenceParallelMLP, "blocks": Blocks}
         self.model = {**models, "brk": lambda: BreakMLP("fc1"), "tail": lambda: BreakMLP("fc2")}[model]()
 
     def configure_model(self) -> None:
@@ -174,6 +213,8 @@ class Module(pl.LightningModule):
         if self.device_mesh["data_parallel"].size() > 1:
             from torch.distributed.fsdp import fully_shard
 
+            for block in getattr(self.model, "blocks", []):
+                fully_shard(block, mesh=self.device_mesh["data_parallel"])
             fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
