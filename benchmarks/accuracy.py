@@ -3,8 +3,10 @@
 ``python benchmarks/accuracy.py``: the sweep of docs/statistics.md (sizes 1e3, 1e5, 1.6e7;
 |mean|/std 0, 3, 9.5, 100, 1e4; ``x = (randn(n) + offset).to(dtype)`` against
 ``x.double()``, one thread). The host path is measured with the native one-read kernel
-(``lightning_scale.record.native``, float32 and bfloat16) and with torch's kernels; the mean's
-error is relative to |mean| + std (as tests/record/test_stats_property.py judges it).
+(``lightning_scale.record.native``, float32 and bfloat16; the reference takes what it leaves)
+and without it (the reference alone, as on a machine without a C compiler); the device path is
+the reference (torch's kernels, no host read); the mean's error is relative to |mean| + std
+(as tests/record/test_stats_property.py judges it).
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ def main() -> None:
         if loaded is not None and dtype in (torch.float32, torch.bfloat16):
             rows[f"{name} | host, native kernel"] = worst(dtype, True)
         with native.switched_off():
-            rows[f"{name} | host, torch kernels"] = worst(dtype, True)
-        rows[f"{name} | device"] = worst(dtype, False)
+            rows[f"{name} | host, reference alone"] = worst(dtype, True)
+        rows[f"{name} | device, reference"] = worst(dtype, False)
     print(f"({native.status()})\n")
     print("| dtype | path | mean | std |\n|---|---|---|---|")
     for key, (m, s) in rows.items():

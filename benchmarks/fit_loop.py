@@ -234,7 +234,7 @@ def measure_tracked(
     ``every_n_steps``-th step: std without the figure; std with the figure every
     ``figure_every``-th tracked step (kept apart: the figure's drawing on the writer
     thread spills into the next steps); every statistic group; std and the fp8 what-if;
-    std again with torch's kernels instead of the native one-read kernel (``native.switched_off``).
+    std again without the native one-read kernel (``native.switched_off``: the reference computes every field).
     Of the whole fits, ``trainer.fit()`` is timed (capture at fit start included); of the
     short fits, every kept step period (``global_step >= skip``) is sorted by kind (see
     ``_sort_steps``) and compared with the kept step periods of the plain whole fit. The

@@ -6,7 +6,8 @@ labels; a node one run logged and the other did not is listed, not compared). St
 aligned by ``align``: by default the latest step both runs tracked; ``step=N`` takes each
 run's latest tracked step at or before ``N``; ``steps=(a, b)`` a given pair. Every
 statistic both runs logged is compared as run B minus run A: in octaves (log2) for the
-magnitudes of ``tables.LOG2_STATS`` (``std``, ``absmax``, ``rms``, ``min_nonzero``), as
+magnitudes (``statistics.is_log2``: ``std``, ``absmax``, ``rms``, ``min_nonzero``, and user
+statistics declared ``axis="log2"``), as
 logged for the others (fractions, counts, dB).
 
 **First divergence.** A node direction diverges when ``|log2 std of B - log2 std of A|``
@@ -22,23 +23,41 @@ forward first, while the gradients of every layer before it change too.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
 from lightning_scale.dashboard.data import DIRS, RunData
-from lightning_scale.dashboard.tables import LOG2_STATS
+from lightning_scale.dashboard.statistics import is_log2
 
-__all__ = ["THRESHOLD", "Comparison", "Divergence", "align", "compare", "delta", "difference_key", "listed", "matched"]
+__all__ = [
+    "THRESHOLD",
+    "Comparison",
+    "Divergence",
+    "align",
+    "compare",
+    "delta",
+    "difference_key",
+    "listed",
+    "log2_stats",
+    "matched",
+]
 
 #: Octaves of std (``|log2 std of B - log2 std of A|``) beyond which a node direction diverges.
 THRESHOLD = 0.5
 
 
-def difference_key(stat: str) -> str:
-    """The name of ``stat``'s difference: ``log2_std`` for a magnitude of ``LOG2_STATS``, else ``stat``."""
-    return f"log2_{stat}" if stat in LOG2_STATS else stat
+def difference_key(stat: str, log2: Optional[bool] = None) -> str:
+    """The name of ``stat``'s difference: ``log2_std`` for a magnitude (``log2``; None: as the
+    package's table declares it), else ``stat``."""
+    return f"log2_{stat}" if (is_log2(stat) if log2 is None else log2) else stat
+
+
+def log2_stats(a: RunData, b: RunData) -> Set[str]:
+    """The statistics of either run that are magnitudes (the runs' own declarations first)."""
+    meta = {**a.meta, **b.meta}
+    return {s for s in {*a.stats, *b.stats} if is_log2(s, meta)}
 
 
 @dataclass(frozen=True)
@@ -62,7 +81,7 @@ class Comparison:
 
     ``a[i, d, k]`` / ``b[i, d, k]``: statistic ``stats[k]`` of node ``labels[i]`` in
     direction ``DIRS[d]`` (NaN where not logged); ``difference``: B minus A, in log2 for
-    the statistics of ``LOG2_STATS`` (NaN where either is missing).
+    the magnitudes (``log2``; NaN where either is missing).
     """
 
     step_a: int
@@ -80,6 +99,7 @@ class Comparison:
     difference: np.ndarray
     threshold: float
     first_divergence: Optional[Divergence]
+    log2: Set[str] = field(default_factory=set)  # the statistics compared as magnitudes
 
     def diff(self, stat: str) -> np.ndarray:
         """``[nodes, 2]`` difference of ``stat`` (log2 for magnitudes; all NaN if not compared)."""
@@ -91,7 +111,7 @@ class Comparison:
         """One row per node and direction that either run logged, in execution order: the two
         runs' statistics as logged (``a``, ``b``) and their differences (``difference``, keyed
         by ``difference_key``); None where missing or not finite."""
-        keys = [difference_key(s) for s in self.stats]
+        keys = [difference_key(s, s in self.log2) for s in self.stats]
         a, b, diff = listed(self.a), listed(self.b), listed(self.difference)
         logged = (~(np.isnan(self.a).all(-1) & np.isnan(self.b).all(-1))).tolist()  # [nodes][2]
         out = []
@@ -230,7 +250,8 @@ def compare(
     labels, in_b = matched(a, b, names), set(b.labels)
     stats = sorted(set(a.stats) & set(b.stats), key=lambda s: (s != "std", s))
     va, vb = _at(a, step_a, labels, stats), _at(b, step_b, labels, stats)
-    diff = delta(va, vb, np.array([s in LOG2_STATS for s in stats], dtype=bool))
+    log2 = log2_stats(a, b)
+    diff = delta(va, vb, np.array([s in log2 for s in stats], dtype=bool))
     in_a = set(labels)
     cmp = Comparison(
         step_a=step_a,
@@ -248,6 +269,7 @@ def compare(
         difference=diff,
         threshold=float(threshold),
         first_divergence=None,
+        log2=log2,
     )
     cmp.first_divergence = _first_divergence(cmp)
     return cmp

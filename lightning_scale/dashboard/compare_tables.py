@@ -1,7 +1,7 @@
 """The Compare view's tables, computed on the server from two runs' ``RunData`` (``compare``).
 
 ``profile``: both runs' values of one statistic per matched node at a pair of steps (log2
-for the magnitudes of ``tables.LOG2_STATS``), their difference, the node directions ranked
+for the magnitudes, ``statistics.is_log2``), their difference, the node directions ranked
 by it and the first divergence; ``heatmap``: the difference at every step both runs
 tracked, in the shape of the Heatmap view's table; ``series``: one node's difference over
 those steps. Missing values are None.
@@ -17,7 +17,7 @@ from lightning_scale.dashboard import headroom
 from lightning_scale.dashboard.compare import THRESHOLD, Comparison, compare, delta, listed, matched
 from lightning_scale.dashboard.data import DIRS, RunData
 from lightning_scale.dashboard.layout import module_group
-from lightning_scale.dashboard.tables import LOG2_STATS
+from lightning_scale.dashboard.compare import log2_stats
 
 __all__ = ["heatmap", "profile", "series"]
 
@@ -47,7 +47,7 @@ def profile(
         step = a.steps[-1]
     cmp = compare(a, b, step=step, threshold=threshold, names=names)
     _check_stat(stat, cmp.stats)
-    log = stat in LOG2_STATS
+    log = stat in cmp.log2
     k = cmp.stats.index(stat)
     shown_a, shown_b = (_log2(cmp.a[..., k]), _log2(cmp.b[..., k])) if log else (cmp.a[..., k], cmp.b[..., k])
     diff, parameters = cmp.diff(stat), set(cmp.parameters)
@@ -116,16 +116,17 @@ def heatmap(a: RunData, b: RunData, stat: str = "std", names: _Names = ("A", "B"
         ValueError: no step in common, no node in common, or ``stat`` not logged by both.
     """
     labels, steps, diff = _over_steps(a, b, stat, names)
+    log = stat in log2_stats(a, b)
     parameters = a.parameters | b.parameters
     out: Dict[str, Any] = {
         "labels": labels,
         "groups": [module_group(label, label in parameters) for label in labels],
         "steps": steps,
         "params": sorted(p for p in parameters if p in set(labels)),
-        "stat": _what(stat),
+        "stat": _what(stat, log),
         "log2": False,
         "diverging": True,
-        "limit": _limit(diff, stat),
+        "limit": _limit(diff, log),
         "stats": sorted(set(a.stats) & set(b.stats)),
     }
     for d, name in enumerate(DIRS):
@@ -139,7 +140,8 @@ def series(a: RunData, b: RunData, label: str, stat: str = "std", names: _Names 
     labels, steps, diff = _over_steps(a, b, stat, names)
     out: Dict[str, Any] = {}
     if label in labels:
-        i, what, log = labels.index(label), _what(stat), stat in LOG2_STATS
+        log = stat in log2_stats(a, b)
+        i, what = labels.index(label), _what(stat, log)
         for d, name in enumerate(DIRS):
             out[f"{what}/{name}"] = listed(diff[:, i, d], 4)
         for run, tag in ((a, "A"), (b, "B")):
@@ -166,15 +168,15 @@ def _over_steps(a: RunData, b: RunData, stat: str, names: _Names) -> Tuple[List[
         column = run.column(stat)[[run.steps.index(s) for s in steps]]  # [steps, nodes, 2]
         return column[:, [where[label] for label in labels]]
 
-    return labels, steps, delta(values(a), values(b), stat in LOG2_STATS)
+    return labels, steps, delta(values(a), values(b), stat in log2_stats(a, b))
 
 
-def _limit(diff: np.ndarray, stat: str) -> float:
+def _limit(diff: np.ndarray, log: bool) -> float:
     """The colour scale's end: the largest finite ``|difference|``, at least ``THRESHOLD`` octaves
     for magnitudes (so rounding-level differences stay pale)."""
     finite = np.abs(diff[np.isfinite(diff)])
     largest = float(finite.max()) if finite.size else 0.0
-    return max(largest, THRESHOLD) if stat in LOG2_STATS else (largest or 1.0)
+    return max(largest, THRESHOLD) if log else (largest or 1.0)
 
 
 def _check_stat(stat: str, both: List[str]) -> None:
@@ -182,8 +184,8 @@ def _check_stat(stat: str, both: List[str]) -> None:
         raise ValueError(f"`stat` must be one of the statistics both runs logged {both}, got {stat!r}")
 
 
-def _what(stat: str) -> str:
-    return f"Δ log2 {stat}" if stat in LOG2_STATS else f"Δ {stat}"
+def _what(stat: str, log: bool) -> str:
+    return f"Δ log2 {stat}" if log else f"Δ {stat}"
 
 
 def _log2(values: np.ndarray) -> np.ndarray:

@@ -43,6 +43,8 @@ class RunData:
     aliases: Dict[str, str] = field(default_factory=dict)  # label -> label of the same tensor
     ratios: Dict[str, Dict[int, float]] = field(default_factory=dict)  # parameter -> step -> update ratio
     code: Dict[int, str] = field(default_factory=dict)  # step -> annotated code
+    #: statistic -> its declaration as the writer stored it (``Statistic.meta``: axis, worse, ...)
+    meta: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
     def column(self, stat: str) -> np.ndarray:
         """``[steps, nodes, 2]`` of ``stat`` (all NaN if the run did not log it)."""
@@ -214,7 +216,8 @@ def from_records(docs: List[Tuple[int, Dict[str, Any]]], read: Dict[str, Any], e
         values[t][np.ix_(rows, [0, 1], cols)] = arr
     params = {p for _, doc in docs for p in doc["parameters"]}
     aliases = {a: s for _, doc in docs for a, s in doc["aliases"].items()}
-    return RunData(labels, params, steps, stats, values, aliases, **extra)
+    meta = {k: v for _, doc in docs for k, v in doc.get("meta", {}).items()}
+    return RunData(labels, params, steps, stats, values, aliases, meta=meta, **extra)
 
 
 def _scalar_tags(provider: Any, ctx: Any, eid: str, run: str) -> List[str]:

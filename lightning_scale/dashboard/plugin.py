@@ -8,7 +8,8 @@ tables, which nodes are outside which format) on the run's per-step records
 
 Routes (``run`` and ``prefix`` select a run and ``""`` / ``"val_"``): ``/runs``,
 ``/profile?step=``, ``/heatmap?stat=``, ``/series?label=``, ``/worst?step=&by=&regex=``,
-``/code?step=``; the Compare view's, with ``other`` naming run B: ``/compare?step=&stat=``,
+``/code?step=``, ``/table`` (the formats and the statistics' declarations: the browser keeps
+no list of its own); the Compare view's, with ``other`` naming run B: ``/compare?step=&stat=``,
 ``/compare_heatmap?stat=``, ``/compare_series?label=&stat=`` (``compare_tables.py``).
 """
 
@@ -24,7 +25,7 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import Request, wrappers
 
-from lightning_scale.dashboard import compare_tables, data, metadata, tables
+from lightning_scale.dashboard import compare_tables, data, metadata, statistics, tables
 
 __all__ = ["ScalesPlugin"]
 
@@ -78,6 +79,7 @@ class ScalesPlugin(base_plugin.TBPlugin):
                 "/series": self._series,
                 "/worst": self._worst,
                 "/code": self._code,
+                "/table": self._table,
                 "/compare": self._compare,
                 "/compare_heatmap": self._compare_heatmap,
                 "/compare_series": self._compare_series,
@@ -123,6 +125,12 @@ class ScalesPlugin(base_plugin.TBPlugin):
 
         ctx, eid = plugin_util.context(request.environ), plugin_util.experiment_id(request.environ)
         return http_util.Respond(request, json.dumps(data.list_runs(self._provider, ctx, eid)), "application/json")
+
+    @wrappers.Request.application
+    def _table(self, request: Request) -> wrappers.Response:
+        if not request.args.get("run"):  # (before a run is picked: the package's own table)
+            return http_util.Respond(request, _dumps(statistics.table([])), "application/json")
+        return self._respond(request, lambda d, a: statistics.table(d.stats, d.meta))
 
     @wrappers.Request.application
     def _profile(self, request: Request) -> wrappers.Response:

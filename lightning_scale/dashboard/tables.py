@@ -15,12 +15,10 @@ import numpy as np
 from lightning_scale.dashboard import headroom
 from lightning_scale.dashboard.data import DIRS, RunData
 from lightning_scale.dashboard.layout import module_group
+from lightning_scale.dashboard.statistics import FP8_RECIPE, RANKINGS, is_log2, rankable, worse
 from lightning_scale.record.stats import FORMATS
 
 __all__ = [
-    "FP8_RECIPE",
-    "LOG2_STATS",
-    "STAT_RANKINGS",
     "code",
     "heatmap",
     "nearest_step",
@@ -29,22 +27,6 @@ __all__ = [
     "series",
     "worst",
 ]
-
-RANKINGS = (*FORMATS, "drift", "fp8")
-_BLOCKS = ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4")
-#: Statistics the worst nodes can also be ranked by, when the run logged them: True ranks the
-#: largest first (kurtosis, channel outliers, flushed fractions), False the least (SNRs).
-STAT_RANKINGS: Dict[str, bool] = {
-    **{f"{f}_snr_db": False for f in _BLOCKS},
-    **{f"{f}_flushed": True for f in _BLOCKS},
-    "kurtosis": True,
-    "channel_max_ratio": True,
-    "outlier_channels": True,
-}
-#: Magnitudes, drawn and coloured as log2; every other statistic (fractions, dB, counts) as logged.
-LOG2_STATS = ("std", "absmax", "rms", "min_nonzero")
-#: The FP8 format each direction would be cast to in the usual recipe: the ``fp8`` ranking's SNR.
-FP8_RECIPE = {"fwd": "e4m3", "bwd": "e5m2"}
 
 
 def _clean(v: Optional[float]) -> Optional[float]:
@@ -121,7 +103,7 @@ def profile(data: RunData, step: Optional[int]) -> Dict[str, Any]:
 
 def heatmap(data: RunData, stat: str = "std") -> Dict[str, Any]:
     """``stat`` of every node (rows, execution order) at every tracked step (columns), both
-    directions: log2 for the magnitudes of ``LOG2_STATS`` (rounded to 4 decimals: the view
+    directions: log2 for the magnitudes (``statistics.is_log2``: rounded to 4 decimals: the view
     shows 2), as logged for the others.
 
     Raises:
@@ -129,7 +111,7 @@ def heatmap(data: RunData, stat: str = "std") -> Dict[str, Any]:
     """
     if stat != "std" and stat not in data.stats:
         raise ValueError(f"`stat` must be one of the logged statistics {sorted(data.stats)}, got {stat!r}")
-    log = stat in LOG2_STATS
+    log = is_log2(stat, data.meta)
     column = data.column(stat)  # [steps, nodes, 2]
     shown = _log2(column) if log else column
     groups = [module_group(label, label in data.parameters) for label in data.labels]
@@ -169,9 +151,10 @@ def worst(data: RunData, step: Optional[int], by: str = "fp16", pattern: str = "
     """One row per tensor and direction, ranked by headroom to format ``by`` (least first), by
     ``|drift|`` of log2 std since the first tracked step (``by="drift"``, largest first) or by
     the FP8 what-if's SNR (``by="fp8"``, lowest first: E4M3 forward, E5M2 backward,
-    ``FP8_RECIPE``) or by a logged statistic of ``STAT_RANKINGS`` (``by="kurtosis"``: its
-    value in the row's ``value``), filtered by regex ``pattern`` (on the label or any of its
-    aliases). ``rankable``: the statistics of ``STAT_RANKINGS`` the run logged.
+    ``FP8_RECIPE``) or by a logged statistic that declares which end is worse
+    (``statistics.rankable``: ``by="kurtosis"``, a user statistic; its value in the row's
+    ``value``), filtered by regex ``pattern`` (on the label or any of its aliases).
+    ``rankable``: those statistics the run logged.
 
     A label that is an alias of another (``RunData.aliases``: a view, a module's output)
     is listed in its source's row. Each row also says at which tracked step the node first
@@ -179,13 +162,13 @@ def worst(data: RunData, step: Optional[int], by: str = "fp16", pattern: str = "
 
     Raises:
         ValueError: ``by`` is not a format, ``"drift"``, ``"fp8"`` or a statistic of
-            ``STAT_RANKINGS`` the run logged (or ``"fp8"`` and the run logged no FP8 SNR), or
+            those the run logged (or ``"fp8"`` and the run logged no FP8 SNR), or
             ``pattern`` is not a regex.
     """
-    rankable = [k for k in STAT_RANKINGS if k in data.stats]
-    if by not in RANKINGS and by not in rankable:
-        hint = f" (log it: ScaleMonitor(statistics=[..., {by!r}]))" if by in STAT_RANKINGS else ""
-        raise ValueError(f"`by` must be one of {[*RANKINGS, *rankable]}, got {by!r}{hint}")
+    ranked = rankable(data.stats, data.meta)
+    if by not in RANKINGS and by not in ranked:
+        hint = f" (log it: ScaleMonitor(statistics=[..., {by!r}]))" if worse(by) else ""
+        raise ValueError(f"`by` must be one of {[*RANKINGS, *ranked]}, got {by!r}{hint}")
     if by == "fp8" and not any(f"fp8_{fmt}_snr_db" in data.stats for fmt in FP8_RECIPE.values()):
         raise ValueError(
             "`by=fp8` needs the FP8 what-if logged: ScaleMonitor(statistics=[..., 'fp8_e4m3_snr_db', "
@@ -205,18 +188,18 @@ def worst(data: RunData, step: Optional[int], by: str = "fp16", pattern: str = "
         "format": fmt,
         "fractions": fractions,
         "fraction_hint": None if fractions else _fraction_hint(fmt),
-        "rankable": rankable,
-        "stat": by if by in STAT_RANKINGS else None,
+        "rankable": ranked,
+        "stat": by if by in ranked else None,
     }
     if step is None:
         return {**head, "total": 0, "rows": []}
     rows = _worst_rows(data, data.steps.index(step), fmt, fractions, match)
-    if by in STAT_RANKINGS:
+    if by in ranked:
         value, where = data.column(by)[data.steps.index(step)], {l: i for i, l in enumerate(data.labels)}
         for r in rows:
             r["value"] = float(value[where[r["label"]], DIRS.index(r["dir"])])
-    ranked = _ranked(rows, by)
-    clean = [{k: (_clean(v) if isinstance(v, float) else v) for k, v in r.items()} for r in ranked[:limit]]
+    order = _ranked(rows, by, worse(by, data.meta) if by in ranked else None)
+    clean = [{k: (_clean(v) if isinstance(v, float) else v) for k, v in r.items()} for r in order[:limit]]
     return {**head, "total": len(rows), "rows": clean}
 
 
@@ -274,11 +257,11 @@ def _worst_rows(data: RunData, t: int, fmt: str, fractions: List[str], match: An
     return rows
 
 
-def _ranked(rows: List[Dict[str, Any]], by: str) -> List[Dict[str, Any]]:
+def _ranked(rows: List[Dict[str, Any]], by: str, bad: Optional[str]) -> List[Dict[str, Any]]:
     if by == "drift":
         return headroom.rank(rows, "abs_drift", descending=True)
-    if by in STAT_RANKINGS:
-        return headroom.rank(rows, "value", descending=STAT_RANKINGS[by])
+    if bad is not None:  # a statistic: its worse end first
+        return headroom.rank(rows, "value", descending=bad == "high")
     return headroom.rank(rows, "fp8_snr_db" if by == "fp8" else "headroom")
 
 

@@ -22,13 +22,30 @@ export async function get(route, params = {}) {
 
 export function clearCache() { cache.clear(); }
 
-// Format edges in log2: smallest normal and largest finite value.
-export const FORMATS = {
-  fp16: { min: -14, max: Math.log2(65504), colour: '#2e7d32' },
-  bf16: { min: -126, max: Math.log2((2 - 2 ** -7) * 2 ** 127), colour: '#616161' },
-  e4m3: { min: -6, max: Math.log2(448), colour: '#c62828' },
-  e5m2: { min: -14, max: Math.log2(57344), colour: '#6a1b9a' },
-};
+// What the server's statistic table says (route `table`): the formats' edges in log2 (smallest
+// normal, largest finite value) and colours, each statistic's declaration (axis, worse, docs
+// line), the worst nodes' rankings and the heatmap's hue bands. Filled by loadTable() before a
+// view draws; the browser keeps no list of statistics or formats of its own.
+export const FORMATS = {};
+export const TABLE = { statistics: {}, rank_by: [], bands: [] };
+
+export async function loadTable(params = {}) {
+  const t = await get('table', params);
+  for (const k of Object.keys(FORMATS)) delete FORMATS[k];
+  Object.assign(FORMATS, t.formats);
+  TABLE.statistics = t.statistics;
+  TABLE.rank_by = t.rank_by;
+  TABLE.bands = t.bands.map(([lo, hi, a, b]) => [lo ?? -Infinity, hi ?? Infinity, a, b]);
+  return TABLE;
+}
+
+// The format the views start from (the table's first: FP16).
+export const firstFormat = () => Object.keys(FORMATS)[0];
+
+// Whether a statistic is a magnitude: drawn on the log2 axis with the format edges.
+export const isLog2 = (stat) => TABLE.statistics[stat]?.axis === 'log2';
+// Its docs line (a tooltip), '' where the table has none.
+export const docOf = (stat) => TABLE.statistics[stat]?.doc || '';
 
 export const fmt = (v, digits = 2) => (v === null || v === undefined ? '–' : Number(v).toFixed(digits));
 export const sci = (v) => (v === null || v === undefined ? '–' : Number(v).toPrecision(3));
@@ -58,7 +75,7 @@ export function edges(lo = -Infinity, hi = Infinity) {
     for (const [v, kind] of [[f.min, 'min'], [f.max, 'max']]) {
       if (v < lo || v > hi) continue;
       const same = out.find((e) => e.kind === kind && Math.abs(e.v - v) < 1e-9);
-      if (same) same.names.push(name); else out.push({ v, kind, names: [name], colour: f.colour });
+      if (same) same.names.push(name); else out.push({ v, kind, names: [name], colour: f.colour, dash: f.dash });
     }
   }
   return out.sort((a, b) => a.v - b.v);

@@ -5,24 +5,16 @@
 // cell). For magnitudes (log2) the colour scale changes hue at the format edges; other
 // statistics (FP8 SNR in dB, fractions) get one sequential scale over their range.
 // Clicking a cell opens that node's series over the steps in a panel kept in view.
-import { get, FORMATS, esc, fmt, sci, ticks, textWidth, edges, stackLabels } from './api.js';
+import { get, TABLE, esc, fmt, sci, ticks, textWidth, edges, stackLabels } from './api.js';
 
 const ROW = 12;
 const collapsed = new Set();
 
-// Hue bands split at the edges that matter: FP16/E5M2 smallest normal (-14), E4M3's (-6),
-// E4M3's max (~8.8), FP16's max (~16).
-const BANDS = [
-  [-Infinity, FORMATS.fp16.min, [183, 28, 28], [255, 138, 128]],
-  [FORMATS.fp16.min, FORMATS.e4m3.min, [255, 193, 7], [255, 236, 179]],
-  [FORMATS.e4m3.min, FORMATS.e4m3.max, [13, 71, 161], [144, 202, 249]],
-  [FORMATS.e4m3.max, FORMATS.fp16.max, [106, 27, 154], [206, 147, 216]],
-  [FORMATS.fp16.max, Infinity, [62, 39, 35], [141, 110, 99]],
-];
-
+// Hue bands split at the format edges that matter (the server's table: FP16/E5M2 smallest
+// normal, E4M3's, E4M3's max, FP16's max).
 export function colour(v) {
   if (v === null || v === undefined) return '#eeeeee';
-  for (const [lo, hi, a, b] of BANDS) {
+  for (const [lo, hi, a, b] of TABLE.bands) {
     if (v < hi) {
       const l = Number.isFinite(lo) ? lo : hi - 10, h = Number.isFinite(hi) ? hi : lo + 10;
       const t = Math.min(1, Math.max(0, (v - l) / (h - l)));

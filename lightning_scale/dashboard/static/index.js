@@ -1,6 +1,6 @@
 // Entry of the `scales` dashboard: toolbar (run, data, view, step) and one view at a time.
 // TensorBoard loads this module in an iframe and calls render().
-import { get, esc } from './api.js';
+import { get, esc, loadTable, FORMATS, TABLE, docOf, firstFormat } from './api.js';
 import { drawProfile, drawRatios } from './profile.js';
 import { drawHeatmap } from './heatmap.js';
 import { drawWorst } from './worst.js';
@@ -9,10 +9,8 @@ import { drawCompare, drawCompareHeatmap } from './compare.js';
 
 const VIEWS = ['profile', 'heatmap', 'worst', 'code', 'compare'];
 const TITLES = { profile: 'Profile', heatmap: 'Heatmap', worst: 'Worst nodes', code: 'Code', compare: 'Compare' };
-const state = { run: null, prefix: '', view: 'profile', step: null, steps: [], by: 'fp16', regex: '', stat: 'std', format: 'fp16', only: false, other: null, compareShow: 'profile' };
+const state = { run: null, prefix: '', view: 'profile', step: null, steps: [], by: null, regex: '', stat: 'std', format: null, only: false, other: null, compareShow: 'profile' };
 let runs = {};
-const FORMAT_NAMES = ['fp16', 'bf16', 'e4m3', 'e5m2'];
-const RANK_BY = [...FORMAT_NAMES, 'drift', 'fp8'];
 
 function shell() {
   const css = document.createElement('link');
@@ -25,9 +23,9 @@ function shell() {
       <span class="tabs">${VIEWS.map((v) => `<button class="tab" data-view="${v}">${TITLES[v]}</button>`).join('')}</span>
       <label id="stat-control">Statistic <select id="stat"><option>std</option></select></label>
       <label class="step" id="step-control">Step <input id="step" type="range" min="0" max="0" value="0"><output id="step-value"></output></label>
-      <span id="profile-controls"><label>Range <select id="format">${FORMAT_NAMES.map((f) => `<option>${f}</option>`).join('')}</select></label>
-      <label><input id="only" type="checkbox"> show only nodes outside <span id="only-format">fp16</span></label></span>
-      <span id="worst-controls" hidden><label>Rank by <select id="by">${RANK_BY.map((b) => `<option>${b}</option>`).join('')}</select></label>
+      <span id="profile-controls"><label>Range <select id="format">${Object.keys(FORMATS).map((f) => `<option>${f}</option>`).join('')}</select></label>
+      <label><input id="only" type="checkbox"> show only nodes outside <span id="only-format">${esc(state.format)}</span></label></span>
+      <span id="worst-controls" hidden><label>Rank by <select id="by">${TABLE.rank_by.map((b) => `<option>${b}</option>`).join('')}</select></label>
       <label>Filter <input id="regex" placeholder="regex, e.g. attn"></label></span>
       <span id="compare-controls" hidden><label>with run B <select id="other"></select></label>
       <label>Show <select id="compare-show"><option value="profile">profile and ranking</option><option value="heatmap">difference over steps</option></select></label></span>
@@ -60,6 +58,7 @@ async function show() {
   $('side').innerHTML = '';
   $('status').textContent = 'loading…';
   try {
+    await loadTable(query());  // (the run's own statistics' declarations: user statistics included)
     if (state.view === 'profile') {
       const data = await get('profile', { ...query(), step: state.step });
       setSteps(data.steps, data.step);
@@ -134,16 +133,16 @@ async function worstData() {
   try {
     return await ask(state.by);
   } catch (e) {
-    if (RANK_BY.includes(state.by)) throw e;
-    state.by = 'fp16';
-    return ask('fp16');
+    if (TABLE.rank_by.includes(state.by)) throw e;
+    state.by = firstFormat();
+    return ask(state.by);
   }
 }
 
 // "Rank by": the formats, drift and FP8, then the statistics the run logged that rank nodes
 // (block what-ifs, kurtosis, channel outliers).
 function fillRankBy(rankable) {
-  const names = [...RANK_BY, ...(rankable || [])];
+  const names = [...TABLE.rank_by, ...(rankable || [])];
   $('by').innerHTML = names.map((b) => `<option${b === state.by ? ' selected' : ''}>${esc(b)}</option>`).join('');
 }
 
@@ -151,7 +150,7 @@ function fillRankBy(rankable) {
 function fillStats(stats) {
   const names = ['std', ...(stats || []).filter((s) => s !== 'std')];
   if (!names.includes(state.stat)) state.stat = 'std';
-  $('stat').innerHTML = names.map((s) => `<option${s === state.stat ? ' selected' : ''}>${esc(s)}</option>`).join('');
+  $('stat').innerHTML = names.map((s) => `<option title="${esc(docOf(s))}"${s === state.stat ? ' selected' : ''}>${esc(s)}</option>`).join('');
 }
 
 function fillPrefixes(runs) {
@@ -162,6 +161,8 @@ function fillPrefixes(runs) {
 }
 
 export async function render() {
+  await loadTable();  // (the formats and rankings the toolbar lists)
+  state.by = state.format = firstFormat();
   shell();
   runs = await get('runs');
   const names = Object.keys(runs);

@@ -4,23 +4,21 @@
 // format's normal range (the server says which) are shaded, and can be shown alone.
 // Another statistic can be picked: magnitudes stay on the log2 axis with the format edges,
 // the others (FP8 SNR in dB, fractions) get a linear axis over their range.
-import { esc, fmt, sci, edges, ticks, textWidth, stackLabels } from './api.js';
+import { esc, fmt, sci, edges, ticks, textWidth, stackLabels, isLog2, firstFormat, FORMATS } from './api.js';
 
 const ROW = 14, PLOT_W = 620, PAD = 16;
 const collapsed = new Set();
-
-const LOG2_STATS = ['std', 'absmax', 'rms', 'min_nonzero'];
 
 function log2(v) { return v > 0 && Number.isFinite(v) ? Math.log2(v) : null; }
 const finite = (v) => (v !== null && v !== undefined && Number.isFinite(v) ? v : null);
 
 // The plotted value of a node direction: log2 for magnitudes, as logged otherwise.
-function plotted(n, d, stat) { return LOG2_STATS.includes(stat) ? log2(n[d][stat]) : finite(n[d][stat]); }
+function plotted(n, d, stat) { return isLog2(stat) ? log2(n[d][stat]) : finite(n[d][stat]); }
 
 export const outsideOf = (n, format) => n.fwd_out.includes(format) || n.bwd_out.includes(format);
 
 function xRange(nodes, stat) {
-  const log = LOG2_STATS.includes(stat);
+  const log = isLog2(stat);
   let lo = Infinity, hi = -Infinity;
   for (const n of nodes) for (const d of ['fwd', 'bwd']) {
     for (const v of [plotted(n, d, stat), stat === 'std' ? log2(n[d].absmax) : null]) if (v !== null) { lo = Math.min(lo, v); hi = Math.max(hi, v); }
@@ -73,17 +71,17 @@ export function axisTicks(lo, hi, log) {
 }
 
 function tooltip(n) {
-  const rows = ['fwd', 'bwd'].map((d) => Object.entries(n[d]).map(([k, v]) => `<tr><td>${d}</td><td>${esc(k)}</td><td>${sci(v)}</td><td>${k === 'std' || k === 'absmax' ? 'log2 ' + fmt(log2(v)) : ''}</td></tr>`).join('')).join('');
+  const rows = ['fwd', 'bwd'].map((d) => Object.entries(n[d]).map(([k, v]) => `<tr><td>${d}</td><td>${esc(k)}</td><td>${sci(v)}</td><td>${isLog2(k) ? 'log2 ' + fmt(log2(v)) : ''}</td></tr>`).join('')).join('');
   const out = ['fwd', 'bwd'].filter((d) => n[`${d}_out`].length).map((d) => `${d} outside ${n[`${d}_out`].join(', ')}`).join('; ');
   const alias = n.alias_of ? `<br>the same tensor as <code>${esc(n.alias_of)}</code>` : '';
   return `<b>${esc(n.label)}</b> ${n.param ? '(parameter)' : '(activation)'}${alias}${out ? `<br><span class="out-note">${esc(out)}</span>` : ''}<table>${rows}</table>`;
 }
 
 // opts: { format: the range to highlight, only: show only the nodes outside it }.
-export function drawProfile(root, data, stat = 'std', opts = { format: 'fp16', only: false }) {
-  const format = opts.format || 'fp16';
+export function drawProfile(root, data, stat = 'std', opts = { format: null, only: false }) {
+  const format = opts.format || firstFormat();
   const nodes = opts.only ? data.nodes.filter((n) => outsideOf(n, format)) : data.nodes;
-  const log = LOG2_STATS.includes(stat);
+  const log = isLog2(stat);
   const [lo, hi] = xRange(data.nodes, stat);
   const labelW = Math.ceil(Math.max(160, ...data.nodes.map((n) => textWidth(`${n.param ? '◆ ' : ''}${n.label}`))) + 24);
   const width = labelW + PLOT_W + PAD;
@@ -114,16 +112,17 @@ export function drawProfile(root, data, stat = 'std', opts = { format: 'fp16', o
   }
   const height = y + 10;
   const grid = axisTicks(lo, hi, log).map((t) => `<line x1="${x(t)}" x2="${x(t)}" y1="0" y2="${height}" class="grid"/>`).join('');
-  const lines = log ? edges(lo, hi).map((e) => `<line class="edge" x1="${x(e.v)}" x2="${x(e.v)}" y1="0" y2="${height}" stroke="${e.colour}" stroke-dasharray="${e.names.includes('e5m2') && !e.names.includes('fp16') ? '2,3' : '5,3'}"/>`).join('') : '';
+  const lines = log ? edges(lo, hi).map((e) => `<line class="edge" x1="${x(e.v)}" x2="${x(e.v)}" y1="0" y2="${height}" stroke="${e.colour}" stroke-dasharray="${e.dash}"/>`).join('') : '';
   const head = header(x, lo, hi, log, stat, width, labelW);
   const outCount = data.nodes.filter((n) => outsideOf(n, format)).length;
   const hasParams = data.nodes.some((n) => n.param);
   const absmax = stat === 'std' && data.stats.includes('absmax') ? ' · <span class="tick-key">|</span> absmax' : '';
   const what = log ? `x: log2 ${esc(stat)}${absmax}` : `x: ${esc(stat)} (missing or not finite, e.g. SNR +inf: not drawn)`;
-  const shared = log && lo <= -14 && hi >= -14 ? ' · fp16 and e5m2 share the smallest normal 2^-14' : '';
-  const bf16 = log && lo > -126 && hi < 128 ? ' · bf16 normal range 2^-126..2^128 spans the whole axis' : '';
+  // edges several formats share (FP16 and E5M2's smallest normal), and ranges wider than the axis (BF16's)
+  const shared = log ? edges(lo, hi).filter((e) => e.names.length > 1).map((e) => ` · ${e.names.join(' and ')} share the ${e.kind === 'min' ? 'smallest normal' : 'largest value'} 2^${Number.isInteger(e.v) ? e.v : fmt(e.v)}`).join('') : '';
+  const wide = log ? Object.entries(FORMATS).filter(([, f]) => f.min < lo && f.max > hi).map(([name, f]) => ` · ${name} normal range 2^${fmt(f.min, 0)}..2^${fmt(f.max, 0)} spans the whole axis`).join('') : '';
   const shown = opts.only ? `showing the ${nodes.length} nodes outside ${format}` : `<span class="out-key">■</span> ${outCount} of ${data.nodes.length} nodes outside ${format}`;
-  root.innerHTML = `<div class="legend"><span class="fwd">● forward</span> <span class="bwd">● backward</span>${hasParams ? ' · ◆/■ parameter' : ''} · ${what} · step ${data.step} · ${shown}${shared}${bf16}</div>
+  root.innerHTML = `<div class="legend"><span class="fwd">● forward</span> <span class="bwd">● backward</span>${hasParams ? ' · ◆/■ parameter' : ''} · ${what} · step ${data.step} · ${shown}${shared}${wide}</div>
     <div class="profile-head">${head.svg}</div>
     ${nodes.length ? '' : `<p class="note">No node is outside the ${esc(format)} range at step ${data.step}.</p>`}
     <svg class="profile" data-stat="${esc(stat)}" width="${width}" height="${height}">${grid}${lines}${body}</svg><div class="tip" hidden></div>`;

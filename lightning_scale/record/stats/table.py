@@ -299,6 +299,7 @@ def _builtin(name: str, group: str, value: Value, doc: str, **kw: object) -> Sta
 
 
 _MAGNITUDE = {"axis": "log2", "worse": None, "unscale": 1}
+_BLOCK_CASTS = {"mxfp8_e4m3": "MXFP8 E4M3", "mxfp8_e5m2": "MXFP8 E5M2", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
 _FMT_DOCS = {
     "underflow": "fraction of elements with 0 < |x| < the format's smallest subnormal",
     "below_normal": "fraction of elements with 0 < |x| < the format's smallest normal (underflows included)",
@@ -323,16 +324,19 @@ def _builtins() -> Tuple[Statistic, ...]:
         for fmt in FORMAT_NAMES
         for kind in ("underflow", "below_normal", "overflow")
     )
+    casts = {f"fp8_{f}": ("fp8", f"a cast to {f.upper()} scaled by the tensor's amax") for f in FP8_NAMES}
+    casts.update({b: ("blocks", f"the {_BLOCK_CASTS[b]} cast (blocks along the last dimension)") for b in BLOCK_NAMES})
     what_ifs = tuple(
         s
-        for group, prefixes, how in (
-            ("fp8", [f"fp8_{f}" for f in FP8_NAMES], "per-tensor amax-scaled cast to FP8"),
-            ("blocks", list(BLOCK_NAMES), "block-scaled cast (blocks along the last dimension)"),
-        )
-        for p in prefixes
+        for p, (group, how) in casts.items()
         for s in (
-            _builtin(f"{p}_snr_db", group, _snr_db(p), f"10 log10(Σx² / Σerr²) of the {how} {p}", worse="low"),
-            _builtin(f"{p}_flushed", group, _fraction(f"{p}_flushed"), f"fraction of nonzeros the {how} {p} zeroes"),
+            _builtin(f"{p}_snr_db", group, _snr_db(p), f"10 log10(Σx² / Σerr²) of {how}", worse="low"),
+            _builtin(
+                f"{p}_flushed",
+                group,
+                _fraction(f"{p}_flushed"),
+                f"fraction of elements nonzero before and 0 after {how}",
+            ),
         )
     )
     kurtosis = _builtin("kurtosis", "kurtosis", _kurtosis, "n Σ(x - mean)⁴ / m2² (3 for a Gaussian)")
@@ -367,3 +371,20 @@ CHANNEL: Dict[str, Statistic] = {s.name: s for s in _channel_statistics()}
 
 #: Every built-in statistic a run may log, by name.
 ALL: Dict[str, Statistic] = {**BUILTIN, **CHANNEL}
+
+
+def markdown() -> str:
+    """The built-in statistics as a markdown table (docs/statistics.md holds it; a test keeps the two alike)."""
+    lines = [
+        "| statistic | group | axis | worse | unscaled as | definition |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in ALL.values():
+        power = "-" if s.unscale is None else ("x" if s.unscale == 1 else f"x^{s.unscale}")
+        doc = s.doc.replace("|", "\\|")  # (markdown table cells)
+        lines.append(f"| `{s.name}` | {s.group} | {s.axis} | {s.worse or '-'} | {power} | {doc} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover - prints the table for the docs
+    print(markdown())
