@@ -31,6 +31,8 @@ EVERY_GROUP = "every statistic group: moments, range, formats"
 #: Issue 27's goals on the fx fast path: a std-tracked step (its floor, one read, beside it),
 #: and a step tracking every statistic but the per-tensor fp8 what-if.
 STD_FLOOR_MAX, EVERY_MAX = 1.15, 2.0
+#: A tracked step with std and a user statistic of one sum, against a plain step.
+USER_MAX = 1.5
 
 
 JUDGE = "cpu"  # the clock the step-time targets are judged on (see header())
@@ -149,6 +151,13 @@ def targets(res: Results) -> List[str]:
             f"path; moments, range, formats, blocks, kurtosis, channels) | CPU {every:.3f}x | "
             f"{_verdict(every <= EVERY_MAX, f'{every:.2f}x')} |"
         )
+        if "tracked_user" in res.steps[MAIN][JUDGE]:
+            user = ratio(res, MAIN, "tracked_user")
+            rows.append(
+                f"| tracked step with std and a user statistic of one sum <= {USER_MAX}x plain ({MAIN.name}, fx fast "
+                f"path; `Statistic('mean_abs', sums={{'abs': torch.abs}}, ...)`) | CPU {user:.3f}x | "
+                f"{_verdict(user <= USER_MAX, f'{user:.2f}x')} |"
+            )
         if "tracked_fp8" in res.steps[MAIN][JUDGE]:
             fp8 = ratio(res, MAIN, "tracked_fp8")
             rows.append(

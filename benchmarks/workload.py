@@ -19,8 +19,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import Tensor, fx, nn  # noqa: E402
 
-from lightning_scale import Recorder, ScaleTrackingInterpreter, capture, recording  # noqa: E402
+from lightning_scale import Recorder, ScaleTrackingInterpreter, Statistic, capture, recording  # noqa: E402
 from lightning_scale.record import native  # noqa: E402
+from lightning_scale.record.stats import run_table  # noqa: E402
 from lightning_scale.tools.models import GPT, GPTConfig, synthetic_tokens  # noqa: E402
 
 Step = Callable[[], None]
@@ -57,6 +58,7 @@ VARIANTS: Dict[str, str] = {
     "tracked_formats": 'tracked, fx fast path, groups ("moments", "range", "formats")',
     "tracked_every": 'tracked, fx fast path, every statistic but fp8 (+ "blocks", "kurtosis", "channels")',
     "tracked_fp8": 'tracked, fx fast path, groups ("moments", "fp8"): the per-tensor fp8 what-if',
+    "tracked_user": "tracked, fx fast path, std and a user statistic of one sum (`mean_abs`: sums={'abs': torch.abs})",
     "reference": "reference: unit_scaling.utils.ScaleTrackingInterpreter",
     "interpreter": 'ours: lightning_scale.ScaleTrackingInterpreter, groups ("moments",)',
 }
@@ -67,6 +69,9 @@ GROUPS = {
     "tracked_every": ("moments", "range", "formats", "blocks", "kurtosis", "channels"),
     "tracked_fp8": ("moments", "fp8"),
 }
+#: A user statistic of one sum, the mean |x|, logged beside std: ``tracked_user``.
+MEAN_ABS = Statistic("mean_abs", sums={"abs": torch.abs}, value=lambda s: s["abs"] / s["count"])
+GROUPS["tracked_user"] = ("moments", run_table.register(MEAN_ABS))
 
 
 class Workload:

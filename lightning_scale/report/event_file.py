@@ -100,6 +100,7 @@ class EventFile:
         self._pending: List[bytes] = []
         self._first_step: Optional[int] = None  # of the pending records
         self._file: Any = None
+        self._written = 0  # bytes of whole steps in the file
 
     def add_summary(self, summary: Any, step: Optional[int] = None) -> None:
         """Queue ``summary`` (a ``Summary`` or its serialized bytes) as an event at ``step``."""
@@ -120,9 +121,20 @@ class EventFile:
         step, self._first_step = self._first_step, None
         try:
             self._open().write(data)
+            self._written += len(data)
         except Exception as err:  # noqa: BLE001 - a failing disk must not end the fit
             where = self.path or self.log_dir
+            self._cut_partial()
             self._stop(f"writing to {where} failed ({type(err).__name__}: {err})", step)
+
+    def _cut_partial(self) -> None:
+        """A full disk takes part of a write: cut a local file back to its whole steps, so that a
+        step is in it whole or not at all (best effort: another file system keeps what it took)."""
+        try:
+            if self.path is not None and os.path.isfile(self.path):
+                os.truncate(self.path, self._written)
+        except OSError:
+            pass
 
     def close(self) -> None:
         """Flush and close (errors are warned once, never raised)."""
@@ -155,6 +167,7 @@ class EventFile:
             self._file = tf.io.gfile.GFile(self.path, "wb")
             version = event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString()
             self._file.write(_record(version))
+            self._written = len(_record(version))
         return self._file
 
     def _stop(self, why: str, step: Optional[int], warn: bool = True) -> None:

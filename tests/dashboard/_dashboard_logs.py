@@ -12,9 +12,20 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_scale import ScaleMonitor
+from lightning_scale import ScaleMonitor, Statistic
 
 STEPS = 4
+#: A user statistic the run logs beside the built-in ones: the dashboard shows it on the log2
+#: axis it declares and ranks nodes by it, largest first.
+PEAK_ABS = Statistic(
+    "peak_abs",
+    maxes={"a": torch.abs},
+    value=lambda s: s["a"],
+    axis="log2",
+    worse="high",
+    unscale=1,
+    doc="max |x|, ours",
+)
 
 
 class Blocks(pl.LightningModule):
@@ -61,7 +72,10 @@ def write_logs(root: Path) -> Path:
     x = torch.randn(64, 8)
     data = TensorDataset(x, torch.randn(64, 2))
     monitor = ScaleMonitor(
-        every_n_steps=1, statistics=["std", "absmax", "below_normal_fp16"], figure=False, track_validation=True
+        every_n_steps=1,
+        statistics=["std", "absmax", "below_normal_fp16", PEAK_ABS],
+        figure=False,
+        track_validation=True,
     )
     trainer = pl.Trainer(
         max_steps=STEPS,

@@ -436,6 +436,37 @@ def test_worst_nodes_ranking_matches_the_logged_numbers(
     assert not errors
 
 
+def test_a_user_statistic_is_shown_on_its_axis_and_ranks_nodes(
+    server: Tuple[str, Path], page: Tuple[Any, Any, List[str]]
+) -> None:
+    """``peak_abs`` (a user statistic, ``maxes``, declared log2 and worse high): in the Statistic
+    menu with its docs line, drawn on the log2 axis with the format edges, and the Worst nodes
+    view ranks by it, largest first, with the logged values."""
+    _, frame, errors = page
+    _, scalars = logged(server[1])
+    frame.click("button[data-view=profile]")
+    frame.wait_for_selector("#stat option", state="attached")
+    options = frame.eval_on_selector_all("#stat option", "os => os.map(o => [o.textContent, o.title])")
+    assert ["peak_abs", "max |x|, ours"] in [list(o) for o in options]
+    frame.select_option("#stat", "peak_abs")
+    frame.wait_for_function("document.querySelector('.legend').textContent.includes('log2 peak_abs')")
+    assert frame.eval_on_selector_all("line.edge", "ls => ls.length") > 0  # (a magnitude: the format edges)
+    frame.click("button[data-view=worst]")
+    frame.wait_for_function("[...document.querySelectorAll('#by option')].some(o => o.textContent === 'peak_abs')")
+    assert "peak_abs" in frame.eval_on_selector_all("#by option", "os => os.map(o => o.textContent)")
+    frame.select_option("#by", "peak_abs")
+    frame.wait_for_function("document.querySelector('table.worst tr').textContent.includes('peak_abs')")
+    step = int(frame.inner_text("#step-value"))
+    shown = frame.eval_on_selector_all(
+        "tr.worst-row", "rs => rs.map(r => [r.dataset.label, r.dataset.dir, +r.dataset.value])"
+    )
+    values = [v for _, _, v in shown]
+    assert values == sorted(values, reverse=True) and len(values) > 5
+    for label, d, v in shown:
+        assert v == pytest.approx(scalars[f"peak_abs/{d}/{label}"][step], rel=1e-6), (label, d)
+    assert not errors
+
+
 def test_code_and_validation_views(server: Tuple[str, Path], page: Tuple[Any, Any, List[str]]) -> None:
     _, frame, errors = page
     _, scalars = logged(server[1])
