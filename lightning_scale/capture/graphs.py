@@ -61,6 +61,12 @@ __all__ = ["CAPTURE_MODES", "Capture", "CaptureError", "DeepTracer", "capture", 
 OptimizedModule = torch._dynamo.eval_frame.OptimizedModule
 
 CaptureMode = Literal["auto", "fx", "dynamo"]
+
+#: What a capture line says of a capture tracked by a shadow pass.
+SHADOW_NOTE = (
+    "tracked by a shadow pass: the statistics are those of a second, instrumented forward and backward "
+    "from the step's state (the same tensors; rounding may differ from the model's own step)"
+)
 CAPTURE_MODES: Tuple[str, ...] = ("auto", "fx", "dynamo")
 
 
@@ -85,6 +91,9 @@ class Capture:
         aliases: label -> label of a node with provably identical statistics (views of a
             single-use tensor); these are not computed twice.
         reason: why auto chose this mode.
+        shadowed: tracked steps run a shadow pass with it (``step.shadow``): the model's own
+            step runs untouched, and the statistics come from this capture's instrumented run
+            from the same state (the same tensors up to the rounding of the instrumented version).
     """
 
     mode: str
@@ -95,6 +104,7 @@ class Capture:
     fallbacks: Dict[str, str] = field(default_factory=dict)
     aliases: Dict[str, str] = field(default_factory=dict)
     reason: str = ""
+    shadowed: bool = False
     _taken: Dict[str, int] = field(default_factory=dict)
     _fns: List[Callable[..., Any]] = field(default_factory=list)
     _unit_fns: List[Tuple[str, Callable[..., Any]]] = field(default_factory=list)
@@ -254,7 +264,8 @@ class Capture:
             compiled=compiled,
             skipped=self._skipped,
         )
-        report.note = self.compiled.describe() if self.compiled is not None else ""
+        notes = [SHADOW_NOTE] if self.shadowed else []
+        report.note = "; ".join(notes + ([self.compiled.describe()] if self.compiled is not None else []))
         return report
 
     def _opaque_rnns(self) -> List[str]:
@@ -289,6 +300,8 @@ class Capture:
             parts.append(tensor_parallel.mesh_line(meshes))
         if self.compiled is not None:
             parts.append(self.compiled.describe())
+        if self.shadowed:
+            parts.append(SHADOW_NOTE)
         return "; ".join(parts)
 
 
