@@ -368,10 +368,9 @@ class ScaleMonitor(Callback):
         active, self._active = self._active, None
         assert active is not None
         active.uninstall()
-        if active.prefix:
-            active.run_shadow()  # (validation: the forward only)
+        active.end_shadow()
         self.captures.act_on(active.check)
-        if active.untracked:  # the fidelity probe fell back to the user's forward, or no shadow ran
+        if active.untracked:  # the fidelity probe fell back to the user's forward
             self._updates.clear()
             active.recorder.clear()
             return

@@ -87,6 +87,7 @@ class Shadow:
 
     def __init__(self, target: nn.Module, cap: Capture, recorder: Recorder) -> None:
         self.target, self.capture, self.recorder = target, cap, recorder
+        self.watched = False  # the user's forward ran, and what the shadow needs was kept
         self.ran = False  # the shadow ran (whether it recorded or failed)
         self._before: Optional[Snapshot] = None
         self._modes = Modes(True, False, ())
@@ -94,17 +95,13 @@ class Shadow:
         self._grads: Dict[str, Tensor] = {}
         self._fault: Optional[BaseException] = None  # (a hook's: raised by ``run``, never into backward)
 
-    @property
-    def watched(self) -> bool:
-        """The user's forward ran, and what the shadow needs is kept."""
-        return self._before is not None
-
     def watching(self, eager: Callable[..., Any]) -> Callable[..., Any]:
         """``eager`` (the user's forward) as it is; its first call also keeps what ``run`` needs."""
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if self._before is not None or self.ran:  # (a later call in the same step)
+            if self.watched:  # (a later call in the same step)
                 return eager(*args, **kwargs)
+            self.watched = True
             self._before, self._modes, self._inputs = Snapshot(self.target), Modes.now(), (args, kwargs)
             out = eager(*args, **kwargs)
             if torch.is_grad_enabled():

@@ -47,10 +47,7 @@ class TrackedStep:
 
     @property
     def untracked(self) -> bool:
-        """Nothing recorded the step: the probe found no capture to track with, or its shadow
-        pass did not run (no backward reached the watched forward)."""
-        if self.shadow is not None:
-            return not self.shadow.ran
+        """The step ran the user's own forward: the probe found no capture to track with."""
         return self.check is not None and self.check.capture is None
 
     def install(self, target: nn.Module, verify: Optional[Verify] = None, shadow: bool = False) -> None:
@@ -94,10 +91,23 @@ class TrackedStep:
         return watched
 
     def run_shadow(self) -> None:
-        """The step's shadow pass, if it is tracked by one and its forward ran: after the
-        user's backward (training), or at the end of the batch (validation: forward only)."""
+        """The step's shadow pass, if it is tracked by one and its forward ran (after the
+        user's backward: the parameters are still those the forward read)."""
         if self.shadow is not None:
             self.shadow.run()
+
+    def end_shadow(self) -> None:
+        """At the end of the batch: a validation step's shadow pass (the forward only); a
+        training step whose shadow did not run (no backward reached its forward's outputs, so
+        the parameters may have changed since) records nothing, and its recorder says why."""
+        if self.shadow is None:
+            return
+        if self.prefix:
+            self.shadow.run()
+        elif self.shadow.watched and not self.shadow.ran and self.recorder.error is None:
+            self.recorder.error = RuntimeError(
+                "the shadow pass did not run: no backward reached the outputs of the model's forward in the step"
+            )
 
     def uninstall(self) -> None:
         self._swap.restore()
