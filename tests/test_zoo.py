@@ -85,9 +85,13 @@ class BatchNormCNN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-        )  # fmt: skip
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 16, 3, stride=2, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+        )
         self.head = nn.Linear(16, 10)
 
     def forward(self, pixel_values: Tensor, labels: Tensor) -> Tensor:
@@ -151,7 +155,7 @@ ZOO: Dict[str, Tuple[Callable[[], nn.Module], Callable[[int], Batch]]] = {
             pad_token_id=0,
             **SEQ2SEQ,
             **FFN,
-        ),  # fmt: skip
+        ),
         _speech,
     ),
     "distilbert": (
@@ -175,7 +179,7 @@ ZOO: Dict[str, Tuple[Callable[[], nn.Module], Callable[[int], Batch]]] = {
             num_heads=[1, 2],
             window_size=2,
             **IMAGE,
-        ),  # fmt: skip
+        ),
         _images(16),
     ),
     "convnext": (
