@@ -4,9 +4,9 @@ One ``Capture`` per combination of the modules' training flags (fx bakes ``train
 graph), built on first use with the user's route and leaf modules; the fidelity probe's
 bookkeeping (``verification.Verification``) and what the callback does with its outcome
 (track with the capture it chose, in place or by a shadow pass, or switch tracking off
-saying why); the selected and
-replicated labels of each capture, computed once. ``ScaleMonitor`` owns one ``Captures``;
-nothing here imports Lightning: the callback passes how to log and how ranks agree.
+saying why); the selected and replicated labels of each capture, computed once.
+``ScaleMonitor`` owns one ``Captures``; nothing here imports Lightning: the callback passes
+how to log and how ranks agree.
 """
 
 from __future__ import annotations
