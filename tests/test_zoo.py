@@ -183,7 +183,14 @@ ZOO: Dict[str, Tuple[Callable[[], nn.Module], Callable[[int], Batch]]] = {
         _images(16),
     ),
     "convnext": (
-        _hf("ConvNextConfig", "ConvNextForImageClassification", hidden_sizes=[16, 32], depths=[1, 1], **IMAGE),
+        _hf(
+            "ConvNextConfig",
+            "ConvNextForImageClassification",
+            num_stages=2,
+            hidden_sizes=[16, 32],
+            depths=[1, 1],
+            **IMAGE,
+        ),
         _images(16),
     ),
     "batchnorm-cnn": (BatchNormCNN, _images(16)),
