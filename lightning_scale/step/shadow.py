@@ -184,7 +184,17 @@ def backward_apart(outputs: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
     leaves. Tensor hooks (a recorder's) see every gradient; hooks that run when a gradient is
     accumulated (DDP's all-reduce, ``register_post_accumulate_grad_hook``) do not run. Each
     leaf's gradient is dropped as it arrives (a hook after the others' turns it into an
-    expanded zero), so no second set of parameter gradients is held."""
+    expanded zero), so no second set of parameter gradients is held.
+
+    Example::
+
+        >>> lin = nn.Linear(2, 3)
+        >>> seen = []
+        >>> _ = lin.weight.register_hook(lambda g: seen.append(g.shape))
+        >>> backward_apart([lin(torch.ones(4, 2))], [torch.ones(4, 3)])
+        >>> seen, lin.weight.grad
+        ([torch.Size([3, 2])], None)
+    """
     leaves = graph_leaves(outputs)
     if not leaves:
         return
