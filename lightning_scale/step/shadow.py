@@ -102,15 +102,26 @@ class Shadow:
             if self.watched:  # (a later call in the same step)
                 return eager(*args, **kwargs)
             self.watched = True
-            self._before, self._modes, self._inputs = Snapshot(self.target), Modes.now(), (args, kwargs)
+            try:
+                self._before, self._modes, self._inputs = Snapshot(self.target), Modes.now(), (args, kwargs)
+            except Exception as err:  # noqa: BLE001 - never into the user's forward: ``run`` says why
+                self._before, self._fault = None, err
             out = eager(*args, **kwargs)
-            if torch.is_grad_enabled():
-                for name, value in output_leaves(out):
-                    if isinstance(value, Tensor) and value.requires_grad and value.is_floating_point():
-                        value.register_hook(functools.partial(self._keep, name))
+            self._hook_outputs(out)
             return out
 
         return forward
+
+    def _hook_outputs(self, out: Any) -> None:
+        """A tensor hook on each floating output that requires grad: ``_keep`` its gradient."""
+        if not torch.is_grad_enabled():
+            return
+        try:
+            for name, value in output_leaves(out):
+                if isinstance(value, Tensor) and value.requires_grad and value.is_floating_point():
+                    value.register_hook(functools.partial(self._keep, name))
+        except Exception as err:  # noqa: BLE001 - never into the user's step
+            self._fault = err
 
     def _keep(self, name: str, grad: Tensor) -> None:
         """The gradient the user's backward brings output ``name`` (its first, copied: the
@@ -126,21 +137,28 @@ class Shadow:
         """The instrumented forward from the kept state and inputs, and backward where the
         user's outputs got gradients; then the state the user's step left. Runs once; a
         failure becomes the recorder's ``error`` (the step logs nothing, one warning says why)."""
-        if self.ran or self._before is None:
+        if self.ran or not self.watched:
             return
         self.ran = True
-        after = Snapshot(self.target)
         try:
-            if self._fault is not None:
-                raise self._fault
+            after = Snapshot(self.target)
+        except Exception as err:  # noqa: BLE001 - nothing ran: nothing to put back
+            self._failed(err)
+            return
+        try:
+            if self._fault is not None or self._before is None:
+                raise self._fault or RuntimeError("no saved state")
             self._before.restore()
             self._replay()
         except Exception as err:  # noqa: BLE001 - a fault of the monitor never reaches the user's step
-            if self.recorder.error is None:
-                self.recorder.error = RuntimeError(f"the shadow pass failed ({type(err).__name__}: {err})")
+            self._failed(err)
         finally:
             after.restore()
             self._before, self._inputs, self._grads = None, ((), {}), {}
+
+    def _failed(self, err: BaseException) -> None:
+        if self.recorder.error is None:
+            self.recorder.error = RuntimeError(f"the shadow pass failed ({type(err).__name__}: {err})")
 
     def _replay(self) -> None:
         args, kwargs = self._inputs
