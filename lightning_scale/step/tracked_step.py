@@ -106,7 +106,8 @@ class TrackedStep:
             self.shadow.run()
         elif self.shadow.watched and not self.shadow.ran and self.recorder.error is None:
             self.recorder.error = RuntimeError(
-                "the shadow pass did not run: no backward reached the outputs of the model's forward in the step"
+                "the shadow pass did not run: no backward came after the model's forward in the step (Lightning's "
+                "`on_after_backward`: a `training_step` without a loss, or `loss.backward()` under manual optimization)"
             )
 
     def uninstall(self) -> None:

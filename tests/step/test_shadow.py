@@ -200,7 +200,7 @@ def test_a_step_without_backward_logs_nothing_and_says_why(tmp_path: Path) -> No
         return net
 
     plain = fit(tmp_path / "plain", None, skipping())
-    with pytest.warns(UserWarning, match=r"the shadow pass did not run: no backward reached the outputs"):
+    with pytest.warns(UserWarning, match=r"the shadow pass did not run: no backward came after the model's forward"):
         shadowed = fit(tmp_path / "shadow", ScaleMonitor(every_n_steps=1, shadow="always"), skipping())
     assert same_state(plain, shadowed)
     got = logged(tmp_path / "shadow")
