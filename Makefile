@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv browser test demo dashboard bench gpu-check lint clean
+.PHONY: venv browser test demo dashboard bench zoo gpu-check lint clean
 
 venv: $(STAMP) browser
 
@@ -36,6 +36,10 @@ dashboard: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py --out docs/benchmarks.md
+
+# Real models compiled whole with Inductor (cold compiles: 15-60 s a model, more when loaded).
+zoo: $(STAMP)
+	$(BIN)/python benchmarks/models.py --zoo --out docs/models.md
 
 gpu-check: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m gpu tests

@@ -6,6 +6,9 @@
   eager route's ratio (the uncompiled GPT, fx capture, against its plain step), the bar
   the compiled route should not exceed; and an A/A ratio (the plain step timed twice a
   round, as two variants), the noise floor of the rounds, with the load average.
+* **shadow / plain**: a step tracked by a shadow pass (``lightning_scale.step.shadow``: the
+  plain compiled step, watched; after its backward the instrumented forward and backward
+  again from the saved state, the one read; then AdamW), in the same rounds.
 * **scheduled but idle**: untracked steps of a Trainer fit of the compiled GPT with
   ``ScaleMonitor(every_n_steps=10**9)`` installed (step 0 tracked, later steps idle)
   against the same fit without it.
@@ -37,10 +40,11 @@ from timing import Samples, Stopwatch, interleaved, load_average
 from workload import MAIN, Size, Workload  # puts the repository root on sys.path
 
 from lightning_scale import Recorder, ScaleMonitor, capture, recording
+from lightning_scale.step.shadow import Shadow
 
 #: The statistics of a tracked step (as the eager route's ``tracked`` row: ``("moments",)``).
 GROUPS = ("moments",)
-#: Interleaved rounds of the five steps (~0.4 s a round): the two ratios compared differ by
+#: Interleaved rounds of the six steps (~0.5 s a round): the two ratios compared differ by
 #: ~0.02, and the medians of 20 rounds moved by about that much from run to run.
 ROUNDS = 60
 
@@ -63,6 +67,7 @@ class CompiledCost:
     size: Size
     rounds: int
     tracked_ratio: float  # tracked compiled step / plain compiled step
+    shadow_ratio: float  # shadow-tracked compiled step / plain compiled step
     aa_ratio: float  # the plain compiled step against itself, in the same rounds (the noise floor)
     load: str  # the 1-minute load average when the steps were timed
     eager_ratio: float  # tracked eager (fx) step / plain eager step
@@ -75,6 +80,7 @@ class CompiledCost:
     def line(self) -> str:
         return (
             f"compiled GPT {self.size.name}: tracked {self.tracked_ratio:.2f}x a compiled plain step "
+            f"(by a shadow pass {self.shadow_ratio:.2f}x) "
             f"(A/A {self.aa_ratio:.3f}x, load {self.load}; eager route {self.eager_ratio:.2f}x), "
             f"scheduled but idle {self.idle_ratio:.3f}x, tracked version "
             f"compiled in {self.compile_s:.1f} s (the user's: {self.user_compile_s:.1f} s); {self.rounds} rounds"
@@ -102,11 +108,21 @@ def _steps(work: Workload, holder: Holder) -> Tuple[Dict[str, Any], float, float
         rec.clear()
         work.opt.step()
 
+    def shadowed() -> None:
+        work.opt.zero_grad()
+        shadow = Shadow(holder, cap, rec)
+        work.loss(shadow.watching(holder)(work.x)).backward()
+        shadow.run()  # (after backward, before the optimizer step, as ScaleMonitor runs it)
+        rec.records(cap.tags, cap.aliases).cpu()
+        rec.clear()
+        work.opt.step()
+
     watch = Stopwatch()
     plain()
     user = watch.lap()[0]
     tracked()
-    return {"plain": plain, "tracked": tracked}, user, cap.compiled.compile_seconds
+    shadowed()
+    return {"plain": plain, "tracked": tracked, "shadow": shadowed}, user, cap.compiled.compile_seconds
 
 
 def step_ratios(size: Size, rounds: int, budget_s: Optional[float]) -> Tuple[Dict[str, Samples], float, float]:
@@ -197,7 +213,8 @@ def measure(size: Size = MAIN, quick: bool = False) -> CompiledCost:
     samples, user_s, tracked_s = step_ratios(size, 4 if quick else ROUNDS, None if quick else 90.0)
     load = load_average()
     print(
-        f"[compiled_cost] steps: tracked {_ratio(samples, 'tracked', 'plain'):.3f}x, eager route "
+        f"[compiled_cost] steps: tracked {_ratio(samples, 'tracked', 'plain'):.3f}x, by a shadow pass "
+        f"{_ratio(samples, 'shadow', 'plain'):.3f}x, eager route "
         f"{_ratio(samples, 'eager_tracked', 'eager_plain'):.3f}x; compile {tracked_s:.1f} s (user's {user_s:.1f} s)",
         file=sys.stderr,
         flush=True,
@@ -207,6 +224,7 @@ def measure(size: Size = MAIN, quick: bool = False) -> CompiledCost:
         size=size,
         rounds=len(samples["plain"].cpu),
         tracked_ratio=_ratio(samples, "tracked", "plain"),
+        shadow_ratio=_ratio(samples, "shadow", "plain"),
         aa_ratio=_ratio(samples, "plain_again", "plain"),
         load=load,
         eager_ratio=_ratio(samples, "eager_tracked", "eager_plain"),
@@ -238,6 +256,8 @@ def section(cost: CompiledCost) -> str:
             f"| compiled plain step | {cost.plain_ms:.1f} ms | | |",
             f"| tracked compiled step / compiled plain step | {cost.tracked_ratio:.3f}x | <= 1.25x, and <= the eager "
             f"route's | {met(tracked_ok)} |",
+            f"| shadow-tracked compiled step / compiled plain step | {cost.shadow_ratio:.3f}x | <= 2.3x | "
+            f"{met(cost.shadow_ratio <= 2.3)} |",
             f"| A/A: compiled plain step / itself, same rounds | {cost.aa_ratio:.3f}x | (noise floor) | |",
             f"| eager route: tracked (fx) / plain, uncompiled | {cost.eager_ratio:.3f}x | | |",
             f"| untracked step, `ScaleMonitor` scheduled but idle / without | {cost.idle_ratio:.3f}x | <= 1.03x | "

@@ -96,9 +96,9 @@ def fit_ratio(res: Results, clock: str = JUDGE) -> float:
     return res.fit[clock]["fit_monitor"].median / res.fit[clock]["fit"].median
 
 
-def memory_ratio(res: Results, size: Size, key: str) -> float:
+def memory_ratio(res: Results, size: Size, key: str, variant: str = "tracked") -> float:
     runs = res.memory[size]
-    return statistics.median(r[key] for r in runs["tracked"]) / statistics.median(r[key] for r in runs["plain"])
+    return statistics.median(r[key] for r in runs[variant]) / statistics.median(r[key] for r in runs["plain"])
 
 
 def header(res: Results) -> List[str]:
@@ -696,6 +696,36 @@ def memory_table(res: Results) -> List[str]:
     return rows + [""]
 
 
+def shadow_memory_table(res: Results) -> List[str]:
+    """The steps' peak of a step tracked by a shadow pass against a plain and an in-place one."""
+    if not all("shadow" in runs for runs in res.memory.values()):
+        return []
+    rows = [
+        "### A step tracked by a shadow pass",
+        "",
+        "The same children (`benchmarks/memory.py shadow`): a plain step whose forward a shadow pass watches; after "
+        "its backward, before AdamW's step, the fx capture's tracked forward and backward again from the saved state "
+        "(`lightning_scale/step/shadow.py`). The shadow runs while the step's `.grad` is held, and keeps one copy of "
+        "the output's gradient (the logits: batch x seq x vocab float32).",
+        "",
+        "| size | steps, plain MB | steps, in place MB | steps, shadow MB | shadow / plain | shadow / in place | "
+        "output gradient MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for size, runs in res.memory.items():
+        plain, inplace, shadow = (statistics.median(r["steps_kb"] for r in runs[v]) / 1024 for v in VARIANTS_MEMORY)
+        logits = size.batch * size.seq * size.vocab * 4 / 2**20
+        rows.append(
+            f"| {size.name} | {plain:.1f} | {inplace:.1f} | {shadow:.1f} | {shadow / plain:.3f}x | "
+            f"{shadow / inplace:.3f}x | {logits:.1f} |"
+        )
+    return rows + [""]
+
+
+#: The variants of the memory children, in order.
+VARIANTS_MEMORY = ("plain", "tracked", "shadow")
+
+
 def _reps(res: Results) -> str:
     return ", ".join(f"{len(runs['plain'])} at {size.name}" for size, runs in res.memory.items())
 
@@ -746,6 +776,7 @@ def page(res: Results) -> str:
         + profile_table(res)
         + whole_table(res)
         + memory_table(res)
+        + shadow_memory_table(res)
         + capture_table(res)
         + probe_table(res)
     )

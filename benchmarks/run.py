@@ -187,16 +187,17 @@ def anomaly_times(res: render.Results, quick: bool) -> None:
 
 def memory_peaks(res: render.Results, quick: bool) -> None:
     reps = {size: 3 if size == MAIN and not quick else 1 for size in SIZES}
-    jobs = [(s.dim, s.layers, v) for s in SIZES for _ in range(reps[s]) for v in ("plain", "tracked")]
+    jobs = [(s.dim, s.layers, v) for s in SIZES for _ in range(reps[s]) for v in render.VARIANTS_MEMORY]
     res.memory_steps = 3 if quick else 4
     peaks = memory.measure(jobs, steps=res.memory_steps)
     for size in SIZES:
         res.memory[size] = {
-            v: [p for job, p in zip(jobs, peaks) if job == (size.dim, size.layers, v)] for v in ("plain", "tracked")
+            v: [p for job, p in zip(jobs, peaks) if job == (size.dim, size.layers, v)] for v in render.VARIANTS_MEMORY
         }
         _log(
             f"memory {size.name}: steps {render.memory_ratio(res, size, 'steps_kb'):.3f}x, training with the capture "
-            f"{render.memory_ratio(res, size, 'training_kb'):.3f}x"
+            f"{render.memory_ratio(res, size, 'training_kb'):.3f}x, steps of a shadow pass "
+            f"{render.memory_ratio(res, size, 'steps_kb', 'shadow'):.3f}x"
         )
 
 

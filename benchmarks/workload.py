@@ -62,6 +62,8 @@ VARIANTS: Dict[str, str] = {
     "reference": "reference: unit_scaling.utils.ScaleTrackingInterpreter",
     "interpreter": 'ours: lightning_scale.ScaleTrackingInterpreter, groups ("moments",)',
 }
+#: Variants measured apart (``memory.py``): not rows of the step-time table.
+SHADOW = "shadow"  # a plain step, then its shadow pass (the fx capture again from the saved state)
 GROUPS = {
     "tracked": ("moments",),
     "tracked_range": ("moments", "range"),
@@ -101,7 +103,9 @@ class Workload:
             return self._reference_step()
         if variant == "interpreter":
             return self._interpreter_step()
-        raise ValueError(f"`variant` must be one of {sorted(VARIANTS)}, got {variant!r}")
+        if variant == SHADOW:
+            return self._shadow_step()
+        raise ValueError(f"`variant` must be one of {sorted([*VARIANTS, SHADOW])}, got {variant!r}")
 
     def _plain_step(self) -> Step:
         def step() -> None:
@@ -121,6 +125,26 @@ class Workload:
             with recording(rec):
                 self.loss(fn(self.x)).backward()
             rec.records(cap.node_labels, cap.aliases).cpu()  # the one read per tracked step
+            rec.clear()
+            self.opt.step()
+
+        return step
+
+    def _shadow_step(self) -> Step:
+        """A plain step whose forward a shadow pass watches; after backward, before the
+        optimizer step, the shadow runs the fx capture's tracked forward and backward again
+        from the saved state (``lightning_scale.step.shadow``), as ``ScaleMonitor`` does."""
+        from lightning_scale.step.shadow import Shadow
+
+        cap = capture(self.model, "fx")
+        rec = Recorder(groups=GROUPS["tracked"])
+
+        def step() -> None:
+            self.opt.zero_grad()
+            shadow = Shadow(self.model, cap, rec)
+            self.loss(shadow.watching(self.model)(self.x)).backward()
+            shadow.run()
+            rec.records(cap.node_labels, cap.aliases).cpu()
             rec.clear()
             self.opt.step()
 

@@ -35,6 +35,7 @@ from lightning_scale.step.anomaly import AnomalyTrigger
 from lightning_scale.step.schedule import Schedule
 from lightning_scale.step.selection import Matching, Selection, check_leaf_modules, compile_pattern, resolve_submodule
 from lightning_scale.step.captures import Captures
+from lightning_scale.step.shadow import SHADOW_MODES
 from lightning_scale.step.tracked_step import TrackedStep
 
 __all__ = ["ScaleMonitor"]
@@ -88,9 +89,15 @@ class ScaleMonitor(Callback):
             of the parameters during a tracked step. See ``lightning_scale.record.updates``.
         verify_capture: on the first tracked step of each capture, run the captured
             forward and the model's own forward from the same state and compare their
-            outputs bit for bit; if they differ, try the other capture route, and if none
-            matches, train untracked with one warning saying why (the one-off cost of two
-            extra forwards, see docs/benchmarks.md). See ``lightning_scale.capture.fidelity``.
+            outputs bit for bit; if they differ, try the other capture route; if none
+            matches, see ``shadow`` (the one-off cost of two extra forwards, see
+            docs/benchmarks.md). ``False``: track in place, unverified.
+        shadow: ``"auto"``: where the probe finds that tracking in place would change training
+            (a model compiled with Inductor), track by a shadow pass: the step runs untouched,
+            then the instrumented forward and backward again from its saved state (statistics
+            of the same tensors up to its rounding; about one more forward and backward per
+            tracked step); ``"always"``: every tracked step (no probe); ``"never"``: train
+            untracked, with one warning, where the probe refuses. See docs/capture.md.
         max_log_bytes: the most bytes the callback's event files take per run (None: no cap);
             reaching it stops its writing with one warning (docs/usage.md: bytes per step).
         strict_ranks: when ranks capture different graphs on a tracked step (a rank's
@@ -132,6 +139,7 @@ class ScaleMonitor(Callback):
         anomaly_factor: float = 10.0,
         update_ratios: bool = False,
         verify_capture: bool = True,
+        shadow: Literal["auto", "always", "never"] = "auto",
         max_log_bytes: Optional[int] = None,
         strict_ranks: bool = False,
     ) -> None:
@@ -153,6 +161,7 @@ class ScaleMonitor(Callback):
         self.anomaly_steps, self.anomaly_factor = self._anomaly.steps, self._anomaly.factor
         self.update_ratios = check.boolean("update_ratios", update_ratios)
         self.verify_capture = check.boolean("verify_capture", verify_capture)
+        self.shadow = check.one_of("shadow", shadow, SHADOW_MODES)
         self.strict_ranks = check.boolean("strict_ranks", strict_ranks)
         self._updates = UpdateTracker()
         self.last_tracked_step = -1
@@ -165,6 +174,7 @@ class ScaleMonitor(Callback):
             info=rank_zero_info,
             warn=rank_zero_warn,
             groups=self.groups,
+            shadow=self.shadow,
         )
         self._active: Optional[TrackedStep] = None
         options = ReportOptions(
@@ -230,7 +240,8 @@ class ScaleMonitor(Callback):
     ) -> None:
         step = trainer.global_step
         self._poll_anomaly(trainer, step)
-        if self.captures.disabled or step == self.last_tracked_step or not self._is_tracked(step):
+        tracked = self.schedule.is_tracked(step) or self._anomaly.tracks(step)
+        if self.captures.disabled or step == self.last_tracked_step or not tracked:
             return
         self._begin(pl_module, step, "")
 
@@ -241,6 +252,8 @@ class ScaleMonitor(Callback):
             scale = getattr(scaler, "_scale", None)
             if isinstance(scale, Tensor):
                 self._active.loss_scale = scale.detach().clone().double().reshape(())
+        if self._active is not None and self._active.prefix == "":
+            self._active.run_shadow()  # (before the optimizer step: the parameters the forward read)
 
     @override
     def on_before_optimizer_step(
@@ -329,31 +342,18 @@ class ScaleMonitor(Callback):
     def _begin(self, pl_module: pl.LightningModule, step: int, prefix: str) -> None:
         target = self._target(pl_module)
         cap = self.captures.of(target, train=False)
-        if cap is None:
+        strategy = type(pl_module.trainer.strategy).__name__
+        if cap is None or not self.captures.trackable(cap, strategy):
             return
         rec = Recorder(self.groups, settings=self.settings)
         if self.value_histograms is not None:
             # (a pattern, not a set: dynamo labels appear as it compiles)
             rec.histogram_keys = Matching(self.value_histograms)  # type: ignore[assignment]
         self._active = TrackedStep(step, prefix, cap, rec)
-        strategy = type(pl_module.trainer.strategy).__name__
-        self._active.install(
-            target, self.captures.verifier(target, cap, strategy, lambda ok: _agree(pl_module.trainer, ok))
-        )
+        verify = self.captures.verifier(target, cap, strategy, lambda ok: _agree(pl_module.trainer, ok))
+        self._active.install(target, verify, shadow=cap.shadowed)
         if prefix == "":
             self.last_tracked_step = step
-
-    def _name_skipped(self, active: TrackedStep) -> None:
-        """Tensors the step saw but could not record (sparse layouts): counted in the
-        capture's coverage, and named once per run."""
-        if not active.recorder.skipped:
-            return
-        named = active.capture.add_skipped(active.recorder.skipped)
-        self.reporter.warn_once(
-            "skipped",
-            f"ScaleMonitor: {skipped_line(named)} at step {active.step}: no statistics of these tensors, for the "
-            "reason given; the rest of the step is recorded",
-        )
 
     def _abort(self, pl_module: pl.LightningModule) -> None:
         self._updates.clear()
@@ -367,12 +367,15 @@ class ScaleMonitor(Callback):
         active, self._active = self._active, None
         assert active is not None
         active.uninstall()
+        active.end_shadow()
         self.captures.act_on(active.check)
         if active.untracked:  # the fidelity probe fell back to the user's forward
             self._updates.clear()
             active.recorder.clear()
             return
-        self._name_skipped(active)
+        skipped = active.skipped_warning()  # (named once per run)
+        if skipped is not None:
+            self.reporter.warn_once("skipped", skipped)
         try:
             self._report(trainer, active)
         finally:
@@ -404,11 +407,8 @@ class ScaleMonitor(Callback):
 
     # ---- anomaly-triggered tracking and update ratios (lightning_scale.step.anomaly, .updates)
 
-    def _is_tracked(self, step: int) -> bool:
-        return self.schedule.is_tracked(step) or self._anomaly.tracks(step)
-
     def _poll_anomaly(self, trainer: pl.Trainer, step: int) -> None:
-        """Judge the loss read one batch late; an anomaly extends what ``_is_tracked`` says."""
+        """Judge the loss read one batch late; an anomaly extends which steps are tracked."""
         found = self._anomaly.poll(step)
         if found is not None and trainer.is_global_zero:
             rank_zero_info(f"ScaleMonitor: anomaly at {found.describe()}")

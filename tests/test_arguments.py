@@ -98,6 +98,8 @@ BAD = [
     ("anomaly_factor", "10", r"`anomaly_factor` must be a finite number above 1, got '10' \(str\)"),
     ("update_ratios", "yes", r"`update_ratios` must be True or False, got 'yes' \(str\)"),
     ("verify_capture", 1, r"`verify_capture` must be True or False, got 1 \(int\)"),
+    ("shadow", "sometimes", r"`shadow` must be one of \['auto', 'always', 'never'\], got 'sometimes'"),
+    ("shadow", True, r"`shadow` must be one of \['auto', 'always', 'never'\], got True$"),
     ("strict_ranks", "yes", r"`strict_ranks` must be True or False, got 'yes' \(str\)"),
     ("max_log_bytes", 0, r"`max_log_bytes` must be a positive integer or None \(bytes\), got 0"),
     ("max_log_bytes", True, r"`max_log_bytes` must be a positive integer or None \(bytes\), got True \(bool\)"),
@@ -145,6 +147,7 @@ def test_the_valid_forms_still_work() -> None:
     assert defaults.statistics == ["std"] and defaults.leaf_modules == [] and defaults.submodule == "blocks.0.attn"
     assert defaults.schedule.every_n_steps == 50 and defaults.capture_mode == "auto"
     assert defaults.anomaly_steps == 0 and defaults.update_ratios is False and defaults.verify_capture is True
+    assert defaults.shadow == "auto"
 
 
 # ---- leaf names: known only with the model, checked at fit start before step 0 ----------

@@ -170,11 +170,14 @@ def test_compiled_gpt_is_seen_inside_and_trains_unchanged(
     print(pattern, sorted(set(got) - set(uncompiled)))
 
 
-def test_a_tracked_version_that_differs_trains_untracked_with_one_warning(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("shadow", ["never", "auto"])
+def test_a_tracked_version_that_differs_is_never_tracked_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shadow: str
 ) -> None:
     """Fault injection: an instrumented graph that changes the forward (a probe adding
-    1e-3) is caught by the fidelity probe; the fit trains as without the callback."""
+    1e-3) is caught by the fidelity probe; the fit trains as without the callback, untracked
+    with one warning (``shadow="never"``) or tracked by a shadow pass (the default), whose
+    statistics are the instrumented version's."""
     plain, _ = fit(tmp_path / "plain", "whole", None, backend="aot_eager")  # (no C++ compile: fast)
 
     def shifted(ctx: Any, x: Tensor, probe: Tensor, groups: Tuple[str, ...], copy: bool, host: bool) -> Tensor:
@@ -182,15 +185,20 @@ def test_a_tracked_version_that_differs_trains_untracked_with_one_warning(
         return x + 1e-3
 
     monkeypatch.setattr(instrument.Probe, "forward", staticmethod(shifted))
-    watched = monitor()
-    with pytest.warns(UserWarning) as record:
+    watched = monitor(shadow=shadow)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
         tracked, _ = fit(tmp_path / "tracked", "whole", watched, backend="aot_eager")
     ours = [str(w.message) for w in record if "ScaleMonitor" in str(w.message)]
-    assert len(ours) == 1 and "does not reproduce its own forward bit for bit" in ours[0], ours
-    assert "training continues untracked" in ours[0]
     for (name, p), q in zip(plain.named_parameters(), tracked.parameters()):
         assert torch.equal(p, q), name
-    assert not [t for t in logged(tmp_path / "tracked") if t.startswith("scale/fwd/model.blocks")]
+    got = [t for t in logged(tmp_path / "tracked") if t.startswith("scale/fwd/model.blocks")]
+    if shadow == "never":
+        assert len(ours) == 1 and "does not reproduce its own forward bit for bit" in ours[0], ours
+        assert "training continues untracked" in ours[0] and not got
+    else:
+        assert ours == [] and "scale/fwd/model.blocks.1.mlp.fc1/linear" in got
+        assert [cap.shadowed for cap in watched.captures.values()] == [True]
 
 
 def test_a_graph_that_cannot_be_instrumented_runs_as_the_user_compiled_it(
@@ -244,27 +252,27 @@ def test_channel_statistics_of_a_compiled_gpt_equal_the_uncompiled_models(tmp_pa
     torch._dynamo.reset()
 
 
-def test_bf16_mixed_is_tracked_and_bf16_true_trains_untracked_unchanged(tmp_path: Path) -> None:
-    """Under autocast (``bf16-mixed``) the compiled route tracks and training is bit-identical.
-    A model held in bf16 (``bf16-true``): Inductor keeps a fused chain's intermediates in
-    float32 and rounds only what it stores, so a graph whose intermediates are also recorded
-    rounds differently; the fidelity probe sees it, says so once and the fit trains untracked,
-    bit-identical to the fit without the callback (docs/limitations.md)."""
+def test_bf16_mixed_is_tracked_in_place_and_bf16_true_by_a_shadow_pass(tmp_path: Path) -> None:
+    """Under autocast (``bf16-mixed``) the compiled route tracks in place and training is
+    bit-identical. A model held in bf16 (``bf16-true``): Inductor keeps a fused chain's
+    intermediates in float32 and rounds only what it stores, so a graph whose intermediates
+    are also recorded rounds differently; the fidelity probe sees it, and the fit is tracked by
+    a shadow pass, bit-identical to the fit without the callback (docs/limitations.md)."""
     for precision in ("bf16-mixed", "bf16-true"):
         plain, _ = fit(tmp_path / precision / "plain", "whole", None, layers=1, precision=precision)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            tracked, _ = fit(tmp_path / precision / "tracked", "whole", monitor(), layers=1, precision=precision)
+            watched = monitor()
+            tracked, _ = fit(tmp_path / precision / "tracked", "whole", watched, layers=1, precision=precision)
         for (name, p), q in zip(plain.named_parameters(), tracked.parameters()):
             assert torch.equal(p, q), (precision, name)
-        refusals = [w for w in caught if "does not reproduce its own forward bit for bit" in str(w.message)]
+        assert not [w for w in caught if "ScaleMonitor" in str(w.message)]
         got = logged(tmp_path / precision / "tracked")
-        if precision == "bf16-mixed":
-            assert not refusals and "scale/fwd/model.blocks.0.mlp.fc1/linear" in got
-            assert "scale/bwd/model.blocks.0.attn" in got
-        else:
+        assert "scale/fwd/model.blocks.0.mlp.fc1/linear" in got and "scale/bwd/model.blocks.0.attn" in got
+        (cap,) = list(watched.captures.values())
+        assert cap.shadowed == (precision == "bf16-true")
+        if precision == "bf16-true":
             assert next(tracked.parameters()).dtype == torch.bfloat16
-            assert len(refusals) == 1 and not got
 
 
 @pytest.fixture

@@ -51,7 +51,14 @@ from lightning_scale.record.stats import host_op
 from lightning_scale.record.stats.host_op import RecordLayout, record_size
 from lightning_scale.record.stats.traceable import PackedLayout, packed_size
 
-__all__ = ["CompiledRoute", "InstrumentingBackend", "UserCompile", "compiled_modules", "user_compile"]
+__all__ = [
+    "CompiledRoute",
+    "InstrumentingBackend",
+    "UserCompile",
+    "caught_gradients",
+    "compiled_modules",
+    "user_compile",
+]
 
 _Optimized = torch._dynamo.eval_frame.OptimizedModule
 
@@ -170,18 +177,21 @@ class Packing:
         grad = torch.is_grad_enabled()
         return [torch.zeros(n, dtype=torch.float64, device=self.device).requires_grad_(grad) for n in self._sizes]
 
-    def gradient_rows(self, probes: List[Tensor], kept: Tuple[int, ...], channels: bool = False) -> Optional[Tensor]:
-        """The records (or, with ``channels``, the channel rows) of the probes' gradients, of
-        the nodes ``kept`` (row indices, ``selection``'s): zeros for a node whose gradient
-        backward did not reach; None: it reached none."""
-        reached = tuple(i for i, p in enumerate(probes) if p.grad is not None)
+    def gradient_rows(
+        self, grads: Sequence[Optional[Tensor]], kept: Tuple[int, ...], channels: bool = False
+    ) -> Optional[Tensor]:
+        """The records (or, with ``channels``, the channel rows) of the probes' gradients
+        (``grads``, one per probe: None where backward did not reach it), of the nodes ``kept``
+        (row indices, ``selection``'s): zeros for a node whose gradient backward did not
+        reach; None: it reached none."""
+        reached = tuple(i for i, g in enumerate(grads) if g is not None)
         if not reached:
             return None
         layout, take, complete = self._gradient_plan(reached, kept)
         error = host_op.take_error()
         if error is not None:  # (the recorder keeps it as the step's error when it reads these rows)
             raise RuntimeError(f"statistics op failed in backward ({type(error).__name__}: {error})")
-        packed = torch.cat([probes[i].grad for i in reached])
+        packed = torch.cat([grads[i] for i in reached])  # type: ignore[misc]
         rows = layout.channel_rows(packed) if channels else layout.records(packed)
         if rows is None:
             return None
@@ -206,6 +216,21 @@ class Packing:
         plan = layout, torch.tensor(take, dtype=torch.long).to(self.device, non_blocking=True), complete
         self._layouts[(reached, kept)] = plan
         return plan
+
+
+def caught_gradients(probes: Sequence[Tensor]) -> List[Optional[Tensor]]:
+    """The gradient each of ``probes`` receives in backward (None until it does), kept by a
+    tensor hook: read without ``.grad``, so a backward that leaves ``.grad`` alone
+    (``torch.autograd.grad``, a shadow pass's) delivers it too."""
+    caught: List[Optional[Tensor]] = [None] * len(probes)
+
+    def keep(i: int, grad: Tensor) -> None:
+        previous = caught[i]
+        caught[i] = grad if previous is None else previous + grad
+
+    for i, p in enumerate(probes):
+        p.register_hook(functools.partial(keep, i))
+    return caught
 
 
 def _failing(compiled: Callable[..., Any], error: Exception) -> Callable[..., Any]:
@@ -334,9 +359,10 @@ class CompiledRoute:
         if channels is not None:
             rec.channels.add_rows(slots, FORWARD, channels.index_select(0, index))
         if any(p.requires_grad for p in probes):
-            rec.add_rows_later(keys, BACKWARD, functools.partial(packing.gradient_rows, probes, kept))
+            grads = caught_gradients(probes)
+            rec.add_rows_later(keys, BACKWARD, functools.partial(packing.gradient_rows, grads, kept))
             if channels is not None:
-                later = functools.partial(packing.gradient_rows, probes, kept, channels=True)
+                later = functools.partial(packing.gradient_rows, grads, kept, channels=True)
                 rec.channels.add_rows_later(slots, BACKWARD, later)
 
     def describe(self) -> str:

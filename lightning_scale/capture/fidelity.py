@@ -41,7 +41,7 @@ from lightning_scale.capture.module_state import Snapshot
 from lightning_scale.capture.tensor_parallel import local_tensor
 from lightning_scale.capture.tracer import failure_reason
 
-__all__ = ["NOISE_FACTOR", "Outcome", "ProbeInterrupted", "Verdict", "compare", "verify"]
+__all__ = ["NOISE_FACTOR", "Outcome", "ProbeInterrupted", "Verdict", "compare", "output_leaves", "verify"]
 
 _DEPTH = 6  # how deep outputs are searched for tensors (nested tuples, dicts, objects)
 
@@ -82,10 +82,13 @@ class ProbeInterrupted(RuntimeError):
 
 @dataclass
 class Outcome:
-    """The capture to track with (None: none reproduces the eager forward) and each route's verdict."""
+    """The capture to track with (None: none reproduces the eager forward), each route's
+    verdict, and, where none reproduces it, the first capture that ran on every rank
+    (``differing``: it only rounds differently; a shadow pass can track with it)."""
 
     capture: Optional[Capture]
     verdicts: List[Verdict]
+    differing: Optional[Capture] = None
 
     @property
     def switched(self) -> bool:
@@ -95,7 +98,7 @@ class Outcome:
         return "; ".join(v.describe() for v in self.verdicts)
 
 
-def _leaves(x: Any, name: str, depth: int = 0) -> Iterator[Tuple[str, Any]]:
+def output_leaves(x: Any, name: str = "", depth: int = 0) -> Iterator[Tuple[str, Any]]:
     """(name, value) of every tensor and number in an output: ``loss``, ``logits``, ``[0]``."""
     if isinstance(x, Tensor) or isinstance(x, (bool, int, float, str)) or x is None:
         yield name, x
@@ -103,14 +106,14 @@ def _leaves(x: Any, name: str, depth: int = 0) -> Iterator[Tuple[str, Any]]:
         return
     elif isinstance(x, dict) or (hasattr(x, "keys") and hasattr(x, "__getitem__")):
         for key in list(x.keys()):
-            yield from _leaves(x[key], f"{name}.{key}" if name else str(key), depth + 1)
+            yield from output_leaves(x[key], f"{name}.{key}" if name else str(key), depth + 1)
     elif isinstance(x, (list, tuple)):
         for i, item in enumerate(x):
-            yield from _leaves(item, f"{name}[{i}]", depth + 1)
+            yield from output_leaves(item, f"{name}[{i}]", depth + 1)
     elif hasattr(x, "__dict__"):  # plain result objects (also classes used as records)
         for key, value in vars(x).items():
             if not key.startswith("__"):
-                yield from _leaves(value, f"{name}.{key}" if name else key, depth + 1)
+                yield from output_leaves(value, f"{name}.{key}" if name else key, depth + 1)
 
 
 def _comparable(t: Tensor) -> Tensor:
@@ -121,7 +124,7 @@ def _comparable(t: Tensor) -> Tensor:
 
 
 def _snapshot(x: Any) -> Dict[str, Any]:
-    return {k: _comparable(v) if isinstance(v, Tensor) else v for k, v in _leaves(x, "")}
+    return {k: _comparable(v) if isinstance(v, Tensor) else v for k, v in output_leaves(x, "")}
 
 
 #: A route may differ from the reference where the eager forward differs from itself
@@ -176,7 +179,9 @@ def compare(expected: Dict[str, Any], actual: Dict[str, Any], kind: str = "outpu
 def _gradients(root: nn.Module, out: Any) -> Dict[str, Any]:
     """Gradients of the outputs' sum with respect to the parameters, without touching
     ``.grad`` (``autograd.grad``): a loss hides what a changed forward does to them."""
-    outputs = [v for _, v in _leaves(out, "") if isinstance(v, Tensor) and v.requires_grad and v.is_floating_point()]
+    outputs = [
+        v for _, v in output_leaves(out, "") if isinstance(v, Tensor) and v.requires_grad and v.is_floating_point()
+    ]
     named = [(n, p) for n, p in root.named_parameters() if p.requires_grad]
     if not outputs or not named or not torch.is_grad_enabled():
         return {}
@@ -297,7 +302,8 @@ def verify(
             ranks track with the same route or none does.
 
     Returns:
-        An ``Outcome``: the matching capture (None if none matches) and every verdict.
+        An ``Outcome``: the matching capture (None if none matches), every verdict and,
+        where none matches, the first capture that ran on every rank (``differing``).
         Random number generators and module state are as they were before the call.
 
     Raises:
@@ -305,6 +311,7 @@ def verify(
     """
     reference = _Reference(root, eager, args, kwargs)
     verdicts: List[Verdict] = []
+    tried: List[Optional[Capture]] = []
     for route, build in routes:
         try:
             cap = build()
@@ -313,8 +320,12 @@ def verify(
         else:
             verdict = reference.check(route, cap.tracked())
         verdicts.append(verdict)
+        tried.append(cap if verdict.error is None else None)
         if _agreed(agree, verdict.matches) and cap is not None:
             return Outcome(cap, verdicts)
+    for cap in tried:  # (one agreement per route on every rank: the same collectives everywhere)
+        if _agreed(agree, cap is not None) and cap is not None:
+            return Outcome(None, verdicts, differing=cap)
     return Outcome(None, verdicts)
 
 

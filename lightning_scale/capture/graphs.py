@@ -62,6 +62,12 @@ __all__ = ["CAPTURE_MODES", "Capture", "CaptureError", "DeepTracer", "capture", 
 OptimizedModule = torch._dynamo.eval_frame.OptimizedModule
 
 CaptureMode = Literal["auto", "fx", "dynamo"]
+
+#: What a capture line says of a capture tracked by a shadow pass.
+SHADOW_NOTE = (
+    "tracked by a shadow pass: the statistics are those of a second, instrumented forward and backward "
+    "from the step's state (the same tensors; rounding may differ from the model's own step)"
+)
 CAPTURE_MODES: Tuple[str, ...] = ("auto", "fx", "dynamo")
 
 
@@ -89,6 +95,9 @@ class Capture:
         eager_branches: dynamo traces ``torch.compiler.is_compiling()`` as False, as the
             user's eager forward sees it (``eager.eager_branches``); set by the fidelity
             probe where the plain dynamo route changes the forward.
+        shadowed: tracked steps run a shadow pass with it (``step.shadow``): the model's own
+            step runs untouched, and the statistics come from this capture's instrumented run
+            from the same state (the same tensors up to the rounding of the instrumented version).
     """
 
     mode: str
@@ -100,6 +109,7 @@ class Capture:
     aliases: Dict[str, str] = field(default_factory=dict)
     reason: str = ""
     eager_branches: bool = False
+    shadowed: bool = False
     _taken: Dict[str, int] = field(default_factory=dict)
     _fns: List[Callable[..., Any]] = field(default_factory=list)
     _unit_fns: List[Tuple[str, Callable[..., Any]]] = field(default_factory=list)
@@ -261,7 +271,8 @@ class Capture:
             compiled=compiled,
             skipped=self._skipped,
         )
-        report.note = self.compiled.describe() if self.compiled is not None else ""
+        notes = [SHADOW_NOTE] if self.shadowed else []
+        report.note = "; ".join(notes + ([self.compiled.describe()] if self.compiled is not None else []))
         return report
 
     def _opaque_rnns(self) -> List[str]:
@@ -301,6 +312,8 @@ class Capture:
             parts.append(tensor_parallel.mesh_line(meshes))
         if self.compiled is not None:
             parts.append(self.compiled.describe())
+        if self.shadowed:
+            parts.append(SHADOW_NOTE)
         return "; ".join(parts)
 
 

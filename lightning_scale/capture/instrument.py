@@ -149,7 +149,9 @@ def instrument_graph(
     values = [_example(a, inputs) for a in at]
     same = _same_gradients(at, values, returned)
     together = [i for i in range(len(batch)) if values[i].requires_grad and i not in same]
-    single = [[i] for i in range(len(batch), len(at)) if values[i].requires_grad and i not in same]
+    single = [
+        [i] for i in range(len(batch), len(at)) if values[i].requires_grad and i not in same and not _mutated(at[i])
+    ]
     probed = ([together] if together else []) + single
     probes, last = _probe_inputs(graph, placeholders[-1], probed, record_size(groups) if host else 0)
     if host and probed:
@@ -194,6 +196,22 @@ def _same_gradients(at: List[fx.Node], values: List[Any], returned: Set[fx.Node]
         while found[j] in found:
             found[j] = found[found[j]]
     return found
+
+
+_IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow}
+
+
+def _mutated(n: fx.Node) -> bool:
+    """Whether a user of ``n`` changes it in place (``x += y``, ``x.mul_(2)``): ``Probe``'s
+    output is a view of ``n``, which autograd refuses to change in place (Falcon's
+    ``mlp_output += attention_output``), so such a node has no probe and no gradient record."""
+    for user in n.users:
+        if user.args[:1] != (n,):
+            continue
+        name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
+        if user.target in _IN_PLACE or (name.endswith("_") and not name.startswith("_")):
+            return True
+    return False
 
 
 def _plain_add(n: fx.Node) -> bool:

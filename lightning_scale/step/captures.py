@@ -3,9 +3,10 @@
 One ``Capture`` per combination of the modules' training flags (fx bakes ``training`` into a
 graph), built on first use with the user's route and leaf modules; the fidelity probe's
 bookkeeping (``verification.Verification``) and what the callback does with its outcome
-(track with the capture it chose, or switch tracking off saying why); the selected and
-replicated labels of each capture, computed once. ``ScaleMonitor`` owns one ``Captures``;
-nothing here imports Lightning: the callback passes how to log and how ranks agree.
+(track with the capture it chose, in place or by a shadow pass, or switch tracking off
+saying why); the selected and replicated labels of each capture, computed once.
+``ScaleMonitor`` owns one ``Captures``; nothing here imports Lightning: the callback passes
+how to log and how ranks agree.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from lightning_scale.record.settings import Settings
 from lightning_scale.capture import Capture, capture
 from lightning_scale.step.selection import Selection
 from lightning_scale.step.tracked_step import fsdp_units, replicated_labels
-from lightning_scale.step.verification import CaptureCheck, Verification, Verify
+from lightning_scale.step.verification import ONE_BACKWARD_STRATEGIES, CaptureCheck, Verification, Verify
 
 __all__ = ["Captures"]
 
@@ -35,6 +36,9 @@ class Captures:
         selection: which labels are written (``include``/``exclude``/``prune_views``).
         groups: the statistic groups recorded (compiled submodules compute them in their graphs).
         info, warn: how to log a line and how to warn (rank zero only, from the callback).
+        shadow: ``"auto"``: a capture the probe refuses in place (no route reproduces the
+            forward, one runs) is tracked by a shadow pass; ``"always"``: every capture is;
+            ``"never"``: none (a refused capture trains untracked).
     """
 
     def __init__(
@@ -47,8 +51,9 @@ class Captures:
         info: Log,
         warn: Log,
         groups: Sequence[str] = ("moments", "range"),
+        shadow: str = "auto",
     ) -> None:
-        self.mode, self.leaf_modules, self.selection = mode, leaf_modules, selection
+        self.mode, self.leaf_modules, self.selection, self.shadow = mode, leaf_modules, selection, shadow
         self.groups = tuple(groups)
         #: the environment switches, set where the fit starts (None: read when a capture is made)
         self.settings: Optional[Settings] = None
@@ -94,7 +99,7 @@ class Captures:
     def new(self, target: nn.Module, mode: Optional[str] = None) -> Capture:
         """A new capture of ``target`` by ``mode`` (default: the user's route)."""
         units = fsdp_units(target)
-        return capture(
+        cap = capture(
             target,
             mode or self.mode,
             leaf_modules=self.leaf_modules,
@@ -102,6 +107,8 @@ class Captures:
             groups=self.groups,
             settings=self.settings,
         )
+        cap.shadowed = self.shadow == "always"
+        return cap
 
     def disable(self, why: str) -> None:
         """Switch tracking off for this run, with one warning saying why."""
@@ -113,9 +120,21 @@ class Captures:
     ) -> Optional[Verify]:
         """The fidelity probe for this step's first forward, if ``cap`` is still unchecked
         (``strategy``: the strategy's class name; ``agree``: True on every rank iff on all)."""
-        if not self.verification.probes(cap, strategy):
+        if cap.shadowed or not self.verification.probes(cap, strategy):
             return None
-        return self.verification.verifier(target, lambda mode: self.new(target, mode), agree)
+        return self.verification.verifier(target, lambda mode: self.new(target, mode), agree, self.shadow == "auto")
+
+    def trackable(self, cap: Capture, strategy: str) -> bool:
+        """Whether a step can be tracked with ``cap`` under ``strategy`` (its class name): not
+        by a shadow pass where backward hooks expect one backward per forward (tracking is
+        switched off, saying why)."""
+        if cap.shadowed and strategy in ONE_BACKWARD_STRATEGIES:
+            self.disable(
+                f"a shadow pass (`shadow={self.shadow!r}`) cannot run under {strategy}, whose backward hooks "
+                "expect one backward per forward"
+            )
+            return False
+        return True
 
     def act_on(self, check: Optional[CaptureCheck]) -> None:
         """Act on the probe's outcome: track with the capture it chose, or switch tracking
@@ -130,7 +149,9 @@ class Captures:
         if check.kind == "failed":
             self.disable(check.why)
             return
-        if check.kind == "switched" and check.capture is not None:
+        if check.kind == "shadowed" and check.capture is not None:
+            check.capture.shadowed = True
+        if check.kind in ("switched", "shadowed") and check.capture is not None:
             new = check.capture
             self._table = {k: (new if v is check.checked else v) for k, v in self._table.items()}
         self.info(check.why)

@@ -4,7 +4,8 @@ The probe itself (``capture.fidelity``) compares a captured forward with the eag
 ``Verification`` decides when it runs (once per capture, on the first tracked step that
 uses it, not under strategies whose backward hooks expect one backward per forward);
 ``check_capture`` runs it and returns a ``CaptureCheck``: verified, switched to the other
-route, failed (tracking would change training, or the check itself broke), or
+route, shadowed (no route reproduces the forward, but one runs: a shadow pass tracks with
+it, ``step.shadow``), failed (tracking would change training, or the check itself broke), or
 interrupted (the model's own forward raised, or another rank failed, during the check:
 nothing is concluded). The callback acts on it, as Lightning's ``ModelSummary`` is
 computed by a utility and used by its callback. Nothing here imports Lightning: the
@@ -26,7 +27,7 @@ __all__ = ["EAGER_BRANCHES", "ONE_BACKWARD_STRATEGIES", "CaptureCheck", "Verific
 #: Strategies whose backward hooks expect one backward per forward (the probe runs two).
 ONE_BACKWARD_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
 
-CheckKind = Literal["verified", "switched", "failed", "interrupted"]
+CheckKind = Literal["verified", "switched", "shadowed", "failed", "interrupted"]
 #: The dynamo route as the user's eager forward branches (``Capture.eager_branches``).
 EAGER_BRANCHES = "dynamo with is_compiling() false"
 
@@ -37,14 +38,15 @@ class CaptureCheck:
 
     Attributes:
         kind: ``"verified"``: ``checked`` reproduces the model's forward; ``"switched"``:
-            the other route does, track with ``capture``; ``"failed"``: no route does, or
+            the other route does, track with ``capture``; ``"shadowed"``: no route does, but
+            ``capture`` runs (it rounds differently): track by a shadow pass with it; ``"failed"``: no route does, or
             the check itself broke (tracking off, ``why`` says why); ``"interrupted"``:
             the model's own forward raised, or the ranks could not compare verdicts
             (another rank failed), so nothing is concluded and the step runs the model's
             own forward.
         checked: the capture the step was going to track with.
-        capture: the capture to track with (``verified``, ``switched``), else None.
-        why: the line to log (``verified``, ``switched``), or the reason (``failed``,
+        capture: the capture to track with (``verified``, ``switched``, ``shadowed``), else None.
+        why: the line to log (``verified``, ``switched``, ``shadowed``), or the reason (``failed``,
             ``interrupted``).
     """
 
@@ -67,11 +69,13 @@ def check_capture(
     *,
     build: Callable[[str], Capture],
     agree: Callable[[bool], bool],
+    shadow: bool = False,
 ) -> CaptureCheck:
     """Run the fidelity probe on ``target``'s capture ``cap``: its route first, then the
     other (a capture of it from ``build(route)``). ``eager``, ``args``, ``kwargs``: the
     user's forward and the step's inputs; ``agree`` turns this rank's verdict into every
-    rank's. Never raises: every failure is an outcome."""
+    rank's; ``shadow``: where no route reproduces the forward but one runs, track by a
+    shadow pass with it (``ScaleMonitor(shadow="auto")``). Never raises: every failure is an outcome."""
     routes = _routes(cap, build)
     name = type(target).__name__
     try:
@@ -81,6 +85,14 @@ def check_capture(
     except Exception as err:  # noqa: BLE001 - the state is put back: the step runs the user's forward
         why = f"checking the capture of {name} failed ({type(err).__name__}: {err})"
         return CaptureCheck("failed", cap, None, why)
+    if outcome.capture is None and shadow and outcome.differing is not None:
+        line = (
+            f"ScaleMonitor: the captured forward of {name} does not reproduce its own forward bit for bit "
+            f"({outcome.describe()}); tracking by a shadow pass with {outcome.differing.mode}: each tracked step runs "
+            "the model's own forward and backward untouched, then the instrumented ones again from the same state, "
+            "whose statistics describe the same tensors up to the rounding of the instrumented version"
+        )
+        return CaptureCheck("shadowed", cap, outcome.differing, line)
     if outcome.capture is None:
         why = (
             f"the captured forward of {name} does not reproduce its own forward bit for bit, so tracking "
@@ -132,9 +144,12 @@ class Verification:
         """Whether this step checks ``cap`` first (``strategy``: the strategy's class name)."""
         return self.enabled and id(cap) not in self.verified and strategy not in ONE_BACKWARD_STRATEGIES
 
-    def verifier(self, target: nn.Module, build: Callable[[str], Capture], agree: Callable[[bool], bool]) -> Verify:
-        """``check_capture`` for ``target``, to be called with the step's forward and inputs."""
-        return functools.partial(check_capture, target, build=build, agree=agree)
+    def verifier(
+        self, target: nn.Module, build: Callable[[str], Capture], agree: Callable[[bool], bool], shadow: bool = False
+    ) -> Verify:
+        """``check_capture`` for ``target``, to be called with the step's forward and inputs
+        (``shadow``: a refused capture that runs is tracked by a shadow pass)."""
+        return functools.partial(check_capture, target, build=build, agree=agree, shadow=shadow)
 
     def settle(self, check: CaptureCheck) -> None:
         """The callback acted on ``check``: its captures are not probed again. An

@@ -165,3 +165,51 @@ def test_a_parameter_an_add_alone_uses_takes_the_adds_gradient_not_a_probe(monke
     assert row[offset] not in rewritten.probed[0] and row[offset] < 3  # (a graph input: its row among the first)
     through = [n for n in rewritten.gm.graph.nodes if getattr(n.target, "__name__", "") == "probe_inputs"]
     assert len(through) == 1 and not any("offset" in str(a) for a in through[0].args)
+
+
+class InPlace(nn.Module):
+    """A linear's output changed in place by a later op, as Falcon's ``mlp_output += attention_output``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f, self.g = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.f(x)
+        y += self.g(x)
+        return y.relu()
+
+
+@pytest.mark.parametrize("ops", ["auto", "ops"])
+def test_a_node_changed_in_place_later_has_no_probe(ops: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Probe``'s output is a view of its node; autograd refuses to change it in place
+    ("Output 0 of Probe is a view and is being modified inplace"): the node changed in place
+    is recorded forward only, and the graph runs forward and backward as the user's does."""
+    monkeypatch.setenv(ENV, ops)
+    torch.manual_seed(0)
+    model, x = InPlace(), torch.randn(4, 8)
+    gm, inputs = dynamo_graph(model, x)
+    names = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    rewritten = instrument_graph(gm, names, inputs, GROUPS)
+    assert rewritten is not None
+    f_out = next(n.name for n in gm.graph.nodes if any(u.target is operator.iadd and u.args[0] is n for u in n.users))
+    probed = {rewritten.names[i] for p in rewritten.probed for i in p}
+    assert f_out in rewritten.names and f_out not in probed and len(probed) >= 2
+    width = record_size(GROUPS) if rewritten.host else None
+    sizes = [len(p) * width if width else len(p) for p in rewritten.probed]
+    if width:
+        probes = [torch.zeros(sum(sizes), dtype=torch.float64, requires_grad=True)]
+    else:
+        from lightning_scale.record.stats.traceable import packed_size
+
+        probes = [
+            torch.zeros(packed_size(rewritten.numels[p[0]], GROUPS), dtype=torch.float64, requires_grad=True)
+            for p in rewritten.probed
+        ]
+    params = [inputs[i] for i in range(len(inputs)) if isinstance(inputs[i], Tensor) and inputs[i].requires_grad]
+    out = rewritten.gm(*inputs, *probes)
+    want = model(x)
+    assert torch.equal(out[0], want)
+    (g,) = torch.autograd.grad(out[0].sum(), [params[0]])
+    (h,) = torch.autograd.grad(want.sum(), [params[0]])
+    assert torch.equal(g, h)

@@ -437,9 +437,10 @@ class CompileAwareTask(Task):
 
 
 def test_a_model_no_route_reproduces_trains_untracked_with_one_warning(tmp_path: Any) -> None:
+    """``shadow="never"``: where the probe refuses tracking in place, nothing is tracked."""
     make, loss = RecurrentLM, plain_loss
     plain, _, _ = fit(tmp_path, "plain", make, loss, monitor=False, task=CompileAwareTask)
-    tracked, warned, monitor = fit(tmp_path, "tracked", make, loss, monitor=True, task=CompileAwareTask)
+    tracked, warned, monitor = fit(tmp_path, "tracked", make, loss, monitor=True, task=CompileAwareTask, shadow="never")
     assert same_state(plain, tracked)
     assert len(warned) == 1, warned
     assert warned[0].startswith(
@@ -454,6 +455,25 @@ def test_a_model_no_route_reproduces_trains_untracked_with_one_warning(tmp_path:
     assert warned[0].endswith("pass `verify_capture=False` to track it anyway; training continues untracked.")
     # one capture, its probe failed: no other step tracked
     assert monitor.captures.disabled and list(monitor.captures.values())
+
+
+def test_a_model_no_route_reproduces_is_tracked_by_a_shadow_pass(tmp_path: Any) -> None:
+    """By default (``shadow="auto"``) the route the probe refused still runs: the step trains
+    untouched and a shadow pass records, through the route that ran (dynamo: fx cannot trace
+    this model). Its loss is the instrumented version's: 1 + 2**-20 times the model's."""
+    make, loss = RecurrentLM, plain_loss
+    plain, _, _ = fit(tmp_path, "plain", make, loss, monitor=False, task=CompileAwareTask)
+    tracked, warned, monitor = fit(tmp_path, "tracked", make, loss, monitor=True, task=CompileAwareTask)
+    assert same_state(plain, tracked) and warned == []
+    (cap,) = list(monitor.captures.values())
+    assert cap.mode == "dynamo" and cap.shadowed and not monitor.captures.disabled
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(tracked.trainer.logger.log_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = [t for t in acc.Tags()["scalars"] if t.startswith("scale/")]
+    assert "scale/fwd/model.rnn" in tags and "scale/bwd/model.head.weight" in tags
+    assert {e.step for e in acc.Scalars("scale/bwd/model.head.weight")} == {0, 1}
 
 
 def hook_reference(model: nn.Module, paths: List[str], run: Callable[[], Tensor]) -> Dict[str, Tuple[float, float]]:
