@@ -22,7 +22,6 @@ from typing_extensions import override
 
 from lightning_scale import arguments as check
 from lightning_scale.capture import CAPTURE_MODES
-from lightning_scale.capture.coverage import skipped_line
 from lightning_scale.record import kernels, native
 from lightning_scale.record.settings import Settings
 from lightning_scale.record.stats import run_table
