@@ -22,7 +22,7 @@ from torch import nn
 from lightning_scale.capture.frames import strip_compiled
 from lightning_scale.record.gemm_whatif import RECIPES
 
-__all__ = ["FORMATS", "KEEP", "check_recipe", "contradictions", "load_recipe", "runtime_form"]
+__all__ = ["FORMATS", "KEEP", "check_recipe", "common_prefixes", "contradictions", "load_recipe", "runtime_form"]
 
 KEEP = "keep"
 FORMATS = (*RECIPES, KEEP)
@@ -95,7 +95,7 @@ def _named(module: nn.Module) -> Dict[str, Any]:
     return out
 
 
-def _prefixes(names: List[str]) -> List[str]:
+def common_prefixes(names: List[str]) -> List[str]:
     """``""`` and every module path that holds all of ``names`` (``model``, ``model.backbone``)."""
     parts = [n.split(".")[:-1] for n in names]
     common: List[str] = []
@@ -114,7 +114,7 @@ def _resolve(recipe: Dict[str, Any], named: Dict[str, Any], where: str, module: 
     """
     names = sorted(recipe["layers"])
     best: Dict[str, Any] = {}
-    for prefix in _prefixes(names):
+    for prefix in common_prefixes(names):
         cut = len(prefix) + 1 if prefix else 0
         found = {n: named[n[cut:]] for n in names if n[cut:] in named}
         best = found if len(found) > len(best) else best

@@ -22,11 +22,12 @@ Each GEMM's what-if is a row of ``FIELDS``, every one a sum (so rows of micro-ba
 and ranks add up exactly): the calls, the calls the recipe cannot run (shapes it does not
 take), the signal ``sum(ref^2)`` and noise ``sum((emulated - ref)^2)`` of the result (SNR =
 10 log10(signal / noise)), and per operand its nonzero elements, those the cast flushes to
-zero and those it saturates (clamps at the format's largest value).
+zero and those it saturates (values that would round past the format's largest, clamped to it).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Tuple
 
 import torch
@@ -79,6 +80,13 @@ _FORMAT = {
 }
 
 
+def _overflow(dtype: torch.dtype) -> float:
+    """The least magnitude that rounds past ``dtype``'s largest value: the saturating cast
+    clamps it (smaller values above the largest round down to it anyway)."""
+    info = torch.finfo(dtype)
+    return info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2
+
+
 def _fp8_scaled(t: Tensor, amax: Tensor, dtype: torch.dtype, pow2: bool) -> Tuple[Tensor, Tensor]:
     """torchao's ``amax_to_scale`` and ``_ToFloat8ConstrFunc``: dequantized float32 values and the
     count of saturated elements."""
@@ -87,7 +95,7 @@ def _fp8_scaled(t: Tensor, amax: Tensor, dtype: torch.dtype, pow2: bool) -> Tupl
     if pow2:  # (``_round_scale_down_to_power_of_2``)
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     scaled = t.float() * scale
-    saturated = (scaled.abs() > top).sum()
+    saturated = (scaled.abs() >= _overflow(dtype)).sum()
     q = scaled.clamp(-top, top).to(dtype)
     return q.float() / scale, saturated
 
@@ -112,7 +120,7 @@ def _mx_last(t: Tensor) -> Tuple[Tensor, Tensor]:
     # an all-zero (or tiny) block: biased exponent 0, scaled by 1 and dequantized by 2^-127
     rcp = torch.where(exponent == 0, 1.0, torch.exp2(_E8M0_BIAS - exponent))
     scaled = data * rcp
-    saturated = (scaled.abs() > top).sum()
+    saturated = (scaled.abs() >= _overflow(_E4M3)).sum()
     q = scaled.clamp(-top, top).to(_E4M3).float()
     return (q * torch.exp2(exponent - _E8M0_BIAS)).reshape(rows, cols), saturated
 

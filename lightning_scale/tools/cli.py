@@ -17,6 +17,7 @@ import sys
 from typing import Callable, Dict, List, Optional, Sequence
 
 from lightning_scale.dashboard.logdir import LogDir
+from lightning_scale.tools.advise_command import add_advise
 
 __all__ = ["COMMANDS", "main", "parser"]
 
@@ -47,7 +48,10 @@ def _runs(args: argparse.Namespace) -> int:
 
 
 #: Subcommand name -> the function that registers it.
-COMMANDS: Dict[str, Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]] = {"runs": _add_runs}
+COMMANDS: Dict[str, Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]] = {
+    "runs": _add_runs,
+    "advise": add_advise,
+}
 
 
 def parser() -> argparse.ArgumentParser:
