@@ -12,6 +12,7 @@ PUBLIC = {
     "ScaleTrackingInterpreter",
     "analyse_module",
     "capture",
+    "check_recipe",
     "coord_check",
     "records_table",
     "recording",
