@@ -19,10 +19,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from lightning_scale.capture.recipe_check import KEEP
+from lightning_scale.dashboard import advice_log
 from lightning_scale.dashboard.advice_log import AdviceRun
 from lightning_scale.record.gemm_whatif import BLOCK, FIELDS, FP8_ALIGN, GEMMS, OPERANDS, RECIPES
 
-__all__ = ["DEFAULT_FLUSHED", "DEFAULT_SNR_DB", "KEEP", "Thresholds", "advise", "check_recipe_name"]
+__all__ = ["DEFAULT_FLUSHED", "DEFAULT_SNR_DB", "KEEP", "Thresholds", "advise", "check_recipe_name", "view"]
 
 #: A GEMM result must keep this SNR: E5M2 gradients put ordinary results near 25 dB, E4M3 near 29-31.
 DEFAULT_SNR_DB = 15.0
@@ -211,3 +212,36 @@ def _summary(run: AdviceRun, layers: Dict[str, Any]) -> Dict[str, Any]:
         "gemm_share": len(low) / len(layers) if layers else 0.0,
         "size_share": sum(size[n] for n in low) / total if total else 0.0,
     }
+
+
+def _number(args: Dict[str, str], name: str, default: float) -> float:
+    raw = args.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        return float(raw)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise ValueError(f"`{name}` must be a number, got {raw!r}") from e
+
+
+def view(provider: Any, ctx: Any, eid: str, args: Dict[str, str]) -> Dict[str, Any]:
+    """The dashboard's Advice view of run ``args["run"]``: ``advise``'s result for ``recipe``
+    (default ``fp8-tensorwise``) under ``snr_db`` and ``flushed`` (defaults: the documented
+    ones), with the recipes, GEMMs and defaults the view shows; ``{"available": False, ...}`` where
+    the run has no advisor statistics.
+
+    Raises:
+        ValueError: an unknown recipe or a threshold out of range (the message names it).
+    """
+    recipe = check_recipe_name(args.get("recipe") or RECIPES[0])
+    limits = Thresholds(_number(args, "snr_db", DEFAULT_SNR_DB), _number(args, "flushed", DEFAULT_FLUSHED))
+    offer = {
+        "recipes": list(RECIPES),
+        "gemms": list(GEMMS),
+        "defaults": {"snr_db": DEFAULT_SNR_DB, "flushed": DEFAULT_FLUSHED},
+    }
+    run = advice_log.read(provider, ctx, eid, args.get("run", ""))
+    if run is None:
+        why = "no precision-advisor statistics in this run: train it with ScaleMonitor(advise=True)"
+        return {"available": False, **offer, "recipe": recipe, "why": why}
+    return {"available": True, **offer, **advise(run, recipe, limits)}

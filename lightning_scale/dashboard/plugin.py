@@ -8,7 +8,7 @@ tables, which nodes are outside which format) on the run's per-step records
 
 Routes (``run`` and ``prefix`` select a run and ``""`` / ``"val_"``): ``/runs``,
 ``/profile?step=``, ``/heatmap?stat=``, ``/series?label=``, ``/worst?step=&by=&regex=``,
-``/code?step=``.
+``/code?step=``, ``/advice?recipe=&snr_db=&flushed=`` (the precision advisor's decisions).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import Request, wrappers
 
-from lightning_scale.dashboard import data, metadata, tables
+from lightning_scale.dashboard import advice, data, metadata, tables
 
 __all__ = ["ScalesPlugin"]
 
@@ -77,6 +77,7 @@ class ScalesPlugin(base_plugin.TBPlugin):
                 "/series": self._series,
                 "/worst": self._worst,
                 "/code": self._code,
+                "/advice": self._advice,
             }
         )
         return apps
@@ -141,6 +142,17 @@ class ScalesPlugin(base_plugin.TBPlugin):
     @wrappers.Request.application
     def _code(self, request: Request) -> wrappers.Response:
         return self._respond(request, lambda d, a: tables.code(d, _int(a, "step")))
+
+    @wrappers.Request.application
+    def _advice(self, request: Request) -> wrappers.Response:
+        from tensorboard import plugin_util
+
+        ctx, eid = plugin_util.context(request.environ), plugin_util.experiment_id(request.environ)
+        try:
+            body = advice.view(self._provider, ctx, eid, request.args)
+        except ValueError as e:
+            return http_util.Respond(request, {"error": str(e)}, "application/json", code=400)
+        return http_util.Respond(request, _dumps(body), "application/json")
 
     def _load(self, request: Request, run: str, prefix: str) -> data.RunData:
         from tensorboard import plugin_util

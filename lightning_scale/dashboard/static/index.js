@@ -5,9 +5,10 @@ import { drawProfile, drawRatios } from './profile.js';
 import { drawHeatmap } from './heatmap.js';
 import { drawWorst } from './worst.js';
 import { drawCode } from './code.js';
+import { drawAdvice } from './advice.js';
 
-const VIEWS = ['profile', 'heatmap', 'worst', 'code'];
-const TITLES = { profile: 'Profile', heatmap: 'Heatmap', worst: 'Worst nodes', code: 'Code' };
+const VIEWS = ['profile', 'heatmap', 'worst', 'code', 'advice'];
+const TITLES = { profile: 'Profile', heatmap: 'Heatmap', worst: 'Worst nodes', code: 'Code', advice: 'Advice' };
 const state = { run: null, prefix: '', view: 'profile', step: null, steps: [], by: 'fp16', regex: '', stat: 'std', format: 'fp16', only: false };
 const FORMAT_NAMES = ['fp16', 'bf16', 'e4m3', 'e5m2'];
 const RANK_BY = [...FORMAT_NAMES, 'drift', 'fp8'];
@@ -49,7 +50,7 @@ async function show() {
   document.querySelectorAll('.tab').forEach((b) => b.classList.toggle('active', b.dataset.view === state.view));
   $('worst-controls').hidden = state.view !== 'worst';
   $('stat-control').hidden = state.view !== 'profile' && state.view !== 'heatmap';
-  $('step-control').hidden = state.view === 'heatmap';  // the heatmap shows every step
+  $('step-control').hidden = state.view === 'heatmap' || state.view === 'advice';  // they show every step
   $('profile-controls').hidden = state.view !== 'profile';
   $('side').innerHTML = '';
   $('status').textContent = 'loading…';
@@ -69,6 +70,8 @@ async function show() {
       setSteps(data.steps, data.step);
       fillRankBy(data.rankable);
       drawWorst(view, data);
+    } else if (state.view === 'advice') {
+      await drawAdvice(view, query());
     } else {
       const data = await get('code', { ...query(), step: state.step });
       drawCode(view, data);
