@@ -87,6 +87,36 @@ def _overflow(dtype: torch.dtype) -> float:
     return info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2
 
 
+def _amax(t: Tensor, dim: "int | None" = None) -> Tensor:
+    """``max |t|`` (over ``dim``, kept) without an ``abs`` copy; NaN if any is NaN."""
+    if dim is None:
+        low, high = torch.aminmax(t)
+        return torch.maximum(-low, high)
+    # (amax and amin: ~10x faster than aminmax along a strided dimension on the CPU)
+    return torch.maximum(-t.amin(dim=dim, keepdim=True), t.amax(dim=dim, keepdim=True))
+
+
+def _widened(q: Tensor) -> Tensor:
+    """FP8 ``q`` as float32 through float16's bits (torch's CPU widening of FP8 is ~10x slower;
+    ``stats/blocks.py`` does the same). E5M2 is float16's top byte; E4M3's 7 low bits shifted
+    by 7 are a float16 of the same mantissa and an exponent 8 lower, subnormals included (its
+    NaN turns 480: only a NaN operand gives it, and then the reference is NaN too)."""
+    b = q.view(torch.uint8).to(torch.int16)
+    if q.dtype == _E5M2:
+        return b.mul_(256).view(torch.float16).float()
+    bits = (b & 0x7F).mul_(128).bitwise_or_((b & 0x80).mul_(256))
+    return bits.view(torch.float16).float().mul_(256.0)
+
+
+def _saturated(scaled: Tensor, peak: Tensor, limit: float) -> Tensor:
+    """Elements of ``scaled`` at or beyond ``limit`` in magnitude. ``peak`` is the scaled amax of
+    each row or block (the largest scaled magnitude there): where none reaches ``limit`` none
+    can, and on the host (where reading it costs nothing) the full count is skipped."""
+    if scaled.device.type == "cpu" and not bool((peak >= limit).any()):
+        return torch.zeros((), dtype=torch.int64)
+    return torch.count_nonzero(scaled.abs() >= limit)
+
+
 def _fp8_scaled(t: Tensor, amax: Tensor, dtype: torch.dtype, pow2: bool) -> Tuple[Tensor, Tensor]:
     """torchao's ``amax_to_scale`` and ``_ToFloat8ConstrFunc``: dequantized float32 values and the
     count of saturated elements."""
@@ -95,17 +125,17 @@ def _fp8_scaled(t: Tensor, amax: Tensor, dtype: torch.dtype, pow2: bool) -> Tupl
     if pow2:  # (``_round_scale_down_to_power_of_2``)
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     scaled = t.float() * scale
-    saturated = (scaled.abs() >= _overflow(dtype)).sum()
-    q = scaled.clamp(-top, top).to(dtype)
-    return q.float() / scale, saturated
+    saturated = _saturated(scaled, amax.float() * scale, _overflow(dtype))
+    q = _widened(scaled.clamp_(-top, top).to(dtype))
+    return q.div_(scale), saturated
 
 
 def _tensorwise(t: Tensor, dtype: torch.dtype, dim: int) -> Tuple[Tensor, Tensor]:
-    return _fp8_scaled(t, t.abs().max(), dtype, pow2=False)
+    return _fp8_scaled(t, _amax(t), dtype, pow2=False)
 
 
 def _rowwise(t: Tensor, dtype: torch.dtype, dim: int) -> Tuple[Tensor, Tensor]:
-    return _fp8_scaled(t, t.abs().amax(dim=dim, keepdim=True), dtype, pow2=True)
+    return _fp8_scaled(t, _amax(t, dim), dtype, pow2=True)
 
 
 def _mx_last(t: Tensor) -> Tuple[Tensor, Tensor]:
@@ -113,16 +143,16 @@ def _mx_last(t: Tensor) -> Tuple[Tensor, Tensor]:
     in blocks of 32 along its last dimension, dequantized: float32 values, saturated count."""
     rows, cols = t.shape
     data = t.reshape(rows, cols // BLOCK, BLOCK)
-    max_abs = data.abs().amax(-1, keepdim=True).float()
+    max_abs = _amax(data, -1).float()
     data = data.float()
     top = torch.finfo(_E4M3).max
     exponent = torch.clamp(torch.ceil(torch.log2(max_abs / top)), min=-_E8M0_BIAS, max=_E8M0_BIAS) + _E8M0_BIAS
     # an all-zero (or tiny) block: biased exponent 0, scaled by 1 and dequantized by 2^-127
     rcp = torch.where(exponent == 0, 1.0, torch.exp2(_E8M0_BIAS - exponent))
     scaled = data * rcp
-    saturated = (scaled.abs() >= _overflow(_E4M3)).sum()
-    q = scaled.clamp(-top, top).to(_E4M3).float()
-    return (q * torch.exp2(exponent - _E8M0_BIAS)).reshape(rows, cols), saturated
+    saturated = _saturated(scaled, max_abs * rcp, _overflow(_E4M3))
+    q = _widened(scaled.clamp_(-top, top).to(_E4M3))
+    return q.mul_(torch.exp2(exponent - _E8M0_BIAS)).reshape(rows, cols), saturated
 
 
 def _mx(t: Tensor, dtype: torch.dtype, dim: int) -> Tuple[Tensor, Tensor]:
@@ -158,18 +188,37 @@ def _fits(recipe: str, reduced: int, other: Tuple[int, ...]) -> bool:
     return all(d % FP8_ALIGN == 0 for d in other)
 
 
-def _row(a: Tensor, b: Tensor, qa: Tensor, qb: Tensor, ref: Tensor, emulated: Tensor, saturated: Tensor) -> Tensor:
-    """One GEMM's ``FIELDS`` (float64)."""
-    diff = emulated.double() - ref.double()
-    counts = []
-    for t, q in ((a, qa), (b, qb)):
-        nonzero = t != 0
-        counts += [nonzero.sum(), (nonzero & (q == 0)).sum()]
-    one = torch.ones((), dtype=torch.float64, device=ref.device)
-    zero = torch.zeros((), dtype=torch.float64, device=ref.device)
-    signal, noise = ref.double().square().sum(), diff.square().sum()
-    parts = [one, zero, signal, noise, counts[0], counts[1], saturated[0], counts[2], counts[3], saturated[1]]
-    return torch.stack([p.to(torch.float64) for p in parts])
+def _sum_squares(t: Tensor) -> Tensor:
+    """``sum(t^2)`` of a float32 tensor, as one BLAS dot (float32 accumulation: SNRs good to ~1e-4 dB)."""
+    flat = t.reshape(-1)
+    return torch.dot(flat, flat)
+
+
+class _Gemm:
+    """One GEMM's reference result and its operands' nonzero counts, shared by the recipes."""
+
+    def __init__(self, a: Tensor, b: Tensor, ref: Tensor) -> None:
+        self.ref, self.signal = ref, _sum_squares(ref)
+        self.nonzero = (torch.count_nonzero(a), torch.count_nonzero(b))
+
+    def row(self, qa: Tuple[Tensor, Tensor], qb: Tuple[Tensor, Tensor], emulated: Tensor) -> Tensor:
+        """``FIELDS`` (float64) of the recipe whose casts (values, saturated count) are ``qa``, ``qb``."""
+        noise = _sum_squares(emulated.sub_(self.ref))
+        flushed = [n - torch.count_nonzero(q[0]) for n, q in zip(self.nonzero, (qa, qb))]  # (0 stays 0)
+        one = torch.ones((), device=self.ref.device)
+        parts = [
+            one,
+            one * 0,
+            self.signal,
+            noise,
+            self.nonzero[0],
+            flushed[0],
+            qa[1],
+            self.nonzero[1],
+            flushed[1],
+            qb[1],
+        ]
+        return torch.stack([p.to(torch.float64) for p in parts])
 
 
 def _skipped(device: torch.device) -> Tensor:
@@ -187,15 +236,14 @@ def forward_rows(x: Tensor, w: Tensor) -> Tensor:
         w: the weight ``[N, K]``.
     """
     k, n = x.shape[1], w.shape[0]
-    ref = x.float() @ w.float().t()  # [M, N]: x and w both reduced along K (their dim 1)
+    gemm = _Gemm(x, w, x.float() @ w.float().t())  # [M, N]: x and w both reduced along K (their dim 1)
     rows = []
     for recipe in RECIPES:
         if not _fits(recipe, k, (k, n)):
-            rows.append(_skipped(ref.device))
+            rows.append(_skipped(x.device))
             continue
-        qx, sx = cast(x, recipe, "input", 1)
-        qw, sw = cast(w, recipe, "weight", 1)
-        rows.append(_row(x, w, qx, qw, ref, qx @ qw.t(), torch.stack([sx, sw])))
+        qx, qw = cast(x, recipe, "input", 1), cast(w, recipe, "weight", 1)
+        rows.append(gemm.row(qx, qw, qx[0] @ qw[0].t()))
     return torch.stack(rows)
 
 
@@ -211,22 +259,21 @@ def backward_rows(x: Tensor, w: Tensor, g: Tensor, weight_grad: bool = True) -> 
     """
     (m, k), n = x.shape, w.shape[0]
     out = torch.zeros(2, len(RECIPES), len(FIELDS), dtype=torch.float64, device=g.device)
-    ref_in = g.float() @ w.float()  # [M, K]: reduced along N
-    for i, recipe in enumerate(RECIPES):
-        if not _fits(recipe, n, (k, n)):
-            out[0, i] = _skipped(g.device)
-            continue
-        qg, sg = cast(g, recipe, "grad_output", 1)
-        qw, sw = cast(w, recipe, "weight", 0)
-        out[0, i] = _row(g, w, qg, qw, ref_in, qg @ qw, torch.stack([sg, sw]))
-    if not weight_grad:
-        return out
-    ref_w = g.float().t() @ x.float()  # [N, K]: reduced along M
-    for i, recipe in enumerate(RECIPES):
-        if not _fits(recipe, m, (k, n)):
-            out[1, i] = _skipped(g.device)
-            continue
-        qg, sg = cast(g, recipe, "grad_output", 0)
-        qx, sx = cast(x, recipe, "input", 0)
-        out[1, i] = _row(g, x, qg, qx, ref_w, qg.t() @ qx, torch.stack([sg, sx]))
+    tensorwise_g = cast(g, "fp8-tensorwise", "grad_output", 0)  # (one scale: the same cast in both GEMMs)
+    gemms = [(_Gemm(g, w, g.float() @ w.float()), n)]  # [M, K]: reduced along N
+    if weight_grad:
+        gemms.append((_Gemm(g, x, g.float().t() @ x.float()), m))  # [N, K]: reduced along M
+    for j, (gemm, reduced) in enumerate(gemms):
+        dim = 1 - j  # (input gradient: g along its dim 1, w along its dim 0; weight gradient: both along dim 0)
+        for i, recipe in enumerate(RECIPES):
+            if not _fits(recipe, reduced, (k, n)):
+                out[j, i] = _skipped(g.device)
+                continue
+            qg = tensorwise_g if recipe == "fp8-tensorwise" else cast(g, recipe, "grad_output", dim)
+            if j == 0:
+                qw = cast(w, recipe, "weight", 0)
+                out[j, i] = gemm.row(qg, qw, qg[0] @ qw[0])
+            else:
+                qx = cast(x, recipe, "input", 0)
+                out[j, i] = gemm.row(qg, qx, qg[0].t() @ qx[0])
     return out
