@@ -131,3 +131,32 @@ def test_a_weight_swapped_in_during_forward_is_found_by_one_refresh() -> None:
     gemms.observe(lin(x), x, lin.weight, "linear")
     gemms.observe(lin(x), x, nn.Parameter(torch.randn(32, 32)), "linear")  # (unknown: no second refresh)
     assert calls == [1] and gemms.sums is not None and gemms.sums[0, 0, 0, 0] == 1
+
+
+def test_gpt2s_conv1d_layers_are_seen_through_addmm_on_the_dynamo_route() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).train()
+    table = LayerTable.of(model)
+    convs = [f"transformer.h.0.{n}" for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert {n: (m, l) for n, m, l in zip(table.names, table.modules, table.linear) if n != "transformer.wpe"} == {
+        "lm_head": ("Linear", True),  # (tied to the token embedding: named by its nn.Linear)
+        **{n: ("Conv1D", False) for n in convs},
+    }
+    rec, gemms = Recorder(), GemmRecorder(table.ids(model), len(table.names))
+    attach(rec, gemms)
+    cap = capture(model, "auto")
+    with recording(rec):
+        out = cap.tracked()(torch.randint(128, (2, 32)))
+    out.logits.square().mean().backward()
+    assert cap.mode == "dynamo" and gemms.error is None and gemms.sums is not None
+    seen = {table.names[i]: shape for i, shape in gemms.shapes.items()}
+    assert seen == {
+        "lm_head": ("linear", 64, 128),
+        convs[0]: ("matmul", 64, 192),
+        convs[1]: ("matmul", 64, 64),
+        convs[2]: ("matmul", 64, 256),
+        convs[3]: ("matmul", 256, 64),
+    }
+    assert (gemms.sums[[table.names.index(n) for n in seen], :, :, 0] == 1).all()  # every GEMM once
