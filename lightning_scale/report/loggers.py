@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
-from lightning.pytorch.loggers.logger import DummyLogger
-
 __all__ = ["LoggerOutput", "is_tensorboard", "log_dir_of", "writable_loggers"]
 
 
@@ -31,6 +29,8 @@ def log_dir_of(logger: Any) -> Optional[str]:
 def writable_loggers(trainer: Any) -> List[Any]:
     """The loggers the writer thread may use, their experiments created here on the
     training thread (a lazily created experiment must not be created from two threads)."""
+    from lightning.pytorch.loggers.logger import DummyLogger
+
     loggers = [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]
     for logger in loggers:
         getattr(logger, "experiment", None)
