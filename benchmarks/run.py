@@ -4,10 +4,10 @@ Step time of every variant at three GPT sizes (interleaved rounds), untracked an
 steps in a real Trainer fit loop, whole fits with ``ScaleMonitor()``'s defaults, peak memory
 in fresh processes, and capture time of a 12-layer GPT, and the accelerator path's cost of
 one record per statistic group and kernel (Triton's fused kernel or torch's;
-``kernel_ops``), the compiled route's cost on a compiled GPT (``compiled_cost``), and the run
-comparison's: the command and the Compare view (``compare_cost``). Prints a markdown page and
-writes it to ``--out``. ``--quick`` runs a few rounds of everything, to check the suite itself
-(minutes matter on a 2-core machine).
+``kernel_ops``), the compiled route's cost on a compiled GPT (``compiled_cost``), the run
+comparison's: the command and the Compare view (``compare_cost``), and the precision advisor's
+tracked step (``advise_cost``). Prints a markdown page and writes it to ``--out``. ``--quick``
+runs a few rounds of everything, to check the suite itself (minutes matter on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 import torch
 
 import workload  # noqa: F401 - first: puts the checkout's package on sys.path
+import advise_cost
 import anomaly_cost
 import breakdown
 import capture_time
@@ -290,9 +291,11 @@ def main(argv: List[str]) -> int:
         res.probe_missing = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     compiled_section = compiled_route(args.quick)
     compare_section = run_comparison(args.quick)
+    advise_section = advise_cost.section(advise_cost.measure(quick=args.quick))
     res.seconds = time.perf_counter() - start
     res.load = (load_start, load_average())
-    text = render.page(res) + "\n\n" + kernel_section + "\n\n" + compiled_section + "\n\n" + compare_section + "\n"
+    sections = [render.page(res), kernel_section, compiled_section, compare_section, advise_section]
+    text = "\n\n".join(sections) + "\n"
     print(text)
     if args.out:
         with open(args.out, "w") as f:

@@ -15,7 +15,6 @@ from typing import Any, Dict, List, Literal, Optional, Union
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers.logger import DummyLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
@@ -28,14 +27,17 @@ from lightning_scale.record.stats import run_table
 from lightning_scale.record.stats.table import Statistic
 from lightning_scale.record.recorder import Recorder
 from lightning_scale.record.updates import UpdateStats, UpdateTracker
+from lightning_scale.report.loggers import writable_loggers
 from lightning_scale.report.options import ReportOptions
 from lightning_scale.report.reporting import Reporter, StepData
+from lightning_scale.step.advising import Advising
 from lightning_scale.step.anomaly import AnomalyTrigger
 from lightning_scale.step.schedule import Schedule
 from lightning_scale.step.selection import Matching, Selection, check_leaf_modules, compile_pattern, resolve_submodule
 from lightning_scale.step.captures import Captures
 from lightning_scale.step.shadow import SHADOW_MODES
 from lightning_scale.step.tracked_step import TrackedStep
+from lightning_scale.step.verification import agree_over_ranks
 
 __all__ = ["ScaleMonitor"]
 
@@ -103,6 +105,9 @@ class ScaleMonitor(Callback):
             forward takes another branch), raise ``RankMismatchError`` on every rank, ending
             the fit. Off by default: the nodes every rank has are pooled and logged, the
             others are not, and one warning names the first differing nodes.
+        advise: on tracked steps, measure what FP8 and MXFP8 recipes would do to each linear layer's
+            three GEMMs, for ``lightning-scale advise`` and the dashboard (docs/low_precision.md).
+        recipe: a ``recipe.json`` of ``lightning-scale advise``: warn at fit start naming the layers that contradict it.
 
     Raises:
         ValueError: an argument outside what is allowed (the message names it).
@@ -141,6 +146,8 @@ class ScaleMonitor(Callback):
         shadow: Literal["auto", "always", "never"] = "auto",
         max_log_bytes: Optional[int] = None,
         strict_ranks: bool = False,
+        advise: bool = False,
+        recipe: Optional[str] = None,
     ) -> None:
         self.schedule = Schedule(every_n_steps, steps, start_step, stop_step)
         self.capture_mode = check.one_of("capture", capture, CAPTURE_MODES)
@@ -162,6 +169,7 @@ class ScaleMonitor(Callback):
         self.verify_capture = check.boolean("verify_capture", verify_capture)
         self.shadow = check.one_of("shadow", shadow, SHADOW_MODES)
         self.strict_ranks = check.boolean("strict_ranks", strict_ranks)
+        self._advising = Advising(check.boolean("advise", advise), recipe, rank_zero_warn, max_log_bytes)
         self._updates = UpdateTracker()
         self.last_tracked_step = -1
         self.settings: Optional[Settings] = None  # the environment switches, read at fit start
@@ -225,6 +233,7 @@ class ScaleMonitor(Callback):
         check_leaf_modules(target, self.leaf_modules)  # names known only with the model: checked before step 0
         self.settings = self.captures.settings = Settings.from_env().apply()  # (raises on a bad value)
         self.captures.of(target, train=True, announce=True)
+        self._advising.check_model(pl_module)
         host_reads = self.settings.host_reads
         if pl_module.device.type == "cpu" and host_reads is not False:  # host statistics: build the kernel now
             native.load()
@@ -349,12 +358,14 @@ class ScaleMonitor(Callback):
             # (a pattern, not a set: dynamo labels appear as it compiles)
             rec.histogram_keys = Matching(self.value_histograms)  # type: ignore[assignment]
         self._active = TrackedStep(step, prefix, cap, rec)
-        verify = self.captures.verifier(target, cap, strategy, lambda ok: _agree(pl_module.trainer, ok))
+        self._advising.begin(rec, pl_module, self.submodule or "", training=prefix == "")
+        verify = self.captures.verifier(target, cap, strategy, lambda ok: agree_over_ranks(pl_module.trainer, ok))
         self._active.install(target, verify, shadow=cap.shadowed)
         if prefix == "":
             self.last_tracked_step = step
 
     def _abort(self, pl_module: pl.LightningModule) -> None:
+        self._advising.close(self.reporter.worker)
         self._updates.clear()
         self._anomaly.clear()
         if self._active is not None:
@@ -394,7 +405,7 @@ class ScaleMonitor(Callback):
             updates=self._update_rows(trainer, active),
             parameters=replicated,
         )
-        loggers = _writable_loggers(trainer) if trainer.is_global_zero else []
+        loggers = writable_loggers(trainer) if trainer.is_global_zero else []
         self.reporter.publish(
             data,
             device=trainer.strategy.root_device,
@@ -402,6 +413,9 @@ class ScaleMonitor(Callback):
             is_zero=trainer.is_global_zero,
             loggers=loggers,
             accumulate=trainer.accumulate_grad_batches,
+        )
+        self._advising.publish(
+            active.recorder, active.step, trainer.strategy.root_device, loggers, self.reporter.worker
         )
 
     # ---- anomaly-triggered tracking and update ratios (lightning_scale.step.anomaly, .updates)
@@ -411,7 +425,7 @@ class ScaleMonitor(Callback):
         found = self._anomaly.poll(step)
         if found is not None and trainer.is_global_zero:
             rank_zero_info(f"ScaleMonitor: anomaly at {found.describe()}")
-            self.reporter.log_anomaly(_writable_loggers(trainer), found.step, found.loss, found.describe())
+            self.reporter.log_anomaly(writable_loggers(trainer), found.step, found.loss, found.describe())
 
     def _detection_failed(self, err: Exception) -> None:
         self.reporter.warn_once(
@@ -431,17 +445,3 @@ class ScaleMonitor(Callback):
         if self._updates.error is not None and active.recorder.error is None:
             active.recorder.error = self._updates.error  # pooled as this rank's failure flag: every rank drops the step
         return rows
-
-
-def _agree(trainer: pl.Trainer, ok: bool) -> bool:
-    """True on every rank iff ``ok`` on every rank."""
-    return ok if trainer.world_size == 1 else bool(trainer.strategy.reduce_boolean_decision(ok, all=True))
-
-
-def _writable_loggers(trainer: pl.Trainer) -> List[Any]:
-    """The loggers the writer thread may use, their experiments created here on the
-    training thread (a lazily created experiment must not be created from two threads)."""
-    loggers = [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]
-    for logger in loggers:
-        getattr(logger, "experiment", None)
-    return loggers

@@ -13,6 +13,7 @@ PUBLIC = {
     "Statistic",
     "analyse_module",
     "capture",
+    "check_recipe",
     "coord_check",
     "records_table",
     "recording",

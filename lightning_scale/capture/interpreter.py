@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Seque
 import torch
 from torch import Tensor, fx
 
+from lightning_scale.capture.gemm_sites import add_gemm_observer
 from lightning_scale.record import stats
 from lightning_scale.record.recorder import BACKWARD, FORWARD, Recorder, observe
 
@@ -165,7 +166,8 @@ def instrument(
     live: Optional[torch.nn.Module] = None,
     observer: Callable[[Any, Any], None] = observe,
 ) -> Callable[..., Any]:
-    """Compile ``gm`` with an ``observer(value, label)`` call after each labelled node.
+    """Compile ``gm`` with an ``observer(value, label)`` call after each labelled node (and an
+    ``observe_gemm`` call after each GEMM node, for the precision advisor: ``gemm_sites``).
 
     Args:
         gm: the graph module.
@@ -187,6 +189,7 @@ def instrument(
         env[node] = new
         if node.name in labels and node.op != "output":
             graph.call_function(observer, (new, labels[node.name]))
+        add_gemm_observer(graph, node, new, lambda n: env[n])
     graph.set_codegen(gm.graph._codegen)  # keep pytree in/out handling
     code_gm = fx.GraphModule(gm, graph)
     forward = type(code_gm).forward

@@ -9,7 +9,8 @@ tables, which nodes are outside which format) on the run's per-step records
 Routes (``run`` and ``prefix`` select a run and ``""`` / ``"val_"``): ``/runs``,
 ``/profile?step=``, ``/heatmap?stat=``, ``/series?label=``, ``/worst?step=&by=&regex=``,
 ``/code?step=``, ``/table`` (the formats and the statistics' declarations: the browser keeps
-no list of its own); the Compare view's, with ``other`` naming run B: ``/compare?step=&stat=``,
+no list of its own), ``/advice?recipe=&snr_db=&flushed=`` (the precision advisor's decisions);
+the Compare view's, with ``other`` naming run B: ``/compare?step=&stat=``,
 ``/compare_heatmap?stat=``, ``/compare_series?label=&stat=`` (``compare_tables.py``).
 """
 
@@ -25,7 +26,7 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import Request, wrappers
 
-from lightning_scale.dashboard import compare_tables, data, metadata, statistics, tables
+from lightning_scale.dashboard import advice, compare_tables, data, metadata, statistics, tables
 
 __all__ = ["ScalesPlugin"]
 
@@ -83,6 +84,7 @@ class ScalesPlugin(base_plugin.TBPlugin):
                 "/compare": self._compare,
                 "/compare_heatmap": self._compare_heatmap,
                 "/compare_series": self._compare_series,
+                "/advice": self._advice,
             }
         )
         return apps
@@ -164,6 +166,17 @@ class ScalesPlugin(base_plugin.TBPlugin):
         try:
             self._check_other(request, other, prefix)
             body = compute(self._load(request, run, prefix), self._load(request, other, prefix), args, (run, other))
+        except ValueError as e:
+            return http_util.Respond(request, {"error": str(e)}, "application/json", code=400)
+        return http_util.Respond(request, _dumps(body), "application/json")
+
+    @wrappers.Request.application
+    def _advice(self, request: Request) -> wrappers.Response:
+        from tensorboard import plugin_util
+
+        ctx, eid = plugin_util.context(request.environ), plugin_util.experiment_id(request.environ)
+        try:
+            body = advice.view(self._provider, ctx, eid, request.args)
         except ValueError as e:
             return http_util.Respond(request, {"error": str(e)}, "application/json", code=400)
         return http_util.Respond(request, _dumps(body), "application/json")

@@ -8,9 +8,9 @@ to that logger, with one warning, and never reaches training.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
-__all__ = ["LoggerOutput", "is_tensorboard", "log_dir_of"]
+__all__ = ["LoggerOutput", "is_tensorboard", "log_dir_of", "writable_loggers"]
 
 
 def is_tensorboard(logger: Any) -> bool:
@@ -24,6 +24,17 @@ def log_dir_of(logger: Any) -> Optional[str]:
     get_logdir = getattr(getattr(logger, "experiment", None), "get_logdir", None)
     log_dir = get_logdir() if callable(get_logdir) else getattr(logger, "log_dir", None)
     return None if log_dir is None else str(log_dir)
+
+
+def writable_loggers(trainer: Any) -> List[Any]:
+    """The loggers the writer thread may use, their experiments created here on the
+    training thread (a lazily created experiment must not be created from two threads)."""
+    from lightning.pytorch.loggers.logger import DummyLogger
+
+    loggers = [logger for logger in trainer.loggers if not isinstance(logger, DummyLogger)]
+    for logger in loggers:
+        getattr(logger, "experiment", None)
+    return loggers
 
 
 class LoggerOutput:

@@ -22,7 +22,15 @@ from torch import nn
 
 from lightning_scale.capture import Capture, fidelity
 
-__all__ = ["EAGER_BRANCHES", "ONE_BACKWARD_STRATEGIES", "CaptureCheck", "Verification", "Verify", "check_capture"]
+__all__ = [
+    "EAGER_BRANCHES",
+    "ONE_BACKWARD_STRATEGIES",
+    "CaptureCheck",
+    "Verification",
+    "Verify",
+    "agree_over_ranks",
+    "check_capture",
+]
 
 #: Strategies whose backward hooks expect one backward per forward (the probe runs two).
 ONE_BACKWARD_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
@@ -160,3 +168,8 @@ class Verification:
         self.verified.add(id(check.checked))
         if check.capture is not None:
             self.verified.add(id(check.capture))
+
+
+def agree_over_ranks(trainer: Any, ok: bool) -> bool:
+    """True on every rank iff ``ok`` on every rank (``trainer``: Lightning's, its strategy reduces)."""
+    return ok if trainer.world_size == 1 else bool(trainer.strategy.reduce_boolean_decision(ok, all=True))

@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from lightning_scale.dashboard.logdir import LogDir
 from lightning_scale.tools.compare_command import add_compare
+from lightning_scale.tools.advise_command import add_advise
 
 __all__ = ["COMMANDS", "main", "parser"]
 
@@ -51,6 +52,7 @@ def _runs(args: argparse.Namespace) -> int:
 COMMANDS: Dict[str, Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]] = {
     "runs": _add_runs,
     "compare": add_compare,
+    "advise": add_advise,
 }
 
 

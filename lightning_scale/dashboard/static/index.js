@@ -6,9 +6,10 @@ import { drawHeatmap } from './heatmap.js';
 import { drawWorst } from './worst.js';
 import { drawCode } from './code.js';
 import { drawCompare, drawCompareHeatmap } from './compare.js';
+import { drawAdvice } from './advice.js';
 
-const VIEWS = ['profile', 'heatmap', 'worst', 'code', 'compare'];
-const TITLES = { profile: 'Profile', heatmap: 'Heatmap', worst: 'Worst nodes', code: 'Code', compare: 'Compare' };
+const VIEWS = ['profile', 'heatmap', 'worst', 'code', 'compare', 'advice'];
+const TITLES = { profile: 'Profile', heatmap: 'Heatmap', worst: 'Worst nodes', code: 'Code', compare: 'Compare', advice: 'Advice' };
 const state = { run: null, prefix: '', view: 'profile', step: null, steps: [], by: null, regex: '', stat: 'std', format: null, only: false, other: null, compareShow: 'profile' };
 let runs = {};
 
@@ -51,8 +52,8 @@ async function show() {
   document.querySelectorAll('.tab').forEach((b) => b.classList.toggle('active', b.dataset.view === state.view));
   $('worst-controls').hidden = state.view !== 'worst';
   $('stat-control').hidden = !['profile', 'heatmap', 'compare'].includes(state.view);
-  const overSteps = state.view === 'heatmap' || (state.view === 'compare' && state.compareShow === 'heatmap');
-  $('step-control').hidden = overSteps;  // the heatmaps show every step
+  const overSteps = state.view === 'heatmap' || state.view === 'advice' || (state.view === 'compare' && state.compareShow === 'heatmap');
+  $('step-control').hidden = overSteps;  // they show every step
   $('compare-controls').hidden = state.view !== 'compare';
   $('profile-controls').hidden = state.view !== 'profile';
   $('side').innerHTML = '';
@@ -76,6 +77,8 @@ async function show() {
       drawWorst(view, data);
     } else if (state.view === 'compare') {
       await showCompare(view);
+    } else if (state.view === 'advice') {
+      await drawAdvice(view, query());
     } else {
       const data = await get('code', { ...query(), step: state.step });
       drawCode(view, data);
