@@ -63,7 +63,7 @@ OptimizedModule = torch._dynamo.eval_frame.OptimizedModule
 
 CaptureMode = Literal["auto", "fx", "dynamo"]
 
-#: What a capture line says of a capture tracked by a shadow pass.
+#: What a capture line says of a capture tracked by a shadow pass (the model's own step runs untouched).
 SHADOW_NOTE = (
     "tracked by a shadow pass: the statistics are those of a second, instrumented forward and backward "
     "from the step's state (the same tensors; rounding may differ from the model's own step)"
@@ -73,10 +73,6 @@ CAPTURE_MODES: Tuple[str, ...] = ("auto", "fx", "dynamo")
 
 class CaptureError(RuntimeError):
     """No capture mode could capture the module."""
-
-
-# ---------------------------------------------------------------------------------------
-# Captures
 
 
 @dataclass
@@ -92,12 +88,9 @@ class Capture:
         aliases: label -> label of a node with provably identical statistics (views of a
             single-use tensor); these are not computed twice.
         reason: why auto chose this mode.
-        eager_branches: dynamo traces ``torch.compiler.is_compiling()`` as False, as the
-            user's eager forward sees it (``eager.eager_branches``); set by the fidelity
-            probe where the plain dynamo route changes the forward.
-        shadowed: tracked steps run a shadow pass with it (``step.shadow``): the model's own
-            step runs untouched, and the statistics come from this capture's instrumented run
-            from the same state (the same tensors up to the rounding of the instrumented version).
+        eager_branches: dynamo traces ``torch.compiler.is_compiling()`` as False, as the user's
+            eager forward sees it; set by the fidelity probe where plain dynamo changes it.
+        shadowed: tracked steps run a shadow pass with it (``step.shadow``, ``SHADOW_NOTE``).
     """
 
     mode: str

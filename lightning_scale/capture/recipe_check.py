@@ -41,6 +41,8 @@ def load_recipe(path: Union[str, "os.PathLike[str]"], argument: str = "recipe") 
             the message names ``argument``.
     """
     where = f"`{argument}`"
+    if not isinstance(path, (str, os.PathLike)):  # (an int would open a file descriptor)
+        raise ValueError(f"{where} must be the path of a recipe.json file, got {path!r} ({type(path).__name__})")
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
