@@ -4,7 +4,8 @@
 groups it covers and returns those it left (``reference.fill`` computes them):
 
 * ``moments`` (with ``range``, and with ``formats`` in the same read): one read's float64-added
-  sums, where they can be trusted: finite, a mean square above ~2^-100 (no square lost bits)
+  sums (without the kernel, for moments and range: torch's own sums, ``torch_sums``), where they
+  can be trusted: finite, a mean square above ~2^-100 (no square lost bits)
   and a sum of squares at most 4x m2 (the one-pass formula's ~1e-7 error amplified at most
   that much). Tensors whose values are non-finite, tiny or mean-dominated are left to the
   reference, which is exact there.
@@ -28,8 +29,9 @@ from torch import Tensor
 from lightning_scale.record import native
 from lightning_scale.record.stats.fields import BLOCKS_SPAN, FORMAT_COUNTS_SPAN, FP8_SPAN, Col, Entry, nan_row
 from lightning_scale.record.stats.formats import NATIVE_BOUNDS, format_fields_of_row
+from lightning_scale.record.stats.layout import dense_view
 
-__all__ = ["GROUPS", "accelerate", "fast_host_record", "one_read_moments"]
+__all__ = ["GROUPS", "accelerate", "fast_host_record", "one_read_moments", "torch_sums"]
 
 #: The groups the host kernel accelerates.
 GROUPS = frozenset({"moments", "range", "formats", "fp8", "blocks", "kurtosis"})
@@ -79,8 +81,8 @@ def _moments(x: Tensor, groups: Collection[str], out: List[Entry]) -> Set[str]:
         left = set()
     else:
         got3 = native.sums(x, "range" in groups)
-        if got3 is None:
-            return {"moments", "range"} & set(groups)
+        if got3 is None:  # (the native kernel absent or declining: torch's own sums, two reads)
+            got3 = torch_sums(x, "range" in groups)
         total, sumsq, top = got3
         left = set()
         if "range" in groups:
@@ -93,6 +95,35 @@ def _moments(x: Tensor, groups: Collection[str], out: List[Entry]) -> Set[str]:
         return left | {"moments"}
     out[Col.MEAN], out[Col.M2], out[Col.NAN], out[Col.INF] = total / n, m2, 0.0, 0.0
     return left
+
+
+#: Rows of ``torch_sums``' sum of squares: norms of rows this short stay within ~1e-7 (a BLAS dot
+#: of a long tensor with itself adds in a few lanes: 2.8e-6 at 512K elements).
+_ROW = 512
+
+
+def torch_sums(x: Tensor, with_max: bool) -> Tuple[float, float, float]:
+    """(sum, sum of squares, max |x|; -1 without ``with_max``) of a host tensor by torch's CPU
+    kernels: its cascade sum (~1e-7 relative at any size), the squared norms of rows of ``_ROW``
+    added in float64, ``aminmax``. Where the native kernel does not run (no C compiler, a dtype or
+    layout it declines, tensors it leaves to torch's threads): the same trust test follows, and
+    the reference takes what it fails. ``make bench`` measures it ("without the native kernel")."""
+    y = dense_view(x if x.dtype in (torch.float32, torch.float64) else x.float())
+    flat = y.reshape(-1)  # (a copy only where no dense view exists: a slice of a wider tensor)
+    n = flat.numel()
+    m = n // _ROW * _ROW
+    sumsq = 0.0
+    if m:
+        norms = torch.linalg.vector_norm(flat[:m].view(-1, _ROW), dim=1).double()
+        sumsq = float(torch.dot(norms, norms))
+    if m < n:
+        tail = flat[m:].double()
+        sumsq += float(torch.dot(tail, tail))
+    top = -1.0
+    if with_max:
+        lo, hi = torch.aminmax(flat)
+        top = max(abs(float(lo)), abs(float(hi)))
+    return float(flat.sum()), sumsq, top
 
 
 def accelerate(x: Tensor, groups: Collection[str], out: List[Entry]) -> Set[str]:
