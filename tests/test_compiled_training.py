@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.compiling import GraphCount
-from lightning_scale import ScaleMonitor
+from lightning_scale import ScaleMonitor, Statistic
 from lightning_scale.capture import compiled, instrument
 from lightning_scale.tools.models import GPT, GPTConfig, synthetic_tokens
 
@@ -249,6 +249,44 @@ def test_channel_statistics_of_a_compiled_gpt_equal_the_uncompiled_models(tmp_pa
     for tag, values in want.items():  # (steps where every channel maximum is 0, zero-initialised biases: none)
         assert set(values) <= {0, 2} and got[tag] == values, tag
     assert sum(len(v) for v in want.values()) > 100
+    torch._dynamo.reset()
+
+
+PEAK = Statistic("peak_sq", maxes={"sq": torch.square}, value=lambda s: s["sq"], unscale=2)
+MEAN_ABS = Statistic("mean_abs", sums={"abs": torch.abs}, value=lambda s: s["abs"] / s["count"], unscale=1)
+
+
+def user_logged(path: Path) -> Dict[str, Dict[int, float]]:
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = [t for t in acc.Tags()["scalars"] if t.startswith(("mean_abs/", "peak_sq/"))]
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in tags}
+
+
+@pytest.mark.parametrize("ops", ["auto", "ops"])
+def test_user_statistics_of_a_compiled_gpt_equal_the_uncompiled_models(
+    tmp_path: Path, ops: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user statistic's sum and max compiled into the graphs, with the host op (``auto``) and
+    with the traceable ops (``ops``; aot_eager: no C++ compile): every tag the uncompiled model
+    logs through the dynamo route is logged, a max exactly, a mean within float32 row sums;
+    training is bit-identical to the compiled model's without the callback."""
+    monkeypatch.setenv("LIGHTNING_SCALE_COMPILED_STATS", ops)
+    statistics = ["std", MEAN_ABS, PEAK]
+    fit(tmp_path / "uncompiled", None, monitor(capture="dynamo", statistics=statistics), layers=1)
+    torch._dynamo.reset()
+    plain, _ = fit(tmp_path / "plain", "whole", None, backend="aot_eager", layers=1)
+    tracked, _ = fit(tmp_path / "tracked", "whole", monitor(statistics=statistics), backend="aot_eager", layers=1)
+    for (name, p), q in zip(plain.named_parameters(), tracked.parameters()):
+        assert torch.equal(p, q), name
+    want, got = user_logged(tmp_path / "uncompiled"), user_logged(tmp_path / "tracked")
+    assert "mean_abs/fwd/model.blocks.0.mlp.fc1/linear" in want and "peak_sq/bwd/model.head.weight" in want
+    assert set(want) <= set(got), sorted(set(want) - set(got))
+    for tag, values in want.items():
+        assert set(values) == {0, 2}, tag
+        for step, v in values.items():
+            assert got[tag][step] == pytest.approx(v, rel=1e-6 if tag.startswith("mean_abs") else 0), (tag, step)
+    assert len(want) > 60
     torch._dynamo.reset()
 
 
