@@ -15,8 +15,8 @@ Example:
     >>> table = options_table()
     >>> table.splitlines()[0]
     '| argument | type | default | meaning |'
-    >>> [line for line in table.splitlines() if line.startswith("| `every_n_steps`")][0][:45]
-    '| `every_n_steps` | `Optional[int]` | `50` | t'
+    >>> table.splitlines()[2].split(" | ")[:3]
+    ['| `every_n_steps`', '`Optional[int]`', '`50`']
 """
 
 from __future__ import annotations
