@@ -1,5 +1,6 @@
-"""The README's cost table (``benchmarks/readme_table.py``): the figures of one ``make bench`` run,
-written between its markers and nowhere else; the README holds a table in exactly that form."""
+"""The README: its cost table (``benchmarks/readme_table.py``: the figures of one ``make bench`` run,
+written between its markers and nowhere else; the README holds a table in exactly that form) and
+its map of the docs (a line for every page)."""
 
 from __future__ import annotations
 
@@ -128,3 +129,10 @@ def test_costs_takes_each_figure_from_its_measurement(monkeypatch: pytest.Monkey
     assert cost.figures == pytest.approx(want, rel=1e-12)
     res.fit, res.tracked, res.memory = None, None, {}
     assert list(rt.costs(res).figures) == []  # nothing measured: no row
+
+
+def test_the_readme_maps_every_page_of_the_docs_once() -> None:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Documentation") :]
+    listed = re.findall(r"^- \[docs/([\w-]+\.md)\]\(docs/\1\): \S", section, re.M)
+    assert sorted(listed) == sorted(p.name for p in (ROOT / "docs").glob("*.md"))
