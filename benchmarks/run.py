@@ -6,8 +6,10 @@ in fresh processes, and capture time of a 12-layer GPT, and the accelerator path
 one record per statistic group and kernel (Triton's fused kernel or torch's;
 ``kernel_ops``), the compiled route's cost on a compiled GPT (``compiled_cost``), the run
 comparison's: the command and the Compare view (``compare_cost``), and the precision advisor's
-tracked step (``advise_cost``). Prints a markdown page and writes it to ``--out``. ``--quick``
-runs a few rounds of everything, to check the suite itself (minutes matter on a 2-core machine).
+tracked step (``advise_cost``). Prints a markdown page and writes it to ``--out``; with ``--out``
+(and without ``--quick``) it also rewrites the README's cost table from the same results
+(``readme_table``). ``--quick`` runs a few rounds of everything, to check the suite itself
+(minutes matter on a 2-core machine).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import platform
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -36,6 +39,7 @@ import kernel_ops
 import fit_loop
 import memory
 import probe_cost
+import readme_table
 import render
 from lightning_scale.record import native
 from timing import CLOCKS, Summary, between_noise_floor, interleaved, load_average, noise_floor
@@ -217,15 +221,16 @@ def accelerator_costs() -> str:
     return kernel_ops.section(res)
 
 
-def compiled_route(quick: bool) -> str:
-    """The compiled route's section (``compiled_cost``): tracked / plain compiled steps, idle, compile time."""
+def compiled_route(quick: bool) -> Tuple[str, Optional[compiled_cost.CompiledCost]]:
+    """The compiled route's section (``compiled_cost``): tracked / plain compiled steps, idle, compile time;
+    and the figures (None where not measured)."""
     try:
         cost = compiled_cost.measure(quick=quick)
     except Exception as err:  # noqa: BLE001 - e.g. no C++ compiler for Inductor: say so, keep the suite
         title = "## The compiled route (a compiled GPT, Inductor on the CPU)"
-        return f"{title}\n\nNot measured: {type(err).__name__}: {str(err).splitlines()[0][:300]}"
+        return f"{title}\n\nNot measured: {type(err).__name__}: {str(err).splitlines()[0][:300]}", None
     _log(cost.line())
-    return compiled_cost.section(cost)
+    return compiled_cost.section(cost), cost
 
 
 def run_comparison(quick: bool) -> str:
@@ -266,6 +271,11 @@ def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the markdown page here as well")
     parser.add_argument("--quick", action="store_true", help="a few rounds only (checks the suite, not the code)")
+    parser.add_argument(
+        "--readme",
+        type=Path,
+        help="rewrite the cost table of this README (default with --out, without --quick: the checkout's README.md)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -289,9 +299,10 @@ def main(argv: List[str]) -> int:
         res.probe = [probe_cost.measure(name, probe_cost.MODELS[name], 2) for name in models]
     except Exception as err:  # noqa: BLE001 - e.g. transformers missing: the page says so
         res.probe_missing = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-    compiled_section = compiled_route(args.quick)
+    compiled_section, compiled = compiled_route(args.quick)
     compare_section = run_comparison(args.quick)
-    advise_section = advise_cost.section(advise_cost.measure(quick=args.quick))
+    advice = advise_cost.measure(quick=args.quick)
+    advise_section = advise_cost.section(advice)
     res.seconds = time.perf_counter() - start
     res.load = (load_start, load_average())
     sections = [render.page(res), kernel_section, compiled_section, compare_section, advise_section]
@@ -300,6 +311,10 @@ def main(argv: List[str]) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+    readme = args.readme or (Path(workload.ROOT) / "README.md" if args.out and not args.quick else None)
+    if readme is not None:
+        readme_table.write(readme, readme_table.costs(res, compiled, advice))
+        _log(f"cost table rewritten in {readme}")
     return 0
 
 

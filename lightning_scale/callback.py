@@ -46,68 +46,64 @@ class ScaleMonitor(Callback):
     r"""Records and logs the scale of every tensor in the model's forward and backward pass.
 
     Args:
-        every_n_steps: track optimizer steps ``start_step, start_step + n, ...``; ``None`` for
-            only ``steps``.
-        steps: explicit optimizer steps to track (sorted, non-negative), in addition.
+        every_n_steps: track optimizer steps ``start_step, start_step + n, ...``; ``None`` tracks only ``steps``.
+        steps: explicit optimizer steps to track as well (sorted, non-negative, no repeats).
         start_step: first step that may be tracked.
-        stop_step: no step at or after it is tracked.
-        submodule: dotted path of the submodule to capture (default: the LightningModule's
-            ``forward``).
-        capture: ``"auto"`` (fx where it traces the model, TorchDynamo otherwise), ``"fx"``
-            or ``"dynamo"``.
+        stop_step: no step at or after it is tracked, even one in ``steps``; above ``start_step``.
+        submodule: dotted path of the submodule to capture, for a ``training_step`` that calls it directly
+            (``self.model(x)``); by default the LightningModule's ``forward`` is captured.
+        capture: ``"auto"`` (fx where it traces the whole model, TorchDynamo otherwise), ``"fx"`` or ``"dynamo"``.
         statistics: statistics to log: built-in names (docs/statistics.md; default ``["std"]``, logged as
             ``scale/``), ``lightning_scale.Statistic`` objects, or import paths of them
             (``"my_package.stats.mean_abs"``, as LightningCLI YAML names one).
         include: regex; log only nodes whose label matches it.
         exclude: regex; do not log nodes whose label matches it.
-        prune_views: do not log views/reshapes whose statistics equal their input's
-            (their records are their input's; on by default).
-        max_tags: the most nodes whose scalars are written (beyond it, a warning once); the
-            SCALES dashboard's records hold every node.
-        histograms: write ``scale_hist/fwd`` and ``scale_hist/bwd``.
-        figure: also write the per-node scale figure (needs matplotlib; drawn on the
-            background writer; off by default: the dashboard shows the profile).
-        figure_every: draw the figure on the first tracked step and then on every n-th
-            tracked step (matplotlib takes about a second for a few hundred nodes).
+        prune_views: do not log views/reshapes whose statistics equal their input's (their records are their
+            input's).
+        max_tags: the most nodes whose scalars are written (beyond it, a warning once); the SCALES dashboard's
+            records hold every node.
+        histograms: write ``scale_hist/fwd`` and ``scale_hist/bwd`` (log2 std over all nodes).
+        figure: also write the per-node scale figure (needs matplotlib; drawn on the background writer; off by
+            default: the dashboard shows the profile).
+        figure_every: draw the figure on the first tracked step and then on every n-th tracked step (matplotlib
+            takes about a second for a few hundred nodes).
         code: write the captured code annotated with scales as text.
-        value_histograms: regex; for matching nodes, write the histogram of log2|x| of
-            the values and gradients (``values_log2/``).
+        value_histograms: regex; for matching nodes, write the histogram of log2|x| of the values and gradients
+            (``values_log2/``).
         rank_spread: also log the min and max over ranks of each node's std.
-        track_validation: also track the first validation batch of each validation run
-            (forward only; tags prefixed ``val_``).
-        unscale_gradients: divide backward statistics by the loss scale of a GradScaler
-            and multiply by ``accumulate_grad_batches``, so they show the gradients of the
-            unscaled, unaccumulated loss.
+        track_validation: also track the first validation batch of each validation run (forward only; tags
+            prefixed ``val_``).
+        unscale_gradients: divide backward statistics by the loss scale of a GradScaler and multiply by
+            ``accumulate_grad_batches``, so they show the gradients of the unscaled, unaccumulated loss.
         leaf_modules: qualified names of submodules to keep as leaves in an fx capture.
-        anomaly_steps: when a step's loss is non-finite, jumps above ``anomaly_factor`` x
-            its running median, or a GradScaler skips the step, track the next this many
-            steps whatever the schedule, after one step of latency (0: off). Logged as
-            ``anomaly/loss`` and the text ``anomaly/event``. See ``lightning_scale.step.anomaly``.
+        anomaly_steps: when a step's loss is non-finite, jumps above ``anomaly_factor`` x its running median, or
+            a GradScaler skips the step, track the next this many steps whatever the schedule, after one step of
+            latency (0: off). Logged as ``anomaly/loss`` and the text ``anomaly/event``. See docs/anomaly.md.
         anomaly_factor: the spike threshold, a multiple of the running median loss (> 1).
-        update_ratios: on tracked steps, log ``update_ratio/<parameter>`` (RMS of the
-            optimizer step's update / RMS of the parameter before it) and
-            ``grad_std/<parameter>`` (std of the gradient the optimizer used). Holds a copy
-            of the parameters during a tracked step. See ``lightning_scale.record.updates``.
-        verify_capture: on the first tracked step of each capture, run the captured
-            forward and the model's own forward from the same state and compare their
-            outputs bit for bit; if they differ, try the other capture route; if none
-            matches, see ``shadow`` (the one-off cost of two extra forwards, see
-            docs/benchmarks.md). ``False``: track in place, unverified.
-        shadow: ``"auto"``: where the probe finds that tracking in place would change training
-            (a model compiled with Inductor), track by a shadow pass: the step runs untouched,
-            then the instrumented forward and backward again from its saved state (statistics
-            of the same tensors up to its rounding; about one more forward and backward per
-            tracked step); ``"always"``: every tracked step (no probe); ``"never"``: train
-            untracked, with one warning, where the probe refuses. See docs/capture.md.
-        max_log_bytes: the most bytes the callback's event files take per run (None: no cap);
-            reaching it stops its writing with one warning (docs/usage.md: bytes per step).
-        strict_ranks: when ranks capture different graphs on a tracked step (a rank's
-            forward takes another branch), raise ``RankMismatchError`` on every rank, ending
-            the fit. Off by default: the nodes every rank has are pooled and logged, the
-            others are not, and one warning names the first differing nodes.
-        advise: on tracked steps, measure what FP8 and MXFP8 recipes would do to each linear layer's
-            three GEMMs, for ``lightning-scale advise`` and the dashboard (docs/low_precision.md).
-        recipe: a ``recipe.json`` of ``lightning-scale advise``: warn at fit start naming the layers that contradict it.
+        update_ratios: on tracked steps, log ``update_ratio/<parameter>`` (RMS of the optimizer step's update /
+            RMS of the parameter before it) and ``grad_std/<parameter>`` (std of the gradient the optimizer
+            used), pooled exactly across ranks. Holds a copy of the parameters during a tracked step.
+        verify_capture: on the first tracked step of each capture, run the captured forward and the model's own
+            from the same saved state (RNG, buffers, attributes) and compare outputs, buffers and gradients bit
+            for bit; if they differ, try the other capture route; if none matches, see ``shadow`` (a one-off
+            cost of two forwards and backwards, see docs/benchmarks.md). ``False``: track in place, unverified.
+        shadow: ``"auto"``: where the probe finds that tracking in place would change training (a model compiled
+            with Inductor), track by a shadow pass: the step runs untouched, then the instrumented forward and
+            backward again from its saved state (statistics of the same tensors up to its rounding; about one
+            more forward and backward per tracked step); ``"always"``: every tracked step (no probe);
+            ``"never"``: train untracked, with one warning, where the probe refuses. See docs/capture.md.
+        max_log_bytes: the most bytes the callback's event files take per run (None: no cap); the step that would
+            pass it and every later one are not written, with one warning. A write that fails (a full disk)
+            stops the writing the same way; training never stops (docs/usage.md#writing-never-ends-a-fit).
+        strict_ranks: when ranks capture different graphs on a tracked step (a rank's forward takes another
+            branch), raise ``RankMismatchError`` on every rank, ending the fit. Off by default: the nodes every
+            rank has are pooled and logged, the others are not, and one warning names the first differing nodes.
+        advise: on tracked steps, measure what FP8 (tensorwise, rowwise) and MXFP8 recipes would do to each
+            linear layer's three GEMMs, pooled exactly across ranks; ``lightning-scale advise`` and the
+            dashboard's Advice view turn them into a per-layer recipe with torchao exports
+            (docs/low_precision.md).
+        recipe: a ``recipe.json`` of ``lightning-scale advise``: warn at fit start naming the layers that
+            contradict it (``lightning_scale.check_recipe``).
 
     Raises:
         ValueError: an argument outside what is allowed (the message names it).

@@ -37,9 +37,17 @@ def add_advise(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     p.add_argument("--run", dest="run_name", default=None, metavar="RUN", help="the run (default: the only one)")
     p.add_argument("--recipe", default="fp8-tensorwise", help="fp8-tensorwise (default), fp8-rowwise or mxfp8")
     p.add_argument("--out", default=None, metavar="DIR", help="write recipe.json and torchao_recipe.py into DIR")
-    p.add_argument("--snr-db", type=float, default=advice.DEFAULT_SNR_DB, help="least SNR of a GEMM result (dB)")
     p.add_argument(
-        "--flushed", type=float, default=advice.DEFAULT_FLUSHED, help="most of an operand's nonzero values flushed"
+        "--snr-db",
+        type=float,
+        default=advice.DEFAULT_SNR_DB,
+        help="least SNR of a GEMM result, in dB (default: %(default)s)",
+    )
+    p.add_argument(
+        "--flushed",
+        type=float,
+        default=advice.DEFAULT_FLUSHED,
+        help="most of an operand's nonzero values flushed to zero, a fraction (default: %(default)s)",
     )
     p.set_defaults(run=_advise)
 

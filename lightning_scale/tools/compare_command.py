@@ -43,8 +43,8 @@ def add_compare(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
         "execution order, then backward in reverse), and the nodes only one run logged. A RUN is a run's "
         "directory or a log directory holding exactly one run.",
     )
-    p.add_argument("run_a", metavar="RUN_A")
-    p.add_argument("run_b", metavar="RUN_B")
+    p.add_argument("run_a", metavar="RUN_A", help="the run compared against")
+    p.add_argument("run_b", metavar="RUN_B", help="the run compared: differences are B minus A")
     when = p.add_mutually_exclusive_group()
     when.add_argument(
         "--step",
@@ -54,8 +54,15 @@ def add_compare(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> N
     )
     when.add_argument("--steps", type=_pair, help="step A of run A against step B of run B", metavar="A,B")
     p.add_argument("--prefix", default="", help='tag prefix: "" training (default), "val_" validation')
-    p.add_argument("--threshold", type=float, default=THRESHOLD, help="octaves of std that make a divergence")
-    p.add_argument("--top", type=int, default=20, help="rows of the table, largest difference first (0: all)")
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=THRESHOLD,
+        help="octaves of std that make a divergence (default: %(default)s)",
+    )
+    p.add_argument(
+        "--top", type=int, default=20, help="rows of the table, largest difference first (default: %(default)s; 0: all)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=run)
 
