@@ -41,6 +41,7 @@ import torch
 from lightning_scale.record import stats
 from lightning_scale.report.event_file import EventFile
 from lightning_scale.report.tensorboard import ScaleWriter
+from lightning_scale.report.values import StepValues
 from lightning_scale.tools.synthetic import labels_of, records_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +91,7 @@ def write_run(folder: Path, nodes: int, steps: int, factor: float = 1.0) -> Path
         records = records_of(nodes, k, seed=k)
         records[nodes // 2 :, :, m2] *= factor**2
         records[nodes // 2 :, :, absmax] *= factor
-        writer.write(k * 50, labels, records)
+        writer.write(k * 50, labels, StepValues(records))
         writer.flush()
     file.close()
     return folder

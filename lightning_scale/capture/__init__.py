@@ -14,7 +14,24 @@ exactly what was there. ``interpreter`` is the one-off scale-tracking interprete
 reference library's API. Imports only ``record``.
 """
 
-from lightning_scale.capture.graphs import CAPTURE_MODES, Capture, CaptureError, DeepTracer, capture
-from lightning_scale.capture.tracer import DEFAULT_LEAF_TYPES
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_scale.capture.graphs import CAPTURE_MODES, Capture, CaptureError, DeepTracer, capture
+    from lightning_scale.capture.tracer import DEFAULT_LEAF_TYPES
 
 __all__ = ["CAPTURE_MODES", "Capture", "CaptureError", "DEFAULT_LEAF_TYPES", "DeepTracer", "capture"]
+
+
+def __getattr__(name: str) -> Any:
+    """The package's names, imported on first use: a module of it (``recipe_check``) is imported
+    without TorchDynamo and the capture routes (the command-line tools start faster)."""
+    if name not in __all__:
+        raise AttributeError(f"module 'lightning_scale.capture' has no attribute {name!r}")
+    module = "tracer" if name == "DEFAULT_LEAF_TYPES" else "graphs"
+    value = getattr(importlib.import_module(f"lightning_scale.capture.{module}"), name)
+    globals()[name] = value
+    return value

@@ -19,7 +19,6 @@ from typing import Any, Dict, List, Tuple, Union
 
 from torch import nn
 
-from lightning_scale.capture.frames import strip_compiled
 from lightning_scale.record.gemm_whatif import RECIPES
 
 __all__ = ["FORMATS", "KEEP", "check_recipe", "common_prefixes", "contradictions", "load_recipe", "runtime_form"]
@@ -89,11 +88,13 @@ def runtime_form(module: Any) -> Tuple[str, str]:
 
 def _named(module: nn.Module) -> Dict[str, Any]:
     """Every module and parameter of ``module`` by name, ``_orig_mod`` left out."""
+    from lightning_scale.capture import frames  # (here: the command-line tools import this module, not dynamo)
+
     out: Dict[str, Any] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
-        out.setdefault(strip_compiled(name), p)
+        out.setdefault(frames.strip_compiled(name), p)
     for name, m in module.named_modules(remove_duplicate=False):
-        out[strip_compiled(name)] = m  # (a module before a parameter of the same name)
+        out[frames.strip_compiled(name)] = m  # (a module before a parameter of the same name)
     return out
 
 
