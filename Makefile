@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: venv browser test demo dashboard bench zoo gpu-check lint clean
+.PHONY: venv browser test demo dashboard bench screenshots zoo gpu-check lint clean
 
 venv: $(STAMP) browser
 
@@ -36,6 +36,11 @@ dashboard: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py --out docs/benchmarks.md
+
+# The docs' pictures, from real runs of today's code (headless Chromium; a few minutes).
+screenshots: $(STAMP) browser
+	$(BIN)/python benchmarks/screenshots.py --out docs
+	$(BIN)/python examples/coord_check.py --out docs/coord_check.png --csv /tmp/coord_check.csv
 
 # Real models compiled whole with Inductor (cold compiles: 15-60 s a model, more when loaded).
 zoo: $(STAMP)

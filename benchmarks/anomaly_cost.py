@@ -1,6 +1,6 @@
 """Cost of anomaly detection and update ratios on untracked steps, in a real Trainer fit (CPU).
 
-Issue 12's goal: with ``anomaly_steps`` and ``update_ratios`` on, an untracked step costs
+The goal: with ``anomaly_steps`` and ``update_ratios`` on, an untracked step costs
 <= 1.01x a plain one. Each round fits the benchmark GPT three times, in a rotating order:
 plain, with ``ScaleMonitor(every_n_steps=10**9)`` (both off) and with the same plus
 ``anomaly_steps=8, update_ratios=True`` (both on). Step 0 is tracked; every later step is

@@ -36,10 +36,8 @@ from lightning_scale import ScaleMonitor
 from lightning_scale.record import native
 from lightning_scale.record import stats
 
-#: "Every statistic group" of issue 10's goal: moments, range and formats (std, absmax,
+#: "Every statistic group" of the Trainer goal: moments, range and formats (std, absmax,
 #: zeros, min_nonzero, the format fractions); the opt-in ``fp8`` what-if is measured apart.
-#: (Taken as every statistic but fp8 once the blocks and kurtosis groups existed, this row
-#: measured them too, with their torch code before the native kernel took them: 14.7x.)
 EVERY_GROUP = sorted(name for name, group in stats.STATISTICS.items() if group in ("moments", "range", "formats"))
 #: std and the ``fp8`` what-if group.
 WITH_FP8 = ["std"] + sorted(name for name, group in stats.STATISTICS.items() if group == "fp8")

@@ -16,13 +16,13 @@ For each statistic set (std: ``("moments",)``; every group: ``("moments", "range
 3. CUDA kernels per record: ``torch.profiler`` over one tracked and one plain step, the
    difference in kernel launches divided by the records of the step.
 
-Targets (issue 19): tracked <= 1.15x plain with std, <= 1.3x with every group, <= 2x
+Targets: tracked <= 1.15x plain with std, <= 1.3x with every group, <= 2x
 with fp8; peak memory + <= 2%. A variant that runs out of memory is reported as such.
 Then the host-sync check: the tracked forward and backward run under
 ``torch.cuda.set_sync_debug_mode("error")`` (any synchronizing call raises); exit status
 1 if they sync.
 
-The compiled GPT (issue 29): the same GPT held as ``self.model = torch.compile(gpt)``
+The compiled GPT: the same GPT held as ``self.model = torch.compile(gpt)``
 (Inductor), std: its tracked step (the compiled route: statistics compiled into its own
 graphs) against its plain compiled step, the tracked version's compile time, peak memory,
 and the same host-sync check (``compiled_row``; target <= 1.15x as the eager route's std).

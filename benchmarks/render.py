@@ -22,13 +22,13 @@ TRACKED_FIT = {
     "fit_tracked_torch": "tracked_torch",
 }  # rows from `measure_tracked`
 TRACKED_MAX, UNTRACKED_MAX, MEMORY_MAX, FX_CAPTURE_MAX_S = 1.20, 1.01, 1.05, 1.0
-#: Issue 10's goals for a tracked step inside a real Trainer, everything the callback does
+#: The goals for a tracked step inside a real Trainer, everything the callback does
 #: included: with std only, and with every statistic group.
 TRAINER_STD_MAX, TRAINER_ALL_MAX = 1.15, 1.6
-#: Issue 10: bytes per element the device path may allocate for the format counts.
+#: Bytes per element the device path may allocate for the format counts.
 FORMAT_BYTES_MAX = 20.0
 EVERY_GROUP = "every statistic group: moments, range, formats"
-#: Issue 27's goals on the fx fast path: a std-tracked step (its floor, one read, beside it),
+#: The goals on the fx fast path: a std-tracked step (its floor, one read, beside it),
 #: and a step tracking every statistic but the per-tensor fp8 what-if.
 STD_FLOOR_MAX, EVERY_MAX = 1.15, 2.0
 #: A tracked step with std and a user statistic of one sum, against a plain step.
@@ -142,12 +142,12 @@ def targets(res: Results) -> List[str]:
     if MAIN in res.steps and "floor" in res.steps[MAIN][JUDGE]:
         r, f, every = ratio(res, MAIN, "tracked"), ratio(res, MAIN, "floor"), ratio(res, MAIN, "tracked_every")
         rows.append(
-            f"| issue 27: tracked step <= {STD_FLOOR_MAX}x plain ({MAIN.name}, fx fast path, moments), beside its "
+            f"| tracked step <= {STD_FLOOR_MAX}x plain ({MAIN.name}, fx fast path, moments), beside its "
             f"floor (plain step + one `torch._foreach_norm` read of the same tensors) | CPU {r:.3f}x, floor "
             f"{f:.3f}x | {_verdict(r <= STD_FLOOR_MAX, f'{r:.2f}x')} |"
         )
         rows.append(
-            f"| issue 27: tracked step with every statistic but fp8 <= {EVERY_MAX}x plain ({MAIN.name}, fx fast "
+            f"| tracked step with every statistic but fp8 <= {EVERY_MAX}x plain ({MAIN.name}, fx fast "
             f"path; moments, range, formats, blocks, kurtosis, channels) | CPU {every:.3f}x | "
             f"{_verdict(every <= EVERY_MAX, f'{every:.2f}x')} |"
         )
@@ -161,7 +161,7 @@ def targets(res: Results) -> List[str]:
         if "tracked_fp8" in res.steps[MAIN][JUDGE]:
             fp8 = ratio(res, MAIN, "tracked_fp8")
             rows.append(
-                f"| issue 27: tracked step with the per-tensor fp8 what-if <= {EVERY_MAX}x plain ({MAIN.name}, fx "
+                f"| tracked step with the per-tensor fp8 what-if <= {EVERY_MAX}x plain ({MAIN.name}, fx "
                 f"fast path; moments, fp8) | CPU {fp8:.3f}x | {_verdict(fp8 <= EVERY_MAX, f'{fp8:.2f}x')} |"
             )
     if res.tracked is not None:
@@ -174,7 +174,7 @@ def targets(res: Results) -> List[str]:
                 else ""
             )
             rows.append(
-                f"| issue 10: tracked step in a Trainer fit <= {limit}x a plain fit step ({what}, all the callback "
+                f"| tracked step in a Trainer fit <= {limit}x a plain fit step ({what}, all the callback "
                 f"does) | "
                 f"CPU {c:.3f}x, wall {w:.3f}x{edge} | {_verdict(c <= limit, f'{c:.2f}x')} |"
             )
@@ -188,29 +188,29 @@ def targets(res: Results) -> List[str]:
             )
         )
         rows.append(
-            f"| issue 10: the untracked step right after a tracked one (it pays the writer thread), reported (no "
+            f"| the untracked step right after a tracked one (it pays the writer thread), reported (no "
             f"number set) | {after} | n/a |"
         )
         c, w = tracked_ratio(res.tracked, "tracked_fp8"), tracked_ratio(res.tracked, "tracked_fp8", clock="wall")
         rows.append(
-            f"| issue 10: tracked step with std and the opt-in `fp8` what-if group, reported apart (no goal) | CPU "
+            f"| tracked step with std and the opt-in `fp8` what-if group, reported apart (no goal) | CPU "
             f"{c:.3f}x, wall {w:.3f}x | n/a |"
         )
         c, w = tracked_ratio(res.tracked, "tracked_torch"), tracked_ratio(res.tracked, "tracked_torch", clock="wall")
         rows.append(
-            f"| issue 10: tracked step with std, torch's kernels instead of the native one-read kernel (no compiler, "
+            f"| tracked step with std, torch's kernels instead of the native one-read kernel (no compiler, "
             f"or `LIGHTNING_SCALE_NATIVE=0`), reported beside the goal | CPU {c:.3f}x, wall {w:.3f}x | "
             f"{'within' if c <= TRAINER_STD_MAX else 'above'} {TRAINER_STD_MAX}x |"
         )
     else:
         rows.append(
-            f"| issue 10: tracked steps in a Trainer fit <= {TRAINER_STD_MAX}x (std), <= {TRAINER_ALL_MAX}x (every "
+            f"| tracked steps in a Trainer fit <= {TRAINER_STD_MAX}x (std), <= {TRAINER_ALL_MAX}x (every "
             f"group) | not measured: {res.tracked_missing} | n/a |"
         )
     if res.format_bytes is not None:
         b = res.format_bytes
         rows.append(
-            f"| issue 10: format counts on the device path <= {FORMAT_BYTES_MAX:.0f} bytes/element | "
+            f"| format counts on the device path <= {FORMAT_BYTES_MAX:.0f} bytes/element | "
             f"{b:.1f} bytes/element allocated on CPU (`benchmarks/format_bytes.py`, as "
             f"`tests/record/test_stats_property.py`; "
             f"on a GPU `histc` adds a 4-byte float32 copy of the bucket indices: {b + 4:.0f}, judged) | "
@@ -220,7 +220,7 @@ def targets(res: Results) -> List[str]:
         u, w = fit_ratio(res), fit_ratio(res, "wall")
         h = 1 + res.fit_hooks / res.fit["wall"]["fit"].median
         rows.append(
-            f"| issue 10: untracked step with the callback <= {UNTRACKED_MAX}x plain (Trainer fit, {MAIN.name}) | "
+            f"| untracked step with the callback <= {UNTRACKED_MAX}x plain (Trainer fit, {MAIN.name}) | "
             f"CPU {u:.3f}x, wall {w:.3f}x step to step (A/A noise floor CPU "
             f"{res.fit_noise.get(JUDGE, float('nan')):.3f}); "
             f"the callback's hooks alone: {res.fit_hooks * 1e6:.0f} us/step = {h:.4f}x | "
@@ -262,7 +262,7 @@ def _untracked_verdict(res: Results, ratio: float, hooks: float, noise: Optional
 
 def _anomaly_target(res: Results) -> str:
     what = (
-        f"issue 12: untracked step with `anomaly_steps=8, update_ratios=True` <= {UNTRACKED_MAX}x plain "
+        f"untracked step with `anomaly_steps=8, update_ratios=True` <= {UNTRACKED_MAX}x plain "
         f"(Trainer fit, {MAIN.name})"
     )
     a = res.anomaly
@@ -278,7 +278,7 @@ def _anomaly_target(res: Results) -> str:
 
 def anomaly_table(res: Results) -> List[str]:
     """Untracked steps with anomaly detection and update ratios on, and with both off."""
-    rows = ["## Untracked steps with anomaly detection and update ratios (issue 12)", ""]
+    rows = ["## Untracked steps with anomaly detection and update ratios", ""]
     a = res.anomaly
     if a is None:
         return rows + [f"**Not measured**: {res.anomaly_missing}.", ""]

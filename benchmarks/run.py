@@ -56,7 +56,7 @@ FIT_ROUNDS, FIT_STEPS, FIT_DEADLINE_S = 6, 30, 270.0  # fit rounds stop FIT_DEAD
 #: every 5th step, two 200-step fits), no new round after TRACKED_BUDGET_S (at least two
 #: rounds). Three rounds: the std goal's margin is about the noise of two (0.01-0.02).
 TRACKED_ROUNDS, TRACKED_STEPS, WHOLE_STEPS, TRACKED_BUDGET_S = 3, 45, 200, 150.0
-#: Untracked steps with anomaly detection and update ratios on (issue 12): at most
+#: Untracked steps with anomaly detection and update ratios on: at most
 #: ANOMALY_ROUNDS rounds of three 30-step fits (~15 s each), none new after ANOMALY_BUDGET_S.
 ANOMALY_ROUNDS, ANOMALY_STEPS, ANOMALY_BUDGET_S = 3, 30, 40.0
 

@@ -99,7 +99,7 @@ def test_a_bad_yaml_value_is_a_value_error_naming_the_argument() -> None:
 
 
 def test_yaml_names_the_block_kurtosis_and_channel_statistics() -> None:
-    """The opt-in statistics of issue 27 by name from YAML: each switches its group on."""
+    """The opt-in statistics by name from YAML: each switches its group on."""
     parser = _parser()
     names = ["std", "kurtosis", "mxfp4_snr_db", "nvfp4_flushed", "channel_max_ratio", "outlier_channels"]
     monitor = _build(parser, f"monitor:\n  statistics: [{', '.join(names)}]\n")

@@ -883,7 +883,7 @@ def test_huge_model_writes_max_tags_nodes_and_warns(tmp_path: Any) -> None:
     assert len(run.warnings) == 1 and "`max_tags`" in run.warnings[0], run.warnings
 
 
-# ---- issue 9: capture fidelity on real model classes ----------------------------------
+# ---- capture fidelity on real model classes ----------------------------------
 
 
 class AuxRouter(nn.Module):

@@ -453,7 +453,7 @@ def test_dynamo_tracks_every_input_shape_under_one_set_of_labels() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# issue 9: labels per module instance, coverage, readable failures
+# labels per module instance, coverage, readable failures
 
 
 class BreakingBlock(nn.Module):
