@@ -7,6 +7,8 @@ tools, which read logs, start without importing Lightning (about 4 s of a 2-core
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any, Dict
 
 if TYPE_CHECKING:  # (for type checkers and editors: the same names, imported eagerly)
@@ -66,3 +68,17 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list:
     return sorted([*globals(), *_WHERE])
+
+
+class _Package(types.ModuleType):
+    """``lightning_scale.capture`` is the function: importing the subpackage of the same name
+    (which the callback does) binds nothing over it, so ``from lightning_scale import capture``
+    gives the function in any import order."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "capture" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
