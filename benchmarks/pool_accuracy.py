@@ -5,8 +5,7 @@ rank holds ``n`` float64 values ``mean + offset_r + std * randn``; its record co
 ``stats.record_of``. Those records are merged three ways:
 
 * exactly, in ``fractions.Fraction`` (the reference: the exact merge of the same records);
-* pairwise (a tree of Chan's two-record merge, ``stats.merge``: the pool before the
-  reductions);
+* pairwise (a tree of Chan's two-record merge, ``stats.merge``, for comparison);
 * in two stages as the pool's reductions do (``stats.merge_rows``: sums and maxes, then
   the deviations about the merged mean), summed in two orders: torch's sum over the ranks,
   and one rank after another (a ring all-reduce adds in a rank order).
@@ -88,7 +87,7 @@ def worst(case: Tuple[str, float, float, float, int], world: int, merge: Callabl
 
 
 def main() -> None:
-    print("| case | ranks | pairwise (before) | two-stage, torch sum | two-stage, rank order |")
+    print("| case | ranks | pairwise | two-stage, torch sum | two-stage, rank order |")
     print("|---|---:|---:|---:|---:|")
     for case in CASES:
         for world in WORLDS:
