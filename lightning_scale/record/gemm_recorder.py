@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -34,8 +34,9 @@ class GemmRecorder:
     Args:
         rows: ``id`` of each weight parameter -> its layer's row.
         count: the number of rows.
-        refresh: called once a step when a 2-D parameter is not in ``rows`` (FSDP swaps in
-            unsharded parameters during forward); returns the rows anew.
+        refresh: called when a parameter not in ``rows`` is seen, once per such parameter and
+            step (FSDP swaps in each unit's unsharded parameters as its forward starts); returns
+            the rows anew.
 
     Attributes:
         sums: ``[count, len(GEMMS), len(RECIPES), len(FIELDS)]`` float64, None until a GEMM is seen.
@@ -50,13 +51,16 @@ class GemmRecorder:
         self.sums: Optional[Tensor] = None
         self.shapes: Dict[int, Tuple[str, int, int]] = {}
         self.error: Optional[BaseException] = None
-        self._refreshed = False
+        self._refreshed_for: Set[int] = set()  # (parameters that asked for a refresh this step)
+        self._first = frozenset(rows)  # (the parameters known from the start: not swapped in)
 
     def row_of(self, w: Tensor) -> Optional[int]:
         """The row of weight ``w`` (None: not a known weight)."""
         row = self.rows.get(id(w))
-        if row is None and self.refresh is not None and not self._refreshed and isinstance(w, torch.nn.Parameter):
-            self._refreshed = True
+        if row is None and self.refresh is not None and isinstance(w, torch.nn.Parameter):
+            if id(w) in self._refreshed_for:
+                return None
+            self._refreshed_for.add(id(w))
             self.rows = self.refresh()
             row = self.rows.get(id(w))
         return row
@@ -72,6 +76,8 @@ class GemmRecorder:
         if out.dtype != x2.dtype and out.dtype in (torch.bfloat16, torch.float16):
             x2 = x2.to(out.dtype)  # (autocast: the input the GEMM took; torchao casts it so too)
         w_nk = w_nk.detach()
+        if id(w) not in self._first and out.requires_grad:
+            w_nk = w_nk.clone()  # (a swapped-in weight, FSDP's: its storage is freed after forward)
         self.shapes.setdefault(row, (how, w_nk.shape[1], w_nk.shape[0]))
         self._add(row, 0, forward_rows(x2, w_nk))
         if out.requires_grad and torch.is_grad_enabled():

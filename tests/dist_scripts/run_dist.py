@@ -6,7 +6,8 @@ or ``python run_dist.py OUT STRATEGY CALLBACK [WORLD [CAPTURE]]``, one fit to OU
 STRATEGY is one of ``ddp``, ``ddp_spawn``, ``fsdp2``, ``fsdp2_compiled`` (FSDP2, each block then
 compiled: ``torch.compile(block)`` after ``fully_shard(block)``; the backend is the environment's
 ``RUN_DIST_BACKEND``, ``inductor`` by default), CALLBACK ``on``, ``off`` or ``fail`` (on, and every
-statistic raises on rank 1 only, for that fit), or ``branch``, ``branch_off``, ``branch_strict``
+statistic raises on rank 1 only, for that fit), ``advise`` (on, with
+``advise=True``: the precision advisor's GEMM what-ifs too), or ``branch``, ``branch_off``, ``branch_strict``
 (rank 1's forward has an extra ``tanh``, so the ranks capture different graphs; tracked steps 0
 and 1; the callback on, off, on with ``strict_ranks=True``), WORLD the number of processes and
 CAPTURE the callback's ``capture``. Lightning's ``ddp`` launcher re-runs this script for the
@@ -174,7 +175,7 @@ def fit(out: Path, strategy_name: str, mode: str, world: int, capture: str, call
     ``count_collectives``."""
     holder, collectives = calls
     collectives.clear()
-    callback = mode in ("on", "fail", "branch", "branch_strict")
+    callback = mode in ("on", "fail", "branch", "branch_strict", "advise")
     branch = mode.startswith("branch") and int(os.environ.get("LOCAL_RANK", "0")) == 1
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(8 * world, 8), torch.randn(8 * world, 4))
@@ -195,6 +196,7 @@ def fit(out: Path, strategy_name: str, mode: str, world: int, capture: str, call
                 rank_spread=True,
                 capture=capture,
                 strict_ranks=mode == "branch_strict",
+                advise=mode == "advise",
             )
         ]
         if callback

@@ -161,9 +161,12 @@ def test_record_of_takes_the_moments_kernel_for_kurtosis() -> None:
     x = torch.randn(200, 130, generator=_gen(18)) * 2 + 5
     rec = stats.record_of(x, ("moments", "kurtosis"))
     want = _float64_moments(x)
-    # (|mean| / std = 2.5: the first read's sums are not trusted for the moments, which the
-    # reference takes; the kernel then centres each 1024 elements on their own mean)
-    assert [rec[Col.M3], rec[Col.M4]] == native.moments(x, None).tolist()[3:]
+    # (|mean| / std = 2.5: the first read's sums are not trusted for m2; a second read about
+    # their mean gives the moments, and the kurtosis read is centred on that mean)
+    total, sumsq, _ = native.sums(x)
+    assert [rec[Col.MEAN], rec[Col.M2]] == native.moments(x, total / x.numel()).tolist()[1:3]
+    assert [rec[Col.M3], rec[Col.M4]] == native.moments(x, rec[Col.MEAN]).tolist()[3:]
+    assert rec[Col.M2] == pytest.approx(want[2], rel=1e-12)
     centred = torch.randn(200, 130, generator=_gen(19))  # (trusted: about the first read's mean)
     rec2 = stats.record_of(centred, ("moments", "kurtosis"))
     assert [rec2[Col.M3], rec2[Col.M4]] == native.moments(centred, rec2[Col.MEAN]).tolist()[3:]
@@ -190,3 +193,30 @@ def test_channel_maxima_equal_the_torch_code(dtype: torch.dtype) -> None:
     assert native.channel_maxima(x)[7] == 0 and native.channel_maxima(x)[3] > 0
     for t in (heads[:, :3, 5:], x[..., ::2], x.double(), x[0, 0]):  # (three levels; strided channels; float64; 1-D)
         assert native.channel_maxima(t) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mean_dominated_and_tiny_tensors_take_a_second_native_read_not_the_reference(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LayerNorm weights near 1, a large offset, values near float32's smallest normal: the
+    one-read m2 is not trusted; a second read about its mean gives float64-exact moments."""
+    from lightning_scale.record.stats import host, reference
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the reference was asked")
+
+    monkeypatch.setattr(reference, "columns", refused)
+    cases = {
+        "layer norm weight": 1 + 1e-3 * torch.randn(128, generator=_gen(30)),
+        "offset": 1000 + torch.randn(64, 70, generator=_gen(31)),
+        "tiny": 1e-25 * torch.randn(1000, generator=_gen(32)),
+        "constant": torch.full((300,), 3.0),
+    }
+    for name, x in cases.items():
+        x = x.to(dtype)
+        want = _float64_moments(x)
+        rec = stats.record_of(x, ("moments",))
+        for mean, m2 in (host.one_read_moments(x, True)[:2], (rec[Col.MEAN], rec[Col.M2])):
+            assert mean == pytest.approx(want[1], rel=1e-12, abs=1e-300), name
+            assert m2 == pytest.approx(want[2], rel=1e-9, abs=1e-300), name

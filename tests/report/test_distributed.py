@@ -40,7 +40,7 @@ Key = Tuple[str, str, int, str]
 LAUNCHES: List[List[Key]] = [
     [("ddp", "off", 2, "fx"), ("fsdp2", "off", 2, "fx"), ("ddp", "branch_off", 2, "fx")]
     + [("ddp", "on", 2, "fx"), ("fsdp2", "on", 2, "fx"), ("ddp", "branch", 2, "fx")]
-    + [("ddp", "on", 2, "dynamo"), ("ddp", "fail", 2, "fx")],
+    + [("ddp", "on", 2, "dynamo"), ("ddp", "advise", 2, "fx"), ("fsdp2", "advise", 2, "fx"), ("ddp", "fail", 2, "fx")],
     [("ddp_spawn", "off", 2, "fx"), ("ddp_spawn", "on", 2, "fx")],
     [("ddp", "branch_strict", 2, "fx")],
     [("ddp", "on", 4, "fx"), ("fsdp2", "on", 4, "dynamo")],
@@ -255,6 +255,52 @@ def test_training_is_identical_with_and_without_the_callback(strategy: str, trai
         assert with_cb[name].shape == init[name].shape, "full, not sharded, parameters"
         assert torch.equal(with_cb[name], without[name]), name
         assert not torch.equal(with_cb[name], init[name]), f"{name} did not train"
+
+
+def _gemm_sums(out: Path, world: int = 2) -> Tensor:
+    """The advisor's what-if sums at step 0, each layer's row summed over the ranks: every rank's
+    GEMMs recorded again from the saved initial parameters and its batch, one process, no pool."""
+    from lightning_scale.record.gemm_recorder import GemmRecorder
+
+    init, total = torch.load(out / "init.pt"), None
+    for rank in range(world):
+        x, y = torch.load(out / f"batch_rank{rank}.pt")
+        w = [init[f"layers.{i}.fc.weight"].clone().requires_grad_() for i in (0, 1)]
+        gemms = GemmRecorder({id(t): i for i, t in enumerate(w)}, 2)
+        h = F.linear(x, w[0], init["layers.0.fc.bias"])
+        gemms.observe(h, x, w[0], "linear")
+        o = F.linear(h.relu(), w[1], init["layers.1.fc.bias"])
+        gemms.observe(o, h.relu(), w[1], "linear")
+        F.mse_loss(o, y).backward()  # this rank's own loss, as its backward sees it
+        assert gemms.sums is not None and gemms.error is None
+        total = gemms.sums if total is None else total + gemms.sums
+    assert total is not None
+    return total
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_the_advisors_gemms_pool_every_ranks_and_training_is_unchanged(
+    strategy: str, trained: Callable[..., Run]
+) -> None:
+    """``advise=True`` in a 2-rank fit: both linear layers' three GEMMs under every recipe, the
+    sum of what each rank's own GEMMs give (FSDP2's unsharded weights found too), the same
+    parameters as the fit without the callback."""
+    from tensorboard.context import RequestContext
+
+    from lightning_scale.dashboard import advice_log
+    from lightning_scale.dashboard.logdir import LogDir
+
+    on, off = trained(strategy, "advise")
+    logs = LogDir(on / "logs")
+    run = advice_log.read(logs.provider, RequestContext(), "", logs.run_name(None))
+    assert run is not None and run.steps == [0]
+    assert run.names == ["model.layers.0.fc", "model.layers.1.fc"]
+    assert [layer["how"] for layer in run.layers] == ["linear", "linear"]
+    expected = _gemm_sums(on).numpy()
+    assert (expected[..., 0] > 0).all(), "every GEMM of every layer seen"
+    assert run.sums[0] == pytest.approx(expected, rel=1e-12, abs=1e-300)
+    with_cb, without = torch.load(on / "params.pt"), torch.load(off / "params.pt")
+    assert all(torch.equal(with_cb[k], without[k]) for k in without)
 
 
 def test_a_failure_on_one_rank_skips_the_step_on_every_rank(trained: Callable[..., Run]) -> None:

@@ -7,8 +7,10 @@ groups it covers and returns those it left (``reference.fill`` computes them):
   sums (without the kernel, for moments and range: torch's own sums, ``torch_sums``), where they
   can be trusted: finite, a mean square above ~2^-100 (no square lost bits)
   and a sum of squares at most 4x m2 (the one-pass formula's ~1e-7 error amplified at most
-  that much). Tensors whose values are non-finite, tiny or mean-dominated are left to the
-  reference, which is exact there.
+  that much). Where they cannot (a mean-dominated or tiny tensor, its sums finite), a second
+  native read about the first one's mean (``native.moments``, float64 central sums) gives them;
+  tensors with non-finite values, or that the kernel cannot read in place, are left to the
+  reference.
 * ``fp8`` (``native.fp8``), ``blocks`` (``native.blocks``), ``kurtosis`` (``native.moments``,
   about the first read's mean), where the kernel reads the tensor in place.
 
@@ -31,7 +33,7 @@ from lightning_scale.record.stats.fields import BLOCKS_SPAN, FORMAT_COUNTS_SPAN,
 from lightning_scale.record.stats.formats import NATIVE_BOUNDS, format_fields_of_row
 from lightning_scale.record.stats.layout import dense_view
 
-__all__ = ["GROUPS", "accelerate", "fast_host_record", "one_read_moments", "torch_sums"]
+__all__ = ["GROUPS", "accelerate", "centred_moments", "fast_host_record", "one_read_moments", "torch_sums"]
 
 #: The groups the host kernel accelerates.
 GROUPS = frozenset({"moments", "range", "formats", "fp8", "blocks", "kurtosis"})
@@ -39,7 +41,7 @@ GROUPS = frozenset({"moments", "range", "formats", "fp8", "blocks", "kurtosis"})
 # one-read moments are not trusted.
 _TINY = 2.0**-100
 # The one-pass formula m2 = sumsq - sum * mean amplifies the sums' ~1e-7 relative error
-# by sumsq / m2 = 1 + mean**2 / var: above 4 (|mean| > 1.7 std) the reference takes it.
+# by sumsq / m2 = 1 + mean**2 / var: above 4 (|mean| > 1.7 std) a second read takes it.
 _CONDITION = 4.0
 
 
@@ -61,7 +63,24 @@ def one_read_moments(x: Tensor, with_max: bool) -> Optional[Tuple[float, float, 
         return None
     total, sumsq, top = got
     m2 = _one_pass_m2(total, sumsq, x.numel())
-    return None if m2 is None else (total / x.numel(), m2, top)
+    if m2 is not None:
+        return total / x.numel(), m2, top
+    centred = centred_moments(x, total, sumsq)
+    return None if centred is None else (*centred, top)
+
+
+def centred_moments(x: Tensor, total: float, sumsq: float) -> Optional[Tuple[float, float]]:
+    """(mean, m2) of ``x`` by a second native read about the first read's mean (float64 central
+    sums, ``native.moments``), where that read's sums are finite but its one-pass m2 is not
+    trusted (mean-dominated or tiny values); None where the sums are not finite or the kernel
+    does not read ``x`` in place."""
+    n = x.numel()
+    if not (math.isfinite(total) and math.isfinite(sumsq)) or n == 0:
+        return None
+    row = native.moments(x, total / n)
+    if row is None or row[0] != n:
+        return None
+    return float(row[1]), float(row[2])
 
 
 def _moments(x: Tensor, groups: Collection[str], out: List[Entry]) -> Set[str]:
@@ -91,9 +110,13 @@ def _moments(x: Tensor, groups: Collection[str], out: List[Entry]) -> Set[str]:
             else:  # (the kernel's max is meaningful only where both sums are finite)
                 left.add("range")
     m2 = _one_pass_m2(total, sumsq, n)
+    mean = total / n
     if m2 is None:
-        return left | {"moments"}
-    out[Col.MEAN], out[Col.M2], out[Col.NAN], out[Col.INF] = total / n, m2, 0.0, 0.0
+        centred = centred_moments(x, total, sumsq)
+        if centred is None:
+            return left | {"moments"}
+        mean, m2 = centred
+    out[Col.MEAN], out[Col.M2], out[Col.NAN], out[Col.INF] = mean, m2, 0.0, 0.0
     return left
 
 
