@@ -71,12 +71,13 @@ def __dir__() -> list:
 
 
 class _Package(types.ModuleType):
-    """``lightning_scale.capture`` is the function: importing the subpackage of the same name
-    (which the callback does) binds nothing over it, so ``from lightning_scale import capture``
-    gives the function in any import order."""
+    """A public name is its object: importing a submodule of the same name (the subpackage
+    ``lightning_scale.capture``, which the callback imports; the module alias
+    ``lightning_scale.coord_check``) binds nothing over it, so ``from lightning_scale import
+    capture`` gives the function in any import order."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "capture" and isinstance(value, types.ModuleType):
+        if name in _WHERE and isinstance(value, types.ModuleType):
             return
         super().__setattr__(name, value)
 

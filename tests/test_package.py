@@ -26,17 +26,19 @@ def test_the_command_line_tools_start_without_lightning_or_dynamo() -> None:
 def test_capture_is_the_function_whichever_name_is_imported_first() -> None:
     out = fresh(
         "from lightning_scale import ScaleMonitor\n"
-        "import lightning_scale.capture.graphs\n"
+        "import lightning_scale.capture.graphs, lightning_scale.coord_check\n"
         "from lightning_scale import capture\n"
         "import lightning_scale, sys, types\n"
         "print(callable(capture), capture is lightning_scale.capture, capture.__module__,\n"
+        "      lightning_scale.coord_check.__module__,\n"
         "      isinstance(sys.modules['lightning_scale.capture'], types.ModuleType))"
     )
-    assert out == "True True lightning_scale.capture.graphs True"
+    assert out == "True True lightning_scale.capture.graphs lightning_scale.tools.coord_check True"
 
 
 def test_every_public_name_resolves_and_an_unknown_one_is_an_attribute_error() -> None:
     import lightning_scale
+    import lightning_scale.coord_check  # noqa: F401  (a module alias of a public name's module)
 
     for name in lightning_scale.__all__:
         assert getattr(lightning_scale, name).__name__ == name

@@ -118,19 +118,27 @@ def test_names_leave_out_compiled_wrappers_and_prefer_a_linear_for_a_tied_weight
     assert table.bias == [True, False] and table.dims == [(8, 8), (8, 10)]
 
 
-def test_a_weight_swapped_in_during_forward_is_found_by_one_refresh() -> None:
-    lin = nn.Linear(32, 32)
+def test_a_weight_swapped_in_during_forward_is_found_by_a_refresh_once_per_parameter() -> None:
+    """FSDP2 swaps each unit's unsharded weights in as its forward starts: every unit's weight is
+    found; a parameter still unknown after its refresh asks no more that step."""
+    first, second = nn.Linear(32, 32), nn.Linear(32, 32)
+    stranger = nn.Parameter(torch.randn(32, 32))
     calls = []
+    swapped_in: Dict[int, int] = {}
 
     def refresh() -> Dict[int, int]:
         calls.append(1)
-        return {id(lin.weight): 0}
+        return dict(swapped_in)
 
-    gemms = GemmRecorder({}, 1, refresh)
+    gemms = GemmRecorder({}, 2, refresh)
     x = torch.randn(8, 32)
-    gemms.observe(lin(x), x, lin.weight, "linear")
-    gemms.observe(lin(x), x, nn.Parameter(torch.randn(32, 32)), "linear")  # (unknown: no second refresh)
-    assert calls == [1] and gemms.sums is not None and gemms.sums[0, 0, 0, 0] == 1
+    for row, lin in enumerate((first, second)):
+        swapped_in[id(lin.weight)] = row  # (the unit's forward starts)
+        gemms.observe(lin(x), x, lin.weight, "linear")
+    gemms.observe(stranger @ x.T, x, stranger, "linear")
+    gemms.observe(stranger @ x.T, x, stranger, "linear")  # (unknown: refreshed once, not again)
+    assert len(calls) == 3 and gemms.sums is not None
+    assert gemms.sums[:, 0, 0, 0].tolist() == [1, 1]
 
 
 def test_gpt2s_conv1d_layers_are_seen_through_addmm_on_the_dynamo_route() -> None:
