@@ -25,10 +25,7 @@ from lightning_scale.record.gemm_whatif import BLOCK, FIELDS, FP8_ALIGN, GEMMS, 
 
 __all__ = ["DEFAULT_FLUSHED", "DEFAULT_SNR_DB", "KEEP", "Thresholds", "advise", "check_recipe_name", "view"]
 
-#: A GEMM result must keep this SNR: E5M2 gradients put ordinary results near 25 dB, E4M3 near 29-31.
-DEFAULT_SNR_DB = 15.0
-#: No operand may lose more than this fraction of its nonzero values to zero.
-DEFAULT_FLUSHED = 0.1
+DEFAULT_SNR_DB, DEFAULT_FLUSHED = advice_log.DEFAULT_SNR_DB, advice_log.DEFAULT_FLUSHED
 _F = {name: i for i, name in enumerate(FIELDS)}
 
 

@@ -27,9 +27,25 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from lightning_scale.dashboard import metadata
-from lightning_scale.record.gemm_whatif import FIELDS, GEMMS, RECIPES
+from lightning_scale.record.gemm_names import FIELDS, GEMMS, RECIPES
 
-__all__ = ["AdviceRun", "GEMMS_TAG", "LAYERS_TAG", "VERSION", "gemms_summary", "layers_summary", "read"]
+__all__ = [
+    "AdviceRun",
+    "DEFAULT_FLUSHED",
+    "DEFAULT_SNR_DB",
+    "GEMMS_TAG",
+    "LAYERS_TAG",
+    "VERSION",
+    "gemms_summary",
+    "layers_summary",
+    "read",
+]
+
+#: The decision's default thresholds (``dashboard.advice.Thresholds``): a GEMM result must keep
+#: this SNR (E5M2 gradients put ordinary results near 25 dB, E4M3 near 29-31) ...
+DEFAULT_SNR_DB = 15.0
+#: ... and no operand may lose more than this fraction of its nonzero values to zero.
+DEFAULT_FLUSHED = 0.1
 
 LAYERS_TAG = "advice_layers"
 GEMMS_TAG = "advice_gemms"

@@ -1,6 +1,6 @@
 """What the dashboard knows of statistics and formats: the package's table and a run's own.
 
-The statistic table (``record.stats.table``) declares every built-in statistic (its axis:
+The statistic table (``record.table``) declares every built-in statistic (its axis:
 log2 magnitude or linear; whether a high or a low value is worse when ranking; its docs
 line) and the float formats. A run's node list stores the same declaration of each statistic
 it logged (``metadata``: ``meta``), user statistics included: the run's entry wins. The
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Mapping, Optional
 
-from lightning_scale.record.stats.table import ALL, FORMATS
+from lightning_scale.record.table import ALL, FORMATS
 
 __all__ = ["FORMAT_COLOURS", "FP8_RECIPE", "RANKINGS", "is_log2", "rankable", "table", "worse"]
 

@@ -33,6 +33,8 @@ from typing import Callable, Dict, Tuple
 import torch
 from torch import Tensor
 
+from lightning_scale.record.gemm_names import BLOCK, FIELDS, FP8_ALIGN, GEMMS, OPERANDS, RECIPES
+
 __all__ = [
     "BLOCK",
     "FIELDS",
@@ -45,29 +47,6 @@ __all__ = [
     "forward_rows",
 ]
 
-RECIPES: Tuple[str, ...] = ("fp8-tensorwise", "fp8-rowwise", "mxfp8")
-GEMMS: Tuple[str, ...] = ("forward", "input_grad", "weight_grad")
-#: The two operands of each GEMM (a, b): the result is ``a @ b`` up to transposes.
-OPERANDS: Dict[str, Tuple[str, str]] = {
-    "forward": ("input", "weight"),
-    "input_grad": ("grad_output", "weight"),
-    "weight_grad": ("grad_output", "input"),
-}
-FIELDS: Tuple[str, ...] = (
-    "calls",
-    "skipped",
-    "signal",
-    "noise",
-    "a_nonzero",
-    "a_flushed",
-    "a_saturated",
-    "b_nonzero",
-    "b_flushed",
-    "b_saturated",
-)
-BLOCK = 32  # MXFP8's block along the reduction dimension
-#: torchao's FP8 GEMMs (``torch._scaled_mm``, and its auto filter) take K and N multiples of 16.
-FP8_ALIGN = 16
 _EPS = 1e-12  # torchao.float8.float8_utils.EPS: the least amax a scale is taken from
 _E4M3, _E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _E8M0_BIAS = 127

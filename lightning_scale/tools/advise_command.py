@@ -17,9 +17,8 @@ import argparse
 from pathlib import Path
 from typing import Any, Dict
 
-from lightning_scale.dashboard import advice, advice_log
+from lightning_scale.dashboard import advice_log
 from lightning_scale.dashboard.logdir import LogDir
-from lightning_scale.tools.recipe_export import write_exports
 
 __all__ = ["add_advise"]
 
@@ -40,19 +39,22 @@ def add_advise(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     p.add_argument(
         "--snr-db",
         type=float,
-        default=advice.DEFAULT_SNR_DB,
+        default=advice_log.DEFAULT_SNR_DB,
         help="least SNR of a GEMM result, in dB (default: %(default)s)",
     )
     p.add_argument(
         "--flushed",
         type=float,
-        default=advice.DEFAULT_FLUSHED,
+        default=advice_log.DEFAULT_FLUSHED,
         help="most of an operand's nonzero values flushed to zero, a fraction (default: %(default)s)",
     )
     p.set_defaults(run=_advise)
 
 
 def _advise(args: argparse.Namespace) -> int:
+    from lightning_scale.dashboard import advice  # (torch: imported when the command runs)
+    from lightning_scale.tools.recipe_export import write_exports
+
     recipe = advice.check_recipe_name(args.recipe)
     limits = advice.Thresholds(snr_db=args.snr_db, flushed=args.flushed)
     logs = LogDir(args.logdir)

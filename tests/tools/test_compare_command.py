@@ -166,3 +166,21 @@ def test_json_is_strict_json_and_rows_follow_execution_order(
     )
     assert all(r["direction"] in ("fwd", "bwd") for r in out["rows"])
     assert not any(isinstance(v, float) and math.isnan(v) for r in out["rows"] for v in r["difference"].values())
+
+
+def test_the_command_compares_without_importing_torch(runs: Dict[str, Path]) -> None:
+    """The whole process of ``lightning-scale compare`` is its import and its work: neither needs
+    torch (about 0.9 s of a 2-core CPU to import), Lightning or TorchDynamo."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from lightning_scale.tools.cli import main\n"
+        f"assert main(['compare', {str(runs['a'])!r}, {str(runs['scaled'])!r}, '--json']) == 0\n"
+        "print(sorted(m for m in ('torch', 'lightning', 'torch._dynamo') if m in sys.modules), file=sys.stderr)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["first_divergence"] is not None
+    assert done.stderr.strip().splitlines()[-1] == "[]"
