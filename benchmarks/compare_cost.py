@@ -240,14 +240,13 @@ def section(cost: CompareCost) -> str:
         "| measure | CPU | wall | target | met |",
         "|---|---|---|---|---|",
         row(f"`lightning-scale compare A B --json`, {size}, the whole process", "process", True),
-        row("`python -c 'import lightning_scale.tools.cli'` (torch, not Lightning)", "import"),
+        row("`python -c 'import lightning_scale.tools.cli'` (numpy; not torch or Lightning)", "import"),
         row("the command's own work in one process: reading both runs, comparing, printing the JSON", "json", True),
         row("the same, printing the table", "table"),
         row("of which: reading both runs (`dashboard/event_reader.py`)", "read"),
         "",
-        "The whole process is the command's import and its own work. The import is mostly torch's (about 0.9 s "
-        "of it): the statistics' declarations, which the comparison reads, live beside the torch code that "
-        "computes them; Lightning and TorchDynamo are not imported.",
+        "The whole process is the command's import and its own work; neither imports torch, Lightning or "
+        "TorchDynamo (the statistic table the comparison reads imports torch only where a value is computed).",
         "",
         f"The Compare view at {VIEW_NODES} nodes x {cost.steps} steps, against the Profile view (wall time: a real "
         "`tensorboard --load_fast=false` and headless Chromium; server: one route's answer over HTTP with both runs "
