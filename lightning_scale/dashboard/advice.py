@@ -20,12 +20,11 @@ import numpy as np
 
 from lightning_scale.capture.recipe_check import KEEP
 from lightning_scale.dashboard import advice_log
-from lightning_scale.dashboard.advice_log import AdviceRun
+from lightning_scale.dashboard.advice_log import DEFAULT_FLUSHED, DEFAULT_SNR_DB, AdviceRun
 from lightning_scale.record.gemm_whatif import BLOCK, FIELDS, FP8_ALIGN, GEMMS, OPERANDS, RECIPES
 
 __all__ = ["DEFAULT_FLUSHED", "DEFAULT_SNR_DB", "KEEP", "Thresholds", "advise", "check_recipe_name", "view"]
 
-DEFAULT_SNR_DB, DEFAULT_FLUSHED = advice_log.DEFAULT_SNR_DB, advice_log.DEFAULT_FLUSHED
 _F = {name: i for i, name in enumerate(FIELDS)}
 
 

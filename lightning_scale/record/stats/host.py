@@ -12,7 +12,8 @@ groups it covers and returns those it left (``reference.fill`` computes them):
   tensors with non-finite values, or that the kernel cannot read in place, are left to the
   reference.
 * ``fp8`` (``native.fp8``), ``blocks`` (``native.blocks``), ``kurtosis`` (``native.moments``,
-  about the first read's mean), where the kernel reads the tensor in place.
+  about the first read's mean, or the second read's moments where there was one), where the
+  kernel reads the tensor in place.
 
 ``fast_host_record`` is the recorder's short path for long tensors (the fewest Python steps).
 The kernel covers float32 and bfloat16 tensors it can read in place; it is absent where there
@@ -66,13 +67,13 @@ def one_read_moments(x: Tensor, with_max: bool) -> Optional[Tuple[float, float, 
     if m2 is not None:
         return total / x.numel(), m2, top
     centred = centred_moments(x, total, sumsq)
-    return None if centred is None else (*centred, top)
+    return None if centred is None else (centred[0], centred[1], top)
 
 
-def centred_moments(x: Tensor, total: float, sumsq: float) -> Optional[Tuple[float, float]]:
-    """(mean, m2) of ``x`` by a second native read about the first read's mean (float64 central
-    sums, ``native.moments``), where that read's sums are finite but its one-pass m2 is not
-    trusted (mean-dominated or tiny values); None where the sums are not finite or the kernel
+def centred_moments(x: Tensor, total: float, sumsq: float) -> Optional[Tuple[float, float, float, float]]:
+    """(mean, m2, m3, m4) of ``x`` by a second native read about the first read's mean (float64
+    central sums, ``native.moments``), where that read's sums are finite but its one-pass m2 is
+    not trusted (mean-dominated or tiny values); None where the sums are not finite or the kernel
     does not read ``x`` in place."""
     n = x.numel()
     if not (math.isfinite(total) and math.isfinite(sumsq)) or n == 0:
@@ -80,7 +81,7 @@ def centred_moments(x: Tensor, total: float, sumsq: float) -> Optional[Tuple[flo
     row = native.moments(x, total / n)
     if row is None or row[0] != n:
         return None
-    return float(row[1]), float(row[2])
+    return float(row[1]), float(row[2]), float(row[3]), float(row[4])
 
 
 def _moments(x: Tensor, groups: Collection[str], out: List[Entry]) -> Set[str]:
@@ -115,7 +116,9 @@ def _moments(x: Tensor, groups: Collection[str], out: List[Entry]) -> Set[str]:
         centred = centred_moments(x, total, sumsq)
         if centred is None:
             return left | {"moments"}
-        mean, m2 = centred
+        mean, m2 = centred[:2]
+        if "kurtosis" in groups:  # (the same read's central moments: ``accelerate`` reads no more)
+            out[Col.M3], out[Col.M4] = centred[2:]
     out[Col.MEAN], out[Col.M2], out[Col.NAN], out[Col.INF] = mean, m2, 0.0, 0.0
     return left
 
@@ -169,13 +172,18 @@ def accelerate(x: Tensor, groups: Collection[str], out: List[Entry]) -> Set[str]
             left.add("blocks")
         else:
             out[BLOCKS_SPAN] = fast.tolist()
-    if "kurtosis" in groups:
+    if "kurtosis" in groups and not _filled(out[Col.M3]):
         fast = native.moments(x, mean if isinstance(mean, float) else None)
         if fast is None:
             left.add("kurtosis")
         else:
             out[Col.M3], out[Col.M4] = float(fast[3]), float(fast[4])
     return left
+
+
+def _filled(entry: Entry) -> bool:
+    """Whether a field of ``out`` was computed (``nan_row`` starts every one NaN)."""
+    return not (isinstance(entry, float) and math.isnan(entry))
 
 
 def fast_host_record(groups: Collection[str]) -> Optional[Callable[[Tensor], Optional[List[Entry]]]]:
