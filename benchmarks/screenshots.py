@@ -16,10 +16,11 @@ the Compare view at step 0 as ``scales_compare.png``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, List
+from typing import Any, Iterator, List, Tuple
 
 import workload  # noqa: F401 - first: puts the checkout's package on sys.path
 
@@ -28,32 +29,39 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDED = ("model.tok", "model.pos", "model", "model.blocks.0")
 
 
-def compare_view(out: Path) -> Path:
-    """``out/scales_compare.png``: run ``a`` against run ``scaled`` in the Compare view at step 0."""
+@contextlib.contextmanager
+def served(root: Path) -> Iterator[Tuple[Any, str]]:
+    """(headless Chromium, the URL of ``tensorboard`` serving ``root``), both closed after."""
     from playwright.sync_api import sync_playwright
 
     from dashboard_load import CHROMIUM, serve
 
+    proc, url = serve(str(root))
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+            yield browser, url
+            browser.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def compare_view(out: Path) -> Path:
+    """``out/scales_compare.png``: run ``a`` against run ``scaled`` in the Compare view at step 0."""
     sys.path.insert(0, str(ROOT))
     from tests.compare_runs import fit
 
     root = Path(tempfile.mkdtemp())
     fit(root, "a"), fit(root, "scaled", scaled=8.0)
-    proc, url = serve(str(root))
     path = out / "scales_compare.png"
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-            page = browser.new_page(viewport={"width": 1500, "height": 900})
-            _open_compare(page, url, "a", "scaled", 0)
-            for group in FOLDED:
-                page_frame(page).click(f"svg.compare text.group[data-group='{group}']")
-            page.wait_for_timeout(300)
-            page.screenshot(path=str(path))
-            browser.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+    with served(root) as (browser, url):
+        page = browser.new_page(viewport={"width": 1500, "height": 900})
+        _open_compare(page, url, "a", "scaled", 0)
+        for group in FOLDED:
+            page_frame(page).click(f"svg.compare text.group[data-group='{group}']")
+        page.wait_for_timeout(300)
+        page.screenshot(path=str(path))
     return path
 
 
@@ -88,23 +96,14 @@ def demo_logs(root: Path) -> Path:
 
 def dashboard_views(out: Path) -> List[Path]:
     """The views of the demo run at its last tracked step (see the module's doc)."""
-    from playwright.sync_api import sync_playwright
-
-    from dashboard_load import CHROMIUM, serve, time_custom_scalars, time_views
+    from dashboard_load import time_custom_scalars, time_views
 
     root = Path(tempfile.mkdtemp())
     demo_logs(root)
-    proc, url = serve(str(root))
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-            time_views(url, browser, shots=out)
-            time_custom_scalars(url, browser, shots=out)
-            _fp8_views(browser.new_page(viewport={"width": 1400, "height": 900}), url, out)
-            browser.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+    with served(root) as (browser, url):
+        time_views(url, browser, shots=out)
+        time_custom_scalars(url, browser, shots=out)
+        _fp8_views(browser.new_page(viewport={"width": 1400, "height": 900}), url, out)
     views = ("profile", "heatmap", "worst", "code", "custom_scalars")
     return [out / f"scales_{v}.png" for v in views] + [out / "fp8_profile.png", out / "fp8_worst.png"]
 
